@@ -1,0 +1,126 @@
+"""The job spec and its one validation, shared by the API, the form and the worker.
+
+`validate_spec` checks the whole spec, the workload's hyperparameters included, and reports
+every bad value at once with its field, so that nothing is stored until all of it is valid.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from elastic.workloads import CATALOGUE
+
+MAX_WORKERS_LIMIT = 1024
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=100)
+    workload: str
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    min_workers: int = Field(1, ge=1, le=MAX_WORKERS_LIMIT)
+    max_workers: int = Field(1, ge=1, le=MAX_WORKERS_LIMIT)
+    priority: Literal["guaranteed", "opportunistic"] = "guaranteed"
+    consistency: Literal["strict", "hybrid"] = "strict"
+    steps: int | None = Field(None, ge=1, le=10_000_000)
+    epochs: float | None = Field(None, gt=0, le=100_000)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> JobSpec:
+        if self.max_workers < self.min_workers:
+            raise ValueError(
+                f"max_workers ({self.max_workers}) is below min_workers ({self.min_workers})"
+            )
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of steps and epochs")
+        return self
+
+    def total_steps(self) -> int:
+        """Steps to train: `steps`, or `epochs` worth of global batches, rounded up."""
+        if self.steps is not None:
+            return self.steps
+        info = CATALOGUE[self.workload]
+        hp = info.hyperparameters.model_validate(self.hyperparameters)
+        per_epoch = info.samples_per_epoch(hp)
+        assert self.epochs is not None
+        return max(1, math.ceil(self.epochs * per_epoch / hp.batch_size))
+
+
+@dataclass(frozen=True)
+class FieldError:
+    field: str
+    message: str
+    value: Any = None
+
+
+class SpecError(ValueError):
+    """Raised by `validate_spec`; `errors` lists every bad field with what was wrong."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{e.field}: {e.message}" for e in errors))
+
+
+_MISSING = object()
+
+
+def _value_at(data: Any, location: tuple[Any, ...]) -> Any:
+    for part in location:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
+
+
+def _errors_from(exc: ValidationError, data: Any, prefix: str = "") -> list[FieldError]:
+    errors = []
+    for err in exc.errors():
+        location = tuple(err["loc"])
+        field = prefix + ".".join(str(p) for p in location) if location else prefix.rstrip(".")
+        message = err["msg"].removeprefix("Value error, ")
+        errors.append(FieldError(field or "spec", message, _value_at(data, location)))
+    return errors
+
+
+def validate_spec(data: Any) -> JobSpec:
+    """Validate a submitted spec (a dict, as parsed from JSON or YAML).
+
+    Returns the spec with the workload's hyperparameters completed with their defaults.
+    Raises SpecError listing every invalid field, the hyperparameters' included.
+    """
+    if not isinstance(data, dict):
+        raise SpecError([FieldError("spec", "must be an object", data)])
+    errors: list[FieldError] = []
+    spec: JobSpec | None = None
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        errors.extend(_errors_from(exc, data))
+
+    workload = data.get("workload")
+    info = CATALOGUE.get(workload) if isinstance(workload, str) else None
+    if isinstance(workload, str) and info is None:
+        known = ", ".join(sorted(CATALOGUE))
+        errors.append(FieldError("workload", f"unknown workload; choose one of: {known}", workload))
+    hyperparameters = data.get("hyperparameters", {})
+    if info is not None and isinstance(hyperparameters, dict):
+        try:
+            validated = info.hyperparameters.model_validate(hyperparameters)
+        except ValidationError as exc:
+            errors.extend(_errors_from(exc, hyperparameters, prefix="hyperparameters."))
+        else:
+            if spec is not None:
+                spec = spec.model_copy(update={"hyperparameters": validated.model_dump()})
+    if errors:
+        raise SpecError(errors)
+    assert spec is not None
+    return spec

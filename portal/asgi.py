@@ -1,0 +1,25 @@
+"""ASGI entry: HTTP goes to Django, WebSockets to the live-update consumers."""
+
+from __future__ import annotations
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+
+from portal.live.auth import TokenOrSessionAuthMiddleware  # noqa: E402
+from portal.live.routing import websocket_urlpatterns  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": AllowedHostsOriginValidator(
+            TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))
+        ),
+    }
+)

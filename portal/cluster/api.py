@@ -1,0 +1,79 @@
+"""Cluster endpoints for people (state, device history, the workload catalogue) and for agents
+(registration and reports, with an agent token)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.http import HttpRequest
+from django.utils import timezone
+from ninja import Router, Schema
+
+from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
+from elastic.workloads import CATALOGUE
+from portal.auth import agent_auth, user_auth
+from portal.cluster.ingest import ingest_report, register_node
+from portal.cluster.models import Device, DeviceSample, Node
+from portal.cluster.state import cluster_state
+from portal.errors import ApiError, not_found
+
+cluster_router = Router(auth=user_auth, tags=["cluster"])
+agent_router = Router(auth=agent_auth, tags=["agents"])
+
+MAX_HISTORY_MINUTES = 24 * 60
+
+
+@cluster_router.get("/cluster", summary="Nodes, devices, latest samples and who holds each device")
+def get_cluster(request: HttpRequest) -> dict[str, Any]:
+    return cluster_state()
+
+
+class SampleOut(Schema):
+    taken_at: Any
+    utilization_pct: float
+    memory_used_bytes: int
+    temperature_c: float | None
+    power_w: float | None
+
+
+@cluster_router.get(
+    "/devices/{int:device_id}/samples", response=list[SampleOut], summary="A device's sample history"
+)
+def device_samples(request: HttpRequest, device_id: int, minutes: int = 60) -> Any:
+    if not 1 <= minutes <= MAX_HISTORY_MINUTES:
+        raise ApiError(400, "invalid_request", f"minutes must be in [1, {MAX_HISTORY_MINUTES}], not {minutes}")
+    if not Device.objects.filter(pk=device_id).exists():
+        raise not_found(f"device {device_id}")
+    since = timezone.now() - timedelta(minutes=minutes)
+    return list(DeviceSample.objects.filter(device_id=device_id, taken_at__gte=since).order_by("taken_at"))
+
+
+class WorkloadOut(Schema):
+    name: str
+    title: str
+    description: str
+    hyperparameters: dict[str, Any]
+
+
+@cluster_router.get("/workloads", response=list[WorkloadOut], summary="The workload catalogue", tags=["catalogue"])
+def workloads(request: HttpRequest) -> list[dict[str, Any]]:
+    return [
+        {"name": w.name, "title": w.title, "description": w.description, "hyperparameters": w.schema()}
+        for w in CATALOGUE.values()
+    ]
+
+
+@agent_router.post("/register", response=RegistrationReply, summary="An agent registers its node")
+def register(request: HttpRequest, payload: NodeRegistration) -> RegistrationReply:
+    _, reply = register_node(payload)
+    return reply
+
+
+@agent_router.post("/report", summary="An agent's periodic report")
+def report(request: HttpRequest, payload: AgentReport) -> dict[str, bool]:
+    node = Node.objects.filter(name=payload.node).first()
+    if node is None:
+        raise ApiError(409, "unknown_node", f"node {payload.node!r} has not registered; register first")
+    ingest_report(node, payload)
+    return {"ok": True}

@@ -1,0 +1,66 @@
+"""Nodes and their devices, as the agents report them, and the downsampled sample history."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Node(models.Model):
+    class State(models.TextChoices):
+        ONLINE = "online"
+        LOST = "lost"
+
+    name = models.CharField(max_length=100, unique=True)
+    address = models.CharField(max_length=255)
+    backend = models.CharField(max_length=30)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.ONLINE)
+    registered_at = models.DateTimeField(auto_now_add=True)
+    last_seen_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Device(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="devices")
+    index = models.PositiveIntegerField()
+    uuid = models.CharField(max_length=100)
+    name = models.CharField(max_length=100)
+    kind = models.CharField(max_length=20)
+    memory_total_bytes = models.BigIntegerField(default=0)
+    present = models.BooleanField(default=True, help_text="still reported by the node's agent")
+    owner_present = models.BooleanField(
+        default=False, help_text="a process the agent did not start is on it: its owner took it back"
+    )
+    owner_since = models.DateTimeField(null=True, blank=True)
+    last_history_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["node__name", "index"]
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="device_unique_index")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}/{self.index}"
+
+    @property
+    def usable(self) -> bool:
+        return self.present and not self.owner_present and self.node.state == Node.State.ONLINE
+
+
+class DeviceSample(models.Model):
+    """History: one sample per device per BUNGEE SAMPLE_HISTORY_EVERY_S. The latest sample of
+    every device lives in Redis, not here."""
+
+    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="samples")
+    taken_at = models.DateTimeField(db_index=True)
+    utilization_pct = models.FloatField()
+    memory_used_bytes = models.BigIntegerField()
+    temperature_c = models.FloatField(null=True)
+    power_w = models.FloatField(null=True)
+
+    class Meta:
+        ordering = ["taken_at"]
+        indexes = [models.Index(fields=["device", "taken_at"])]

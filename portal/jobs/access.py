@@ -1,0 +1,28 @@
+"""Every lookup of a job for a person goes through here. Everyone logged in may see that a job
+exists and which devices it holds (the cluster board, like `squeue`); its details, logs and
+actions belong to its owner and to staff."""
+
+from __future__ import annotations
+
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+
+from portal.errors import ApiError, forbidden, not_found
+from portal.jobs.models import Job
+
+
+def may_manage(user: AbstractBaseUser | AnonymousUser, job: Job) -> bool:
+    """Whether `user` may read the job's details and act on it."""
+    return bool(user.is_authenticated and (job.owner_id == user.pk or user.is_staff))
+
+
+def job_for(user: AbstractBaseUser | AnonymousUser, job_id: int) -> Job:
+    """The job, if `user` may manage it. Raises ApiError 404 if there is no such job and 403 if
+    it belongs to someone else."""
+    if not user.is_authenticated:
+        raise ApiError(401, "unauthenticated", "log in or send an API token")
+    job = Job.objects.select_related("owner").filter(pk=job_id).first()
+    if job is None:
+        raise not_found(f"job {job_id}")
+    if not may_manage(user, job):
+        raise forbidden(f"job {job_id} belongs to {job.owner.get_username()}; only its owner and staff may do that")
+    return job

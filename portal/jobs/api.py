@@ -1,0 +1,149 @@
+"""Job endpoints: submit, list, detail, resize, cancel, metrics, logs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+from django.contrib.auth import get_user_model
+from django.http import HttpRequest
+from ninja import Query, Router, Schema
+
+from elastic.spec import JobSpec
+from portal.auth import user_auth
+from portal.errors import ApiError
+from portal.jobs.access import job_for
+from portal.jobs.models import Job
+from portal.jobs.schemas import JobDetailOut, JobSummaryOut, LogOut, MetricOut, ResizeIn
+from portal.jobs.services import cancel_job, request_resize, submit_job
+from portal.jobs.states import JobState
+
+router = Router(auth=user_auth, tags=["jobs"])
+
+MAX_METRICS = 5000
+MAX_LOG_LINES = 1000
+
+
+def summary(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.pk,
+        "name": job.name,
+        "owner": job.owner.get_username(),
+        "state": job.state,
+        "workload": job.workload,
+        "priority": job.priority,
+        "consistency": job.consistency,
+        "min_workers": job.min_workers,
+        "max_workers": job.max_workers,
+        "workers": job.allocations.count(),
+        "generation": job.generation,
+        "steps_done": job.steps_done,
+        "total_steps": job.total_steps,
+        "created_at": job.created_at,
+    }
+
+
+def detail(job: Job) -> dict[str, Any]:
+    return {
+        **summary(job),
+        "spec": job.spec,
+        "message": job.message,
+        "pinned_workers": job.pinned_workers,
+        "pin_problem": job.pin_problem,
+        "restarts": job.restarts,
+        "last_loss": job.last_loss,
+        "samples_per_s": job.samples_per_s,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "allocations": [
+            {"rank": a.rank, "device_id": a.device_id, "node": a.device.node.name, "device_index": a.device.index}
+            for a in job.allocations.select_related("device__node")
+        ],
+        "resizes": list(job.resizes.values(
+            "generation", "reason", "workers_before", "workers_after", "devices_before",
+            "devices_after", "requested_at", "completed_at", "pause_s",
+        )),
+        "workers_history": [
+            {"generation": w.generation, "rank": w.rank, "node": w.node.name, "device_index": w.device_index,
+             "pid": w.pid, "state": w.state, "exit_code": w.exit_code, "reason": w.reason}
+            for w in job.workers.select_related("node")
+        ],
+    }
+
+
+def _parse_body(request: HttpRequest) -> Any:
+    content_type = request.headers.get("Content-Type", "")
+    text = request.body.decode("utf-8", errors="replace")
+    try:
+        if "yaml" in content_type:
+            return yaml.safe_load(text)
+        return json.loads(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "YAML" if "yaml" in content_type else "JSON"
+        raise ApiError(400, "malformed_body", f"the request body is not valid {kind}: {exc}") from exc
+
+
+@router.post(
+    "",
+    response={201: JobDetailOut},
+    summary="Submit a job",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": JobSpec.model_json_schema()},
+                "application/yaml": {"schema": JobSpec.model_json_schema()},
+            },
+        }
+    },
+)
+def submit(request: HttpRequest) -> tuple[int, dict[str, Any]]:
+    job = submit_job(request.user, _parse_body(request))
+    return 201, detail(job)
+
+
+class JobFilter(Schema):
+    state: JobState | None = None
+    owner: str | None = None
+
+
+@router.get("", response=list[JobSummaryOut], summary="List jobs (everyone's, as squeue does)")
+def list_jobs(request: HttpRequest, filters: Query[JobFilter]) -> list[dict[str, Any]]:
+    jobs = Job.objects.select_related("owner").order_by("-created_at")
+    if filters.state:
+        jobs = jobs.filter(state=filters.state)
+    if filters.owner:
+        if not get_user_model().objects.filter(username=filters.owner).exists():
+            raise ApiError(400, "invalid_request", f"no user named {filters.owner!r}")
+        jobs = jobs.filter(owner__username=filters.owner)
+    return [summary(job) for job in jobs[:1000]]
+
+
+@router.get("/{int:job_id}", response=JobDetailOut, summary="A job's details (owner and staff)")
+def get_job(request: HttpRequest, job_id: int) -> dict[str, Any]:
+    return detail(job_for(request.user, job_id))
+
+
+@router.post("/{int:job_id}/resize", response=JobDetailOut, summary="Pin a job to a worker count")
+def resize(request: HttpRequest, job_id: int, payload: ResizeIn) -> dict[str, Any]:
+    job = request_resize(job_for(request.user, job_id), payload.workers)
+    return detail(job)
+
+
+@router.post("/{int:job_id}/cancel", response=JobDetailOut, summary="Cancel a job")
+def cancel(request: HttpRequest, job_id: int) -> dict[str, Any]:
+    return detail(cancel_job(job_for(request.user, job_id)))
+
+
+@router.get("/{int:job_id}/metrics", response=list[MetricOut], summary="Loss and throughput history")
+def metrics(request: HttpRequest, job_id: int) -> Any:
+    job = job_for(request.user, job_id)
+    rows = job.metrics.order_by("-at")[:MAX_METRICS]
+    return list(reversed(rows))
+
+
+@router.get("/{int:job_id}/logs", response=list[LogOut], summary="Log lines after `after` (an id)")
+def logs(request: HttpRequest, job_id: int, after: int = 0) -> Any:
+    job = job_for(request.user, job_id)
+    return list(job.logs.filter(id__gt=after).order_by("id")[:MAX_LOG_LINES])

@@ -1,0 +1,157 @@
+"""Jobs, their allocations, their worker processes, resize history, metrics and logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from portal.cluster.models import Device, Node
+from portal.jobs.states import JobState, check_transition
+
+
+class Job(models.Model):
+    class Priority(models.TextChoices):
+        GUARANTEED = "guaranteed"
+        OPPORTUNISTIC = "opportunistic"
+
+    class Consistency(models.TextChoices):
+        STRICT = "strict"
+        HYBRID = "hybrid"
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
+    name = models.CharField(max_length=100)
+    workload = models.CharField(max_length=50)
+    spec = models.JSONField(help_text="the validated spec, hyperparameters completed with defaults")
+    min_workers = models.PositiveIntegerField()
+    max_workers = models.PositiveIntegerField()
+    priority = models.CharField(max_length=20, choices=Priority.choices)
+    consistency = models.CharField(max_length=10, choices=Consistency.choices)
+    total_steps = models.PositiveIntegerField()
+
+    state = models.CharField(max_length=12, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
+    message = models.TextField(blank=True, help_text="why it is in its state, for people")
+    generation = models.PositiveIntegerField(default=0, help_text="membership generation")
+    launched_generation = models.PositiveIntegerField(default=0)
+    master_port = models.PositiveIntegerField(null=True, blank=True)
+    pinned_workers = models.PositiveIntegerField(null=True, blank=True, help_text="manual resize")
+    pin_problem = models.CharField(max_length=300, blank=True, help_text="why the pin is not met")
+    restart_requested = models.BooleanField(default=False)
+    restarts = models.PositiveIntegerField(default=0)
+
+    steps_done = models.PositiveIntegerField(default=0)
+    last_loss = models.FloatField(null=True, blank=True)
+    samples_per_s = models.FloatField(null=True, blank=True)
+    last_progress_at = models.DateTimeField(null=True, blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.name}"
+
+    def claim(self, target: JobState, **fields: Any) -> bool:
+        """Move this job to `target` if it is still in the state this object holds; also sets
+        `fields`. Returns whether this call moved it (exactly one row changed). Raises
+        InvalidTransition for a move the state machine does not allow."""
+        check_transition(self.state, target)
+        changed = Job.objects.filter(pk=self.pk, state=self.state).update(state=target, **fields)
+        if changed == 1:
+            self.state = target
+            for name, value in fields.items():
+                setattr(self, name, value)
+        return changed == 1
+
+    @property
+    def workers_now(self) -> int:
+        return self.allocations.count()
+
+
+class Allocation(models.Model):
+    """A device given to a job for the job's current generation; `rank` orders its workers."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="allocations")
+    device = models.OneToOneField(Device, on_delete=models.CASCADE, related_name="allocation")
+    rank = models.PositiveIntegerField()
+    generation = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["job", "rank"]
+        constraints = [models.UniqueConstraint(fields=["job", "rank"], name="allocation_unique_rank")]
+
+
+class Worker(models.Model):
+    """One worker process, as its agent reported it."""
+
+    class State(models.TextChoices):
+        RUNNING = "running"
+        EXITED = "exited"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="workers")
+    generation = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField()
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="workers")
+    device_index = models.PositiveIntegerField()
+    pid = models.PositiveIntegerField(null=True)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.RUNNING)
+    exit_code = models.IntegerField(null=True, blank=True)
+    reason = models.CharField(max_length=20, blank=True)
+    started_at = models.DateTimeField(default=timezone.now)
+    exited_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "generation", "rank"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "generation", "rank"], name="worker_unique_rank")
+        ]
+
+
+class ResizeEvent(models.Model):
+    """One change of a job's membership: what it was, what it became, and what it cost."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="resizes")
+    generation = models.PositiveIntegerField()
+    reason = models.CharField(max_length=40)
+    workers_before = models.PositiveIntegerField()
+    workers_after = models.PositiveIntegerField()
+    devices_before = models.JSONField(default=list)
+    devices_after = models.JSONField(default=list)
+    requested_at = models.DateTimeField(default=timezone.now)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    pause_s = models.FloatField(null=True, blank=True, help_text="last step before to first step after")
+
+    class Meta:
+        ordering = ["job", "generation"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "generation"], name="resize_unique_generation")
+        ]
+
+
+class JobMetric(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
+    generation = models.PositiveIntegerField()
+    step = models.PositiveIntegerField()
+    epoch = models.FloatField(null=True)
+    loss = models.FloatField(null=True)
+    samples_per_s = models.FloatField(null=True)
+    at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["job", "at"]
+
+
+class JobLog(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="logs")
+    generation = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField()
+    at = models.DateTimeField()
+    line = models.TextField()
+
+    class Meta:
+        ordering = ["job", "at", "id"]

@@ -1,0 +1,93 @@
+"""API schemas of jobs. The submit body is the job spec itself (elastic.spec.JobSpec)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from ninja import Field, Schema
+
+
+class JobSummaryOut(Schema):
+    id: int
+    name: str
+    owner: str
+    state: str
+    workload: str
+    priority: str
+    consistency: str
+    min_workers: int
+    max_workers: int
+    workers: int
+    generation: int
+    steps_done: int
+    total_steps: int
+    created_at: datetime
+
+
+class AllocationOut(Schema):
+    rank: int
+    device_id: int
+    node: str
+    device_index: int
+
+
+class ResizeOut(Schema):
+    generation: int
+    reason: str
+    workers_before: int
+    workers_after: int
+    devices_before: list[str]
+    devices_after: list[str]
+    requested_at: datetime
+    completed_at: datetime | None
+    pause_s: float | None
+
+
+class WorkerOut(Schema):
+    generation: int
+    rank: int
+    node: str
+    device_index: int
+    pid: int | None
+    state: str
+    exit_code: int | None
+    reason: str
+
+
+class JobDetailOut(JobSummaryOut):
+    spec: dict[str, Any]
+    message: str
+    pinned_workers: int | None
+    pin_problem: str
+    restarts: int
+    last_loss: float | None
+    samples_per_s: float | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    allocations: list[AllocationOut]
+    resizes: list[ResizeOut]
+    workers_history: list[WorkerOut]
+
+
+class ResizeIn(Schema):
+    workers: int | None = Field(
+        ..., description="the worker count to pin the job to, or null to let the scheduler decide"
+    )
+
+
+class MetricOut(Schema):
+    generation: int
+    step: int
+    epoch: float | None
+    loss: float | None
+    samples_per_s: float | None
+    at: datetime
+
+
+class LogOut(Schema):
+    id: int
+    generation: int
+    rank: int
+    at: datetime
+    line: str

@@ -1,0 +1,86 @@
+"""What people do to jobs: submit, resize, cancel. Views and the API call these; each one
+validates fully before it stores anything, and asks the scheduler to run once it has."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
+from elastic.spec import FieldError, SpecError, validate_spec
+from portal.cluster.models import Device, Node
+from portal.errors import ApiError, conflict
+from portal.jobs.models import Job
+from portal.jobs.states import ACTIVE_STATES, JobState
+from portal.scheduling.trigger import request_schedule
+
+
+def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
+    """Validate a spec and store the job, queued. Raises ApiError 400 listing every bad field."""
+    try:
+        spec = validate_spec(data)
+    except SpecError as exc:
+        raise ApiError(400, "invalid_spec", f"the job spec has {len(exc.errors)} invalid field(s)", exc.errors) from exc
+    with transaction.atomic():
+        job = Job.objects.create(
+            owner=owner,
+            name=spec.name,
+            workload=spec.workload,
+            spec=spec.model_dump(mode="json"),
+            min_workers=spec.min_workers,
+            max_workers=spec.max_workers,
+            priority=spec.priority,
+            consistency=spec.consistency,
+            total_steps=spec.total_steps(),
+            message="waiting for the scheduler",
+        )
+        request_schedule(f"job {job.pk} submitted")
+    return job
+
+
+def usable_device_count() -> int:
+    return Device.objects.filter(present=True, owner_present=False, node__state=Node.State.ONLINE).count()
+
+
+def request_resize(job: Job, workers: int | None) -> Job:
+    """Pin the job to `workers` workers (None lifts the pin). Raises ApiError 400 for a count
+    outside [min, max] or above the cluster's usable devices, 409 for a job that has ended."""
+    if job.state not in ACTIVE_STATES:
+        raise conflict(f"job {job.pk} is {job.state}; only a queued or running job can be resized")
+    if workers is not None:
+        if not job.min_workers <= workers <= job.max_workers:
+            raise ApiError(
+                400, "invalid_resize",
+                f"workers must be between the job's min_workers ({job.min_workers}) and max_workers ({job.max_workers})",
+                [FieldError("workers", f"must be in [{job.min_workers}, {job.max_workers}]", workers)],
+            )
+        capacity = usable_device_count()
+        if workers > capacity:
+            raise ApiError(
+                400, "invalid_resize",
+                f"the cluster has only {capacity} usable devices",
+                [FieldError("workers", f"must be at most {capacity}, the usable devices", workers)],
+            )
+    with transaction.atomic():
+        Job.objects.filter(pk=job.pk).update(pinned_workers=workers, pin_problem="")
+        request_schedule(f"job {job.pk} resize to {workers}")
+    job.refresh_from_db()
+    return job
+
+
+def cancel_job(job: Job) -> Job:
+    """Cancel a queued or running job: its devices are freed and its workers stopped. Raises
+    ApiError 409 if it has already ended."""
+    from portal.scheduling.dispatch import stop_job_workers
+
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job.pk)
+        if job.state not in ACTIVE_STATES:
+            raise conflict(f"job {job.pk} is already {job.state}")
+        job.claim(JobState.CANCELLED, finished_at=timezone.now(), message="cancelled by its owner")
+        job.allocations.all().delete()
+        transaction.on_commit(lambda: stop_job_workers(job.pk, job.generation + 1, "cancel"))
+        request_schedule(f"job {job.pk} cancelled")
+    return job

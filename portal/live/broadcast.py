@@ -1,0 +1,65 @@
+"""Pushing events to open sockets through the Channels layer. Two kinds of group: `cluster`
+(everyone logged in: device samples, allocations, job summaries) and `job-<id>` (the job's
+owner and staff: progress, logs, state). Sending never fails the caller: live updates are a
+view of the database, and a browser that missed one catches up on its next snapshot."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+if TYPE_CHECKING:
+    from portal.jobs.models import Job
+
+log = logging.getLogger(__name__)
+
+CLUSTER_GROUP = "cluster"
+
+
+def job_group(job_id: int) -> str:
+    return f"job-{job_id}"
+
+
+def send(group: str, event: dict[str, Any]) -> None:
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(group, {"type": "live.event", "event": event})
+    except Exception:
+        log.exception("live update to %s failed", group)
+
+
+def job_summary(job: Job) -> dict[str, Any]:
+    """What everyone may see of a job (the cluster board and the job list)."""
+    return {
+        "id": job.pk,
+        "name": job.name,
+        "owner": job.owner.get_username(),
+        "state": job.state,
+        "workload": job.workload,
+        "min_workers": job.min_workers,
+        "max_workers": job.max_workers,
+        "workers": job.allocations.count(),
+        "generation": job.generation,
+        "priority": job.priority,
+        "steps_done": job.steps_done,
+        "total_steps": job.total_steps,
+    }
+
+
+def job_changed(job: Job) -> None:
+    job.refresh_from_db()
+    summary = job_summary(job)
+    send(CLUSTER_GROUP, {"type": "job", "job": summary})
+    send(job_group(job.pk), {"type": "job_state", "job": summary, "message": job.message,
+                             "pin_problem": job.pin_problem})
+
+
+def allocation_changed() -> None:
+    from portal.cluster.state import allocations
+
+    send(CLUSTER_GROUP, {"type": "allocations", "allocations": allocations()})

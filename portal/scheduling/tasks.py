@@ -1,0 +1,49 @@
+"""Celery tasks. `schedule` runs on every event that matters and on the beat tick; only one runs
+at a time, through a Redis lock. A request that arrives while a cycle runs sets a flag, and the
+running cycle goes round once more, so no event waits for the next tick."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+from portal.redis import client, key
+from portal.scheduling.cycle import mark_lost_nodes, run_cycle
+
+log = logging.getLogger(__name__)
+
+LOCK_TIMEOUT_S = 60
+MAX_ROUNDS = 5
+
+
+@shared_task(name="portal.scheduling.tasks.schedule", ignore_result=True)
+def schedule(reason: str = "") -> dict[str, list[int]]:
+    """Run scheduling cycles until no request is pending; returns what the last one changed."""
+    redis = client()
+    redis.set(key("scheduler", "pending"), "1")
+    lock = redis.lock(key("scheduler", "lock"), timeout=LOCK_TIMEOUT_S, blocking=False)
+    if not lock.acquire():
+        log.debug("scheduler busy; the running cycle will pick up %r", reason)
+        return {"changed": [], "launched": []}
+    try:
+        result = None
+        for _ in range(MAX_ROUNDS):
+            if not redis.getdel(key("scheduler", "pending")):
+                break
+            result = run_cycle()
+        return {
+            "changed": result.changed_jobs if result else [],
+            "launched": result.launched_jobs if result else [],
+        }
+    finally:
+        lock.release()
+        if redis.get(key("scheduler", "pending")):
+            schedule.delay("requested during the last cycle")
+
+
+@shared_task(name="portal.scheduling.tasks.tick", ignore_result=True)
+def tick() -> None:
+    """The beat: notice lost nodes, then schedule."""
+    mark_lost_nodes()
+    schedule("tick")

@@ -1,0 +1,136 @@
+"""Django settings for the Bungee portal. Everything comes from the environment (see the README's
+configuration table); the defaults make a laptop run work with no configuration at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from portal.env import env_bool, env_float, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(env_str("BUNGEE_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+
+SECRET_KEY = env_str("SECRET_KEY", "bungee-development-key-change-me-in-production")
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "portal.accounts",
+    "portal.cluster",
+    "portal.jobs",
+    "portal.live",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "portal.urls"
+ASGI_APPLICATION = "portal.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'bungee.sqlite3'}")
+try:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+except Exception as exc:  # dj_database_url raises several types for a malformed URL
+    raise ImproperlyConfigured(f"DATABASE_URL={DATABASE_URL!r} is not a database URL: {exc}") from exc
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # Several processes (portal, worker, beat) write to one file: wait for the lock, don't fail.
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/login/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "staticfiles"
+
+# --- Redis: Celery broker, Channels layer, agent command streams, live metrics --------------
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("BUNGEE_CHANNEL_PREFIX", "bungee")},
+    }
+}
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_DEFAULT_QUEUE = env_str("BUNGEE_CELERY_QUEUE", "bungee")
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+# --- Bungee ----------------------------------------------------------------------------------
+BUNGEE = {
+    # How often the beat runs the scheduler even when nothing happened.
+    "SCHEDULE_TICK_S": env_float("BUNGEE_SCHEDULE_TICK_S", 5.0),
+    # How often agents report; the portal tells them at registration.
+    "REPORT_INTERVAL_S": env_float("BUNGEE_REPORT_INTERVAL_S", 1.0),
+    # A node silent for this long is lost: its devices leave the pool.
+    "NODE_TIMEOUT_S": env_float("BUNGEE_NODE_TIMEOUT_S", 15.0),
+    # Device samples are kept in the database at most once per this many seconds per device.
+    "SAMPLE_HISTORY_EVERY_S": env_float("BUNGEE_SAMPLE_HISTORY_EVERY_S", 10.0),
+    # A job whose workers fail more often than this is failed instead of restarted.
+    "MAX_RESTARTS": env_int("BUNGEE_MAX_RESTARTS", 3),
+    # Where jobs keep their periodic checkpoint (shared by agents on one machine).
+    "RUN_DIR": str(DATA_DIR / "runs"),
+    # First port of the range rendezvous ports are drawn from.
+    "MASTER_PORT_BASE": env_int("BUNGEE_MASTER_PORT_BASE", 29600),
+    # Redis key prefix, so that several deployments (or test runs) can share one Redis.
+    "REDIS_PREFIX": env_str("BUNGEE_REDIS_PREFIX", "bungee"),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

@@ -1,0 +1,92 @@
+"""Shared fixtures: a few users with tokens, API clients, and the Redis of this machine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def users(db: Any) -> dict[str, Any]:
+    from django.contrib.auth import get_user_model
+
+    model = get_user_model()
+    alice = model.objects.create_user("alice", password="alice-pass")
+    bob = model.objects.create_user("bob", password="bob-pass")
+    staff = model.objects.create_user("root", password="root-pass", is_staff=True)
+    return {"alice": alice, "bob": bob, "staff": staff}
+
+
+@pytest.fixture
+def tokens(users: dict[str, Any]) -> dict[str, str]:
+    from portal.accounts.models import ApiToken
+
+    issued = {name: ApiToken.issue(user, f"{name} test")[1] for name, user in users.items()}
+    issued["agent"] = ApiToken.issue(users["staff"], "agent test", ApiToken.Role.AGENT)[1]
+    return issued
+
+
+class ApiClient:
+    """Django's test client speaking JSON with a bearer token."""
+
+    def __init__(self, token: str | None) -> None:
+        from django.test import Client
+
+        self.client = Client()
+        self.headers = {"HTTP_AUTHORIZATION": f"Bearer {token}"} if token else {}
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.client.get(path, params, **self.headers)
+
+    def post(self, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        import json
+
+        data = body if isinstance(body, (str, bytes)) else json.dumps(body if body is not None else {})
+        return self.client.post(path, data, content_type=content_type, **self.headers)
+
+
+@pytest.fixture
+def api(tokens: dict[str, str]) -> dict[str, ApiClient]:
+    return {name: ApiClient(token) for name, token in tokens.items()} | {"anonymous": ApiClient(None)}
+
+
+@pytest.fixture
+def redis_client() -> Any:
+    from portal.redis import client
+
+    redis = client()
+    yield redis
+    from django.conf import settings
+
+    for stale in redis.scan_iter(f"{settings.BUNGEE['REDIS_PREFIX']}:*"):
+        redis.delete(stale)
+
+
+@pytest.fixture
+def cluster(db: Any, redis_client: Any) -> Any:
+    """One online node with four simulated devices, registered the way an agent does it."""
+    from elastic.wire import DeviceInfo, NodeRegistration
+    from portal.cluster.ingest import register_node
+
+    node, _ = register_node(
+        NodeRegistration(
+            name="node-a",
+            address="127.0.0.1",
+            backend="simulated",
+            devices=[
+                DeviceInfo(index=i, uuid=f"sim-{i}", name="CPU slot", kind="cpu-slot", memory_total_bytes=2**30)
+                for i in range(4)
+            ],
+        )
+    )
+    return node
+
+
+VALID_SPEC = {
+    "name": "mlp",
+    "workload": "digits-mlp",
+    "min_workers": 1,
+    "max_workers": 2,
+    "steps": 50,
+}

@@ -1,0 +1,27 @@
+"""Test settings: the real PostgreSQL and Redis of this machine (TEST_DATABASE_URL and
+TEST_REDIS_URL override them), under a prefix of their own."""
+
+import os
+
+import dj_database_url
+
+from portal.settings import *  # noqa: F403
+from portal.settings import BUNGEE
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bungee")
+    )
+}
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": f"bungee-test-{os.getpid()}"},
+    }
+}
+CELERY_BROKER_URL = REDIS_URL
+# Tasks that a unit test triggers run in the test process itself.
+CELERY_TASK_ALWAYS_EAGER = True
+BUNGEE = {**BUNGEE, "REDIS_PREFIX": f"bungee-test-{os.getpid()}"}
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
