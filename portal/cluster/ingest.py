@@ -245,8 +245,8 @@ def _finish(job: Job, now: datetime) -> None:
         locked.claim(JobState.SUCCEEDED, finished_at=now, steps_done=locked.total_steps,
                      message="trained every step")
         locked.allocations.all().delete()
-        transaction.on_commit(lambda: stop_job_workers(job.pk, locked.generation + 1, "finished"))
         request_schedule(f"job {job.pk} finished")
+    stop_job_workers(job.pk, locked.generation + 1, "finished")
     broadcast.job_changed(locked)
     broadcast.allocation_changed()
 
@@ -261,11 +261,13 @@ def _worker_failed(job: Job, event: WorkerEvent) -> None:
     job.refresh_from_db()
     if job.restarts > settings.BUNGEE["MAX_RESTARTS"]:
         with transaction.atomic():
-            if job.claim(JobState.FAILED, finished_at=timezone.now(), restart_requested=False,
-                         message=f"{what}; gave up after {job.restarts - 1} restarts"):
+            failed = job.claim(JobState.FAILED, finished_at=timezone.now(), restart_requested=False,
+                               message=f"{what}; gave up after {job.restarts - 1} restarts")
+            if failed:
                 job.allocations.all().delete()
-                transaction.on_commit(lambda: stop_job_workers(job.pk, job.generation + 1, "finished"))
             request_schedule(f"job {job.pk} failed")
+        if failed:
+            stop_job_workers(job.pk, job.generation + 1, "finished")
         broadcast.allocation_changed()
     else:
         Job.objects.filter(pk=job.pk).update(message=f"{what}; restarting from the last checkpoint")

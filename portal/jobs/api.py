@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from django.contrib.auth import get_user_model
 from django.http import HttpRequest
-from ninja import Query, Router, Schema
+from ninja import Query, Router, Schema, Status
 
 from elastic.spec import JobSpec
 from portal.auth import user_auth
@@ -98,9 +98,9 @@ def _parse_body(request: HttpRequest) -> Any:
         }
     },
 )
-def submit(request: HttpRequest) -> tuple[int, dict[str, Any]]:
+def submit(request: HttpRequest) -> Status:
     job = submit_job(request.user, _parse_body(request))
-    return 201, detail(job)
+    return Status(201, detail(job))
 
 
 class JobFilter(Schema):

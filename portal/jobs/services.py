@@ -81,6 +81,6 @@ def cancel_job(job: Job) -> Job:
             raise conflict(f"job {job.pk} is already {job.state}")
         job.claim(JobState.CANCELLED, finished_at=timezone.now(), message="cancelled by its owner")
         job.allocations.all().delete()
-        transaction.on_commit(lambda: stop_job_workers(job.pk, job.generation + 1, "cancel"))
         request_schedule(f"job {job.pk} cancelled")
+    stop_job_workers(job.pk, job.generation + 1, "cancel")
     return job

@@ -144,8 +144,9 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
                 fields["message"] = f"starting {len(target)} workers"
                 Job.objects.filter(pk=job_id).update(**fields)
             changed.append(job_id)
-            stop_after = generation
-            transaction.on_commit(lambda j=job_id, g=stop_after: stop_job_workers(j, g, "resize"))
+    # After the commit: an agent that acts at once must find the new generation stored.
+    for job_id in changed:
+        stop_job_workers(job_id, jobs[job_id].generation + 1, "resize")
     return changed
 
 

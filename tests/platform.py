@@ -1,0 +1,158 @@
+"""The whole platform as real processes, for integration tests: a fresh PostgreSQL database,
+the machine's Redis under a prefix of its own, daphne, a Celery worker and beat, and agents with
+simulated devices. Tests talk to it only over HTTP and WebSockets, as users and agents do."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+from portal.launcher import ProcessGroup, platform_commands
+
+POSTGRES_URL = os.environ.get("TEST_POSTGRES_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Platform:
+    base_url: str
+    group: ProcessGroup
+    tokens: dict[str, str]
+    env: dict[str, str]
+
+    def api(self, user: str) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base_url, headers={"Authorization": f"Bearer {self.tokens[user]}"}, timeout=30
+        )
+
+    def start_agent(self, name: str, devices: int) -> None:
+        self.group.python(
+            f"agent-{name}", "-m", "agent", "--portal", self.base_url, "--token", self.tokens["agent"],
+            "--name", name, "--devices", str(devices), "--backend", "simulated",
+        )
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = 60, every_s: float = 0.3) -> Any:
+        """Polls `check` until it returns something truthy; returns that. Fails with the
+        platform's logs if it does not happen in time or a process died."""
+        deadline = time.monotonic() + timeout_s
+        last: Any = None
+        while time.monotonic() < deadline:
+            dead = self.group.dead()
+            if dead:
+                raise AssertionError(f"{dead[0].name} died:\n{self.group.tail(dead[0].name)}")
+            last = check()
+            if last:
+                return last
+            time.sleep(every_s)
+        logs = "\n".join(f"--- {p.name}\n{self.group.tail(p.name, 25)}" for p in self.group.processes)
+        raise AssertionError(f"timed out waiting for {what}; last value {last!r}\n{logs}")
+
+
+@contextmanager
+def running_platform(tmp: Path, agents: dict[str, int]) -> Iterator[Platform]:
+    run_id = uuid.uuid4().hex[:10]
+    database = f"bungee_it_{run_id}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{database}"')
+    port = free_port()
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "portal.settings",
+        "DATABASE_URL": POSTGRES_URL.rsplit("/", 1)[0] + f"/{database}",
+        "REDIS_URL": REDIS_URL,
+        "BUNGEE_REDIS_PREFIX": f"bungee-it-{run_id}",
+        "BUNGEE_CHANNEL_PREFIX": f"bungee-it-{run_id}",
+        "BUNGEE_CELERY_QUEUE": f"bungee-it-{run_id}",
+        "BUNGEE_DATA_DIR": str(tmp / "data"),
+        "BUNGEE_SCHEDULE_TICK_S": "2",
+        "BUNGEE_MASTER_PORT_BASE": str(20000 + (port % 20000)),
+        "LOG_LEVEL": "INFO",
+    }
+    group = ProcessGroup(log_dir=tmp / "logs", env=env)
+    try:
+        group.run("manage.py", "migrate", "--noinput")
+        tokens: dict[str, str] = {}
+        for user in ("alice", "bob"):
+            group.run("manage.py", "ensure_user", user, "--password", f"{user}-pass")
+            tokens[user] = group.run("manage.py", "create_token", user).strip()
+        tokens["agent"] = group.run("manage.py", "create_token", "alice", "--role", "agent").strip()
+        for name, command in platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp).items():
+            group.python(name, *command)
+        platform = Platform(f"http://127.0.0.1:{port}", group, tokens, env)
+
+        def portal_answers() -> bool:
+            try:
+                return httpx.get(platform.base_url + "/login/", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        platform.wait_for("the portal", portal_answers, timeout_s=60)
+        for name, devices in agents.items():
+            platform.start_agent(name, devices)
+        yield platform
+    finally:
+        group.stop()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+@dataclass
+class SocketRecorder:
+    """A real WebSocket client in a thread, keeping every message it receives."""
+
+    url: str
+    token: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    received_at: list[float] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    error: str | None = None
+
+    def start(self) -> SocketRecorder:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from websockets.sync.client import connect
+
+        try:
+            with connect(
+                self.url, additional_headers={"Authorization": f"Bearer {self.token}"},
+                origin="http://127.0.0.1",  # type: ignore[arg-type]
+            ) as ws:
+                while not self._stop.is_set():
+                    try:
+                        raw = ws.recv(timeout=0.2)
+                    except TimeoutError:
+                        continue
+                    self.received_at.append(time.time())
+                    self.messages.append(json.loads(raw))
+        except Exception as exc:
+            self.error = repr(exc)
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [m for m in list(self.messages) if m.get("type") == kind]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(5)

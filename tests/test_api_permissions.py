@@ -1,0 +1,112 @@
+"""Who may do what: everyone logged in sees every job on the list and the cluster; a job's
+details, logs, metrics and actions belong to its owner and staff; tokens have roles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from portal.jobs.models import Job
+from tests.conftest import VALID_SPEC
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def alices_job(api: dict, cluster: Any) -> int:
+    return int(api["alice"].post("/api/jobs", VALID_SPEC).json()["id"])
+
+
+@pytest.mark.parametrize(
+    "method,path,body",
+    [
+        ("get", "/api/jobs/{id}", None),
+        ("get", "/api/jobs/{id}/logs", None),
+        ("get", "/api/jobs/{id}/metrics", None),
+        ("post", "/api/jobs/{id}/resize", {"workers": 1}),
+        ("post", "/api/jobs/{id}/cancel", None),
+    ],
+)
+def test_second_user_is_refused(api: dict, alices_job: int, method: str, path: str, body: Any) -> None:
+    url = path.format(id=alices_job)
+    call = getattr(api["bob"], method)
+    reply = call(url, body) if method == "post" else call(url)
+    assert reply.status_code == 403, reply.content
+    assert "belongs to alice" in reply.json()["error"]["message"]
+    job = Job.objects.get(pk=alices_job)
+    assert job.state == "queued" and job.pinned_workers is None
+    owner_call = getattr(api["alice"], method)
+    assert (owner_call(url, body) if method == "post" else owner_call(url)).status_code == 200
+    staff_call = getattr(api["staff"], method)
+    assert (staff_call(url, body) if method == "post" else staff_call(url)).status_code in {200, 409}
+
+
+def test_everyone_sees_the_list_and_cluster(api: dict, alices_job: int) -> None:
+    assert [j["id"] for j in api["bob"].get("/api/jobs").json()] == [alices_job]
+    cluster = api["bob"].get("/api/cluster").json()
+    assert [d["index"] for d in cluster["nodes"][0]["devices"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("path", ["/api/jobs", "/api/cluster", "/api/workloads"])
+def test_anonymous_and_bad_tokens_are_refused(api: dict, path: str) -> None:
+    from tests.conftest import ApiClient
+
+    for client in (api["anonymous"], ApiClient("bng_not-a-token"), api["agent"]):
+        reply = client.get(path)
+        assert reply.status_code == 401, (path, reply.content)
+        assert reply.json()["error"]["code"] == "unauthenticated"
+
+
+def test_user_token_cannot_act_as_agent(api: dict) -> None:
+    body = {"name": "evil", "address": "1.2.3.4", "backend": "simulated", "devices": []}
+    assert api["alice"].post("/api/agent/register", body).status_code == 401
+    assert api["agent"].post("/api/agent/register", body).status_code == 200
+
+
+def test_session_needs_csrf_for_writes(users: dict) -> None:
+    from django.test import Client
+
+    browser = Client(enforce_csrf_checks=True)
+    assert browser.login(username="alice", password="alice-pass")
+    assert browser.get("/api/jobs").status_code == 200
+    refused = browser.post("/api/jobs", VALID_SPEC, content_type="application/json")
+    assert refused.status_code in {401, 403}
+    browser.get("/login/")
+    token = browser.cookies["csrftoken"].value
+    accepted = browser.post("/api/jobs", VALID_SPEC, content_type="application/json", HTTP_X_CSRFTOKEN=token)
+    assert accepted.status_code == 201, accepted.content
+
+
+def test_job_page_permissions(users: dict, api: dict, alices_job: int) -> None:
+    from django.test import Client
+
+    bob = Client()
+    bob.login(username="bob", password="bob-pass")
+    assert bob.get(f"/jobs/{alices_job}/").status_code == 403
+    assert bob.get("/").status_code == 200 and b"mlp" in bob.get("/").content
+    alice = Client()
+    alice.login(username="alice", password="alice-pass")
+    assert alice.get(f"/jobs/{alices_job}/").status_code == 200
+    assert Client().get("/").status_code == 302, "anonymous visitors are sent to the login page"
+
+
+def test_openapi_document_is_served_and_pinned(api: dict) -> None:
+    from django.test import Client
+
+    document = Client().get("/api/openapi.json").json()
+    assert set(document["paths"]) == {
+        "/api/jobs",
+        "/api/jobs/{job_id}",
+        "/api/jobs/{job_id}/resize",
+        "/api/jobs/{job_id}/cancel",
+        "/api/jobs/{job_id}/metrics",
+        "/api/jobs/{job_id}/logs",
+        "/api/cluster",
+        "/api/devices/{device_id}/samples",
+        "/api/workloads",
+        "/api/agent/register",
+        "/api/agent/report",
+    }
+    submit = document["paths"]["/api/jobs"]["post"]
+    assert "workload" in submit["requestBody"]["content"]["application/json"]["schema"]["properties"]

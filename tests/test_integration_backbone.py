@@ -1,0 +1,118 @@
+"""The backbone end to end, every part real: submit through the API, the Celery scheduler puts
+the job on devices a real agent reports, two real torch workers train it, it is resized 2 -> 1
+-> 2 without losing a finished step, it finishes, and a WebSocket client saw it all live."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.platform import Platform, SocketRecorder, running_platform
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with running_platform(tmp_path_factory.mktemp("platform"), {"node-a": 2}) as running:
+        yield running
+
+
+def job_detail(platform: Platform, job_id: int) -> dict[str, Any]:
+    return platform.api("alice").get(f"/api/jobs/{job_id}").json()
+
+
+def wait_running_on(platform: Platform, job_id: int, workers: int, after_step: int) -> dict[str, Any]:
+    def landed() -> dict[str, Any] | None:
+        job = job_detail(platform, job_id)
+        if job["state"] == "running" and job["workers"] == workers and job["steps_done"] > after_step:
+            return job
+        return None
+
+    return platform.wait_for(f"job {job_id} running on {workers} worker(s)", landed, timeout_s=90)
+
+
+def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
+    socket = SocketRecorder(platform.base_url.replace("http", "ws") + "/ws/live/", platform.tokens["alice"]).start()
+    alice = platform.api("alice")
+    platform.wait_for("the node's devices", lambda: len(
+        [d for n in alice.get("/api/cluster").json()["nodes"] for d in n["devices"]]) == 2)
+
+    spec = {"name": "backbone", "workload": "digits-mlp", "min_workers": 1, "max_workers": 2,
+            "steps": 4000, "hyperparameters": {"batch_size": 32, "hidden": 256}}
+    reply = alice.post("/api/jobs", json=spec)
+    assert reply.status_code == 201, reply.text
+    job_id = reply.json()["id"]
+    socket_ok = platform.wait_for("socket subscription", lambda: socket.messages and not socket.error)
+    assert socket_ok
+
+    job = wait_running_on(platform, job_id, 2, after_step=0)
+    first_steps = job["steps_done"]
+    platform.wait_for("steps to advance", lambda: job_detail(platform, job_id)["steps_done"] > first_steps)
+
+    for workers in (1, 2):
+        before = job_detail(platform, job_id)
+        resized = alice.post(f"/api/jobs/{job_id}/resize", json={"workers": workers})
+        assert resized.status_code == 200, resized.text
+        job = wait_running_on(platform, job_id, workers, after_step=before["steps_done"])
+        assert job["generation"] > before["generation"]
+
+    done = platform.wait_for(
+        "the job to finish", lambda: (j := job_detail(platform, job_id))["state"] == "succeeded" and j, timeout_s=240
+    )
+    assert done["steps_done"] == 4000 and done["allocations"] == []
+    sizes = [(r["workers_before"], r["workers_after"]) for r in done["resizes"]]
+    assert sizes[:3] == [(0, 2), (2, 1), (1, 2)], sizes
+    assert all(r["pause_s"] is not None and r["pause_s"] > 0 for r in done["resizes"][1:3])
+
+    # No finished step lost: every generation resumed where the one before it stopped.
+    logs = [entry["line"] for entry in alice.get(f"/api/jobs/{job_id}/logs").json()]
+    stopped = [line for line in logs if "stopping" in line.lower()]
+    resumed = [line for line in logs if "resum" in line.lower()]
+    assert len(stopped) >= 2 and len(resumed) >= 2, logs
+    metrics = alice.get(f"/api/jobs/{job_id}/metrics").json()
+    steps = [m["step"] for m in metrics]
+    assert steps == sorted(steps), "steps went backwards: a finished step was lost"
+    assert metrics[-1]["loss"] < metrics[0]["loss"], "the model did not learn"
+
+    # Live: device samples and the job's resizes reached the socket.
+    platform.wait_for("samples on the socket", lambda: socket.of_type("samples"))
+    seen_workers = [m["job"]["workers"] for m in socket.of_type("job") if m["job"]["id"] == job_id]
+    assert 1 in seen_workers and 2 in seen_workers, seen_workers
+    assert any(m["job"]["state"] == "succeeded" for m in socket.of_type("job") if m["job"]["id"] == job_id)
+    socket.stop()
+    assert socket.error is None, socket.error
+
+    # Leavers freed their devices: the board shows both free again.
+    holders = platform.wait_for("devices freed", lambda: all(
+        d["holder"] == "free" for n in alice.get("/api/cluster").json()["nodes"] for d in n["devices"]))
+    assert holders
+
+
+def test_second_user_is_refused_everywhere(platform: Platform) -> None:
+    alice, bob = platform.api("alice"), platform.api("bob")
+    job_id = alice.post("/api/jobs", json={"name": "private", "workload": "digits-mlp", "steps": 5}).json()["id"]
+    assert bob.get(f"/api/jobs/{job_id}").status_code == 403
+    assert bob.post(f"/api/jobs/{job_id}/resize", json={"workers": 1}).status_code == 403
+    assert bob.post(f"/api/jobs/{job_id}/cancel").status_code == 403
+    assert job_id in [j["id"] for j in bob.get("/api/jobs").json()]
+    socket = SocketRecorder(platform.base_url.replace("http", "ws") + "/ws/live/", platform.tokens["bob"]).start()
+    platform.wait_for("bob's socket", lambda: socket.messages)
+    from websockets.sync.client import connect
+
+    with connect(platform.base_url.replace("http", "ws") + "/ws/live/",
+                 additional_headers={"Authorization": f"Bearer {platform.tokens['bob']}"},
+                 origin="http://127.0.0.1") as ws:  # type: ignore[arg-type]
+        ws.recv(timeout=5)
+        import json
+
+        ws.send(json.dumps({"action": "subscribe_job", "job_id": job_id}))
+        while (answer := json.loads(ws.recv(timeout=5)))["type"] not in {"error", "subscribed"}:
+            pass
+        assert answer["type"] == "error" and "not yours" in answer["message"]
+    socket.stop()
+    with pytest.raises(Exception):
+        with connect(platform.base_url.replace("http", "ws") + "/ws/live/", origin="http://127.0.0.1"):  # type: ignore[arg-type]
+            pass

@@ -1,0 +1,76 @@
+"""The live socket over the real Redis channel layer: anonymous sockets refused, a logged-in
+one gets the cluster and its samples, and only a job's owner (or staff) may follow the job."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.testing import WebsocketCommunicator
+
+from elastic.wire import AgentReport, DeviceSample
+from portal.asgi import application
+from tests.conftest import VALID_SPEC
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def connect(token: str | None) -> WebsocketCommunicator:
+    headers = [(b"origin", b"http://127.0.0.1")]
+    if token:
+        headers.append((b"authorization", f"Bearer {token}".encode()))
+    return WebsocketCommunicator(application, "/ws/live/", headers=headers)
+
+
+def test_anonymous_socket_is_refused(db: Any) -> None:
+    async def scenario() -> None:
+        connected, code = await connect(None).connect()
+        assert not connected
+
+    async_to_sync(scenario)()
+
+
+def test_samples_and_job_events_reach_the_right_sockets(tokens: dict, api: dict, cluster: Any) -> None:
+    from portal.cluster.ingest import ingest_report
+
+    job_id = api["alice"].post("/api/jobs", VALID_SPEC).json()["id"]
+
+    async def scenario() -> None:
+        alice, bob = connect(tokens["alice"]), connect(tokens["bob"])
+        for socket in (alice, bob):
+            connected, _ = await socket.connect()
+            assert connected
+            first = await socket.receive_json_from(timeout=5)
+            assert first["type"] == "cluster" and len(first["cluster"]["nodes"][0]["devices"]) == 4
+
+        await bob.send_json_to({"action": "subscribe_job", "job_id": job_id})
+        refusal = await bob.receive_json_from(timeout=5)
+        assert refusal["type"] == "error" and "not yours" in refusal["message"]
+        await alice.send_json_to({"action": "subscribe_job", "job_id": job_id})
+        assert (await alice.receive_json_from(timeout=5))["type"] == "subscribed"
+        await alice.send_json_to({"action": "subscribe_job", "job_id": "x"})
+        assert (await alice.receive_json_from(timeout=5))["type"] == "error"
+
+        taken_at = time.time()
+        sample = DeviceSample(index=2, taken_at=taken_at, utilization_pct=37.5, memory_used_bytes=5,
+                              memory_total_bytes=10)
+        from channels.db import database_sync_to_async
+
+        await database_sync_to_async(ingest_report)(cluster, AgentReport(node="node-a", samples=[sample]))
+        for socket in (alice, bob):
+            message = await socket.receive_json_from(timeout=5)
+            assert message["type"] == "samples"
+            assert message["samples"][0]["utilization_pct"] == 37.5
+            assert message["samples"][0]["taken_at"] == taken_at
+
+        from portal.live import broadcast
+
+        await database_sync_to_async(broadcast.send)(broadcast.job_group(job_id), {"type": "log", "line": "hello"})
+        assert (await alice.receive_json_from(timeout=5))["line"] == "hello"
+        assert await bob.receive_nothing(timeout=0.5)
+        for socket in (alice, bob):
+            await socket.disconnect()
+
+    async_to_sync(scenario)()
