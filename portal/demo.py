@@ -27,7 +27,7 @@ EXAMPLE_JOBS = [
         "workload": "digits-mlp",
         "min_workers": 1,
         "max_workers": 2,
-        "epochs": 400,
+        "epochs": 3000,
         "hyperparameters": {"batch_size": 64, "lr": 0.05},
     },
     {
@@ -36,7 +36,7 @@ EXAMPLE_JOBS = [
         "min_workers": 1,
         "max_workers": 2,
         "priority": "opportunistic",
-        "steps": 3000,
+        "steps": 30000,
     },
 ]
 

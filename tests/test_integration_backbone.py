@@ -113,6 +113,8 @@ def test_second_user_is_refused_everywhere(platform: Platform) -> None:
             pass
         assert answer["type"] == "error" and "not yours" in answer["message"]
     socket.stop()
-    with pytest.raises(Exception):
+    from websockets.exceptions import InvalidStatus
+
+    with pytest.raises(InvalidStatus):
         with connect(platform.base_url.replace("http", "ws") + "/ws/live/", origin="http://127.0.0.1"):  # type: ignore[arg-type]
             pass

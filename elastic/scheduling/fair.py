@@ -69,12 +69,12 @@ def fair_share(snapshot: ClusterSnapshot) -> Plan:
         if missing > 0:
             own_nodes = Counter(usable[d].node for d in devices)
             free_per_node = Counter(usable[d].node for d in free)
-
-            def placement_order(device_id: int) -> tuple[int, int, str, int]:
-                node = usable[device_id].node
-                return (-own_nodes[node], -free_per_node[node], node, device_id)
-
-            chosen = sorted(free, key=placement_order)[:missing]
+            chosen = sorted(
+                free,
+                key=lambda d, own=own_nodes, spare=free_per_node: (
+                    -own[usable[d].node], -spare[usable[d].node], usable[d].node, d
+                ),
+            )[:missing]
             devices = devices + chosen
             free.difference_update(chosen)
         plan.assignments[job.id] = tuple(devices)

@@ -14,7 +14,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from elastic.wire import AgentReport, DeviceSample, NodeRegistration, RegistrationReply, WorkerEvent
-from portal.cluster.models import Device, DeviceSample as DeviceSampleRow, Node
+from portal.cluster.models import Device, Node
+from portal.cluster.models import DeviceSample as DeviceSampleRow
 from portal.cluster.state import latest_key
 from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState

@@ -49,7 +49,7 @@ ACTIVE_STATES = frozenset({JobState.QUEUED, JobState.RUNNING, JobState.RESIZING}
 FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 
-class InvalidTransition(Exception):
+class InvalidTransition(Exception):  # noqa: N818 - named for what it is, like Django's PermissionDenied
     def __init__(self, source: str, target: str) -> None:
         super().__init__(f"a job cannot go from {str(source)!r} to {str(target)!r}")
         self.source = source

@@ -1,0 +1,123 @@
+"""The agent's side of the portal's agent API: registration and periodic reports, as JSON over
+HTTP with the agent token as a bearer token.
+
+Errors say whether to try again: PortalUnavailableError (no answer, a timeout, 408, 429 or a
+5xx) is worth retrying; AgentAuthError (401, 403) and PortalRejectedError (any other 4xx) are
+not, since the same request would be refused again.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from pydantic import ValidationError
+
+from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
+
+REGISTER_PATH = "/api/agent/register"
+REPORT_PATH = "/api/agent/report"
+_RETRIABLE_STATUSES = frozenset({408, 429})
+_MAX_ERROR_CHARS = 500
+
+
+class PortalError(Exception):
+    """Base of the errors talking to the portal."""
+
+
+class PortalUnavailableError(PortalError):
+    """The portal did not answer, or answered that it cannot serve now; retry later."""
+
+
+class AgentAuthError(PortalError):
+    """The portal refused the agent token (401 or 403)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class PortalRejectedError(PortalError):
+    """The portal refused the request itself (a 4xx other than 401 and 403)."""
+
+    def __init__(self, message: str, status: int, code: str | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        """The portal's error code (its `error.code`), where it gave one."""
+
+
+class PortalClient:
+    """One portal at `base_url`. Thread-safe (httpx.Client is)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        timeout_s: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    def register(self, registration: NodeRegistration) -> RegistrationReply:
+        """Registers the node; returns the portal's reply. Raises PortalError (see module)."""
+        response = self._post(REGISTER_PATH, registration.model_dump_json())
+        try:
+            return RegistrationReply.model_validate_json(response.content)
+        except ValidationError as err:
+            raise PortalRejectedError(
+                f"the portal at {self.base_url} answered {REGISTER_PATH} with something that is "
+                f"not a registration reply: {err}",
+                response.status_code,
+                None,
+            ) from err
+
+    def report(self, report: AgentReport) -> None:
+        """Sends one report. Raises PortalError (see module)."""
+        self._post(REPORT_PATH, report.model_dump_json())
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, path: str, body: str) -> httpx.Response:
+        try:
+            response = self._http.post(path, content=body)
+        except httpx.TransportError as err:
+            raise PortalUnavailableError(
+                f"portal at {self.base_url} unreachable ({type(err).__name__}: {err})"
+            ) from err
+        status = response.status_code
+        if status < 400:
+            return response
+        code, text = _error_text(response)
+        where = f"portal at {self.base_url} answered {status} to POST {path}"
+        if status in (401, 403):
+            raise AgentAuthError(f"{where}: the agent token was refused: {text}", status)
+        if status >= 500 or status in _RETRIABLE_STATUSES:
+            raise PortalUnavailableError(f"{where}: {text}")
+        raise PortalRejectedError(f"{where}: {text}", status, code)
+
+
+def _error_text(response: httpx.Response) -> tuple[str | None, str]:
+    """Returns the portal's error code and message: from its error shape
+    {"error": {"code", "message"}}, from {"detail": ...}, or the body's text, cut short."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            code = error.get("code")
+            return (str(code) if code is not None else None), str(error["message"])
+        for key in ("detail", "error", "message"):
+            if key in body:
+                return None, str(body[key])[:_MAX_ERROR_CHARS]
+    text = response.text.strip()[:_MAX_ERROR_CHARS]
+    return None, text or response.reason_phrase or "(no body)"

@@ -1,0 +1,225 @@
+"""The node's commands: a reader that follows the node's Redis stream and a dispatcher that
+hands each command to the part of the agent that carries it out.
+
+The portal XADDs each command as one entry whose field "command" holds the command's JSON
+(elastic.wire.parse_command); the stream is named by elastic.wire.command_stream. An entry that
+does not parse is logged and skipped. The reader starts after the stream's position at the
+moment the agent began registering, so that a command the portal sends while handling the
+registration is not missed and one from before is not replayed (see `StreamMark`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis
+from pydantic import ValidationError
+
+from agent.devices import DeviceBackend, DeviceError
+from agent.supervisor import WorkerSupervisor
+from elastic.wire import LaunchCommand, SimulateOwnerCommand, StopCommand, parse_command
+
+log = logging.getLogger(__name__)
+
+COMMAND_FIELD = "command"
+"""The field of a stream entry that holds the command's JSON."""
+CLOCK_MARGIN_S = 0.1
+"""Read this much further back than the registration began, when the position had to be
+worked out from Redis's clock: a command is idempotent, a missed one is lost."""
+
+AgentCommand = LaunchCommand | StopCommand | SimulateOwnerCommand
+StreamReplies = list[tuple[str, list[tuple[str, dict[str, str]]]]] | None
+"""What XREAD answers on a client that decodes responses."""
+
+
+def redis_client(url: str, block_s: float = 1.0) -> redis.Redis:
+    """Returns a client for `url` whose reads outlast a blocking read of `block_s`."""
+    return redis.Redis.from_url(
+        url, decode_responses=True, socket_timeout=block_s + 5, socket_connect_timeout=5
+    )
+
+
+def last_entry_id(client: redis.Redis, stream: str) -> str:
+    """Returns the id of the stream's newest entry, or "0-0" if the stream is empty or does
+    not exist. Raises redis.RedisError."""
+    newest = client.xrevrange(stream, count=1)
+    return str(newest[0][0]) if newest else "0-0"
+
+
+def entry_id_at(client: redis.Redis, local_time: float, margin_s: float = CLOCK_MARGIN_S) -> str:
+    """Returns a stream id just before Redis's clock read `local_time` (this machine's clock,
+    Unix seconds) less `margin_s`; entries XADDed since have greater ids. The two clocks'
+    offset is measured with Redis TIME. Raises redis.RedisError."""
+    before = time.time()
+    seconds, micros = client.time()
+    after = time.time()
+    offset = seconds + micros / 1e6 - (before + after) / 2
+    uncertainty = (after - before) / 2
+    millis = int((local_time + offset - uncertainty - margin_s) * 1000)
+    return f"{max(millis, 0)}-0"
+
+
+@dataclass(frozen=True)
+class StreamMark:
+    """Where the command stream stood when the agent began registering.
+
+    The portal names the stream and its Redis in the registration reply, so the position can be
+    read before registering only where both were known beforehand (an overriding Redis URL, or
+    an earlier registration); `last_id` is then the newest entry's id. Otherwise it is worked
+    out after the reply from `taken_at` and Redis's clock.
+    """
+
+    taken_at: float
+    redis_url: str | None = None
+    stream: str | None = None
+    last_id: str | None = None
+
+    @classmethod
+    def take(cls, redis_url: str | None, stream: str | None) -> StreamMark:
+        """Returns the mark for now; reads the newest id where url and stream are known and
+        Redis answers."""
+        taken_at = time.time()
+        if redis_url is None or stream is None:
+            return cls(taken_at)
+        try:
+            with redis_client(redis_url) as client:
+                last_id = last_entry_id(client, stream)
+        except redis.RedisError as err:
+            log.warning("could not read the position of %s at %s: %s", stream, redis_url, err)
+            return cls(taken_at)
+        return cls(taken_at, redis_url, stream, last_id)
+
+    def start_id(self, client: redis.Redis, redis_url: str, stream: str) -> str:
+        """Returns the id to read `stream` at `redis_url` after. Raises redis.RedisError."""
+        if self.last_id is not None and (self.redis_url, self.stream) == (redis_url, stream):
+            return self.last_id
+        return entry_id_at(client, self.taken_at)
+
+
+class CommandDispatcher:
+    """Hands each kind of command to its handler: launch and stop to the supervisor, a played
+    owner to the device backend. A handler's failure is logged, never raised."""
+
+    def __init__(self, supervisor: WorkerSupervisor, backend: DeviceBackend) -> None:
+        self._handlers: Mapping[type[Any], Callable[[Any], object]] = {
+            LaunchCommand: lambda command: supervisor.launch(command, backend),
+            StopCommand: supervisor.stop,
+            SimulateOwnerCommand: lambda command: backend.set_owner_present(
+                command.device_index, command.present
+            ),
+        }
+
+    def dispatch(self, command: AgentCommand) -> None:
+        handler = self._handlers[type(command)]
+        try:
+            handler(command)
+        except DeviceError as err:
+            log.warning("could not carry out %s: %s", command.kind, err)
+        except Exception:
+            log.exception("could not carry out %s", command.model_dump_json())
+
+
+class CommandReader:
+    """Follows `stream` at `redis_url` in a thread of its own, passing each command to `handle`
+    in stream order. It starts after `start`: an entry id, or a StreamMark whose id is worked
+    out once Redis first answers, so that Redis being away at registration loses nothing.
+    Redis going away is logged and retried."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        stream: str,
+        start: str | StreamMark,
+        handle: Callable[[AgentCommand], None],
+        block_s: float = 1.0,
+    ) -> None:
+        self.redis_url = redis_url
+        self.stream = stream
+        self._start = start
+        self._last_id: str | None = start if isinstance(start, str) else None
+        self._handle = handle
+        self._block_ms = max(1, int(block_s * 1000))
+        self._client = redis_client(redis_url, block_s)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="command-reader", daemon=True)
+
+    @property
+    def last_id(self) -> str | None:
+        """The id of the last entry read (or of the start); None until Redis first answered."""
+        return self._last_id
+
+    def start(self) -> None:
+        if self._last_id is not None:
+            self._log_start()
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stops reading; waits up to `timeout_s` for the thread (a blocking read ends within
+        `block_s`)."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+        self._client.close()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                if self._last_id is None:
+                    self._last_id = self._start_id()
+                replies = cast(
+                    StreamReplies,
+                    self._client.xread({self.stream: self._last_id}, count=100, block=self._block_ms),
+                )
+            except redis.RedisError as err:
+                failures += 1
+                if failures == 1 or failures % 30 == 0:
+                    log.warning(
+                        "cannot read commands from %s (%d failures in a row): %s",
+                        self.redis_url,
+                        failures,
+                        err,
+                    )
+                self._stopping.wait(min(5.0, 0.5 * failures))
+                continue
+            if failures:
+                log.info("reading commands from %s again", self.redis_url)
+                failures = 0
+            for _stream, entries in replies or []:
+                for entry_id, fields in entries:
+                    self._last_id = entry_id
+                    self._receive(entry_id, fields)
+
+    def _start_id(self) -> str:
+        assert isinstance(self._start, StreamMark)
+        start_id = self._start.start_id(self._client, self.redis_url, self.stream)
+        self._last_id = start_id
+        self._log_start()
+        return start_id
+
+    def _log_start(self) -> None:
+        log.info("reading commands from %s at %s after %s", self.stream, self.redis_url, self._last_id)
+
+    def _receive(self, entry_id: str, fields: Mapping[str, str]) -> None:
+        raw = fields.get(COMMAND_FIELD)
+        if raw is None:
+            log.warning(
+                "skipping entry %s of %s: no %r field (fields: %s)",
+                entry_id,
+                self.stream,
+                COMMAND_FIELD,
+                sorted(fields),
+            )
+            return
+        try:
+            command = parse_command(raw)
+        except ValidationError as err:
+            log.warning("skipping entry %s of %s: not a command: %s", entry_id, self.stream, err)
+            return
+        log.info("command %s: %s", entry_id, command.kind)
+        self._handle(command)

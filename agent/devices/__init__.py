@@ -1,0 +1,75 @@
+"""Device backends by name: "nvml" (NVIDIA GPUs), "simulated" (CPU cores as slots) and "auto"
+(nvml where it finds a GPU, else simulated). `make_backend` is the one way the agent gets one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from agent.devices.api import (
+    BackendRegistry,
+    BackendUnavailableError,
+    DeviceBackend,
+    DeviceError,
+    NotSupportedError,
+    UnknownBackendError,
+    UnknownDeviceError,
+    WorkerPids,
+    WorkerPlacement,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BackendUnavailableError",
+    "DeviceBackend",
+    "DeviceError",
+    "NotSupportedError",
+    "UnknownBackendError",
+    "UnknownDeviceError",
+    "WorkerPids",
+    "WorkerPlacement",
+    "backend_names",
+    "make_backend",
+    "registry",
+]
+
+
+def _nvml(*, slots: int | None = None, node_name: str | None = None) -> DeviceBackend:
+    from agent.devices.nvml import NvmlBackend
+
+    return NvmlBackend(slots=slots, node_name=node_name)
+
+
+def _simulated(*, slots: int | None = None, node_name: str | None = None) -> DeviceBackend:
+    from agent.devices.simulated import SimulatedBackend
+
+    return SimulatedBackend(slots=slots, node_name=node_name)
+
+
+def _auto(*, slots: int | None = None, node_name: str | None = None) -> DeviceBackend:
+    try:
+        backend = registry.create("nvml", node_name=node_name)
+    except BackendUnavailableError as err:
+        log.info("no GPU through NVML (%s): simulating CPU slots", err)
+        return registry.create("simulated", slots=slots, node_name=node_name)
+    if slots is not None:
+        log.warning("found GPUs through NVML: ignoring slots=%d, which is for simulated slots", slots)
+    return backend
+
+
+registry = BackendRegistry()
+registry.register("nvml", _nvml)
+registry.register("simulated", _simulated)
+registry.register("auto", _auto)
+
+
+def make_backend(name: str, **options: object) -> DeviceBackend:
+    """Returns a new backend; options: `slots` (simulated slots, default one per CPU) and
+    `node_name` (seeds simulated UUIDs). Raises UnknownBackendError for an unknown name,
+    BackendUnavailableError where the machine lacks the devices, DeviceError for bad options."""
+    return registry.create(name, **options)
+
+
+def backend_names() -> list[str]:
+    return registry.names()

@@ -1,0 +1,211 @@
+"""NVIDIA GPUs through NVML (the `pynvml` module of the `nvidia-ml-py` distribution).
+
+A GPU's reading is NVML's own: utilisation, memory, temperature, power (NVML gives milliwatts)
+and the compute and graphics processes holding memory on it. A process on a GPU that is not
+one of the agent's workers, nor a child of one, is the owner's: the device reports
+`owner_present`. Fields the GPU does not support are reported as None (utilisation as 0).
+
+PIDs are compared as this process sees them: an agent in a container must share the host's
+PID namespace (`pid: host`), or every GPU process looks foreign and every GPU owned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import psutil
+import pynvml
+
+from agent.devices.api import (
+    BackendUnavailableError,
+    DeviceBackend,
+    DeviceError,
+    NotSupportedError,
+    UnknownDeviceError,
+    WorkerPids,
+    WorkerPlacement,
+)
+from elastic.wire import DeviceInfo, DeviceProcess, DeviceSample
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process as NVML lists it on one GPU; `memory_bytes` is None where NVML cannot say."""
+
+    pid: int
+    memory_bytes: int | None
+
+
+def classify_processes(
+    found: Iterable[GpuProcess],
+    ours: Mapping[int, int],
+    name_of: Callable[[int], str],
+) -> tuple[list[DeviceProcess], bool]:
+    """Returns the GPU's processes, each marked ours or not, and whether the owner is present.
+
+    `found` may list a pid twice (a process with a compute and a graphics context); it is
+    reported once, with the larger memory. `ours` maps the pids of the agent's workers and of
+    their descendants to their job id. The owner is present when any process is not ours.
+    """
+    memory: dict[int, int] = {}
+    for process in found:
+        memory[process.pid] = max(memory.get(process.pid, 0), process.memory_bytes or 0)
+    processes = [
+        DeviceProcess(
+            pid=pid,
+            name=name_of(pid),
+            memory_bytes=used,
+            ours=pid in ours,
+            job_id=ours.get(pid),
+        )
+        for pid, used in sorted(memory.items())
+    ]
+    return processes, any(not process.ours for process in processes)
+
+
+def with_descendants(workers: WorkerPids) -> dict[int, int]:
+    """Returns pid -> job_id for the workers and every live descendant of theirs."""
+    ours = {pid: job_id for pid, (job_id, _) in workers.items()}
+    for pid, (job_id, _) in workers.items():
+        try:
+            children = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        ours.update((child.pid, job_id) for child in children)
+    return ours
+
+
+def process_name(pid: int) -> str:
+    """Returns the process's name as the OS knows it, else as NVML does, else "pid N"."""
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        pass
+    try:
+        return _text(pynvml.nvmlSystemGetProcessName(pid))
+    except pynvml.NVMLError:
+        return f"pid {pid}"
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _optional(read: Callable[[], T]) -> T | None:
+    """Returns read(), or None where the GPU does not support that reading."""
+    try:
+        return read()
+    except pynvml.NVMLError as err:
+        if err.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
+            return None
+        raise
+
+
+class NvmlBackend(DeviceBackend):
+    """Every GPU NVML sees. Raises BackendUnavailableError if NVML does not initialise or
+    finds no GPU, DeviceError if given `slots` (a simulated backend's option). `node_name` is
+    accepted for symmetry with the simulated backend and unused: GPUs carry their own UUIDs."""
+
+    name = "nvml"
+
+    def __init__(self, *, slots: int | None = None, node_name: str | None = None) -> None:
+        if slots is not None:
+            raise DeviceError(f"slots={slots!r} applies to the simulated backend, not to nvml")
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            raise BackendUnavailableError(f"NVML did not initialise: {err}") from err
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            if count < 1:
+                raise BackendUnavailableError("NVML initialised but found no GPU")
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            self._devices = [
+                DeviceInfo(
+                    index=index,
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                    name=_text(pynvml.nvmlDeviceGetName(handle)),
+                    kind="gpu",
+                    memory_total_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                )
+                for index, handle in enumerate(self._handles)
+            ]
+        except BaseException:
+            pynvml.nvmlShutdown()
+            raise
+        self._lock = threading.Lock()
+
+    def devices(self) -> list[DeviceInfo]:
+        return list(self._devices)
+
+    def placement(self, index: int) -> WorkerPlacement:
+        self._check(index)
+        # NVML numbers GPUs in PCI bus order; CUDA, unless told so, fastest first.
+        return WorkerPlacement(
+            device="cuda:0",
+            env={"CUDA_VISIBLE_DEVICES": str(index), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+        )
+
+    def set_owner_present(self, index: int, present: bool) -> None:
+        self._check(index)
+        raise NotSupportedError(
+            f"device {index} is a real GPU: its owner comes back by starting a process on it, "
+            "it cannot be played (use the simulated backend)"
+        )
+
+    def sample(self, workers: WorkerPids) -> list[DeviceSample]:
+        ours = with_descendants(workers)
+        samples = []
+        with self._lock:
+            for index, handle in enumerate(self._handles):
+                try:
+                    samples.append(self._sample_one(index, handle, ours))
+                except pynvml.NVMLError as err:
+                    log.warning("could not read GPU %d (%s): %s", index, self._devices[index].uuid, err)
+        if not samples:
+            raise DeviceError("NVML could not read any GPU")
+        return samples
+
+    def close(self) -> None:
+        pynvml.nvmlShutdown()
+
+    def _sample_one(self, index: int, handle: Any, ours: Mapping[int, int]) -> DeviceSample:
+        taken_at = time.time()
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        rates = _optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
+        temperature = _optional(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+        power_mw = _optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle))
+        found = [
+            GpuProcess(pid=int(p.pid), memory_bytes=p.usedGpuMemory)
+            for p in [
+                *(_optional(lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []),
+                *(_optional(lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)) or []),
+            ]
+        ]
+        processes, owner_present = classify_processes(found, ours, process_name)
+        return DeviceSample(
+            index=index,
+            taken_at=taken_at,
+            utilization_pct=float(rates.gpu) if rates is not None else 0.0,
+            memory_used_bytes=int(memory.used),
+            memory_total_bytes=int(memory.total),
+            temperature_c=float(temperature) if temperature is not None else None,
+            power_w=power_mw / 1000.0 if power_mw is not None else None,
+            processes=processes,
+            owner_present=owner_present,
+        )
+
+    def _check(self, index: int) -> None:
+        if not 0 <= index < len(self._devices):
+            raise UnknownDeviceError(
+                f"device index {index} is not on this node (GPUs 0..{len(self._devices) - 1})"
+            )

@@ -1,0 +1,77 @@
+"""A bounded, ordered buffer of worker events.
+
+Events wait here between the worker that emitted them and a report the portal accepted. When
+the portal is away for long, or a worker floods its stdout, the buffer fills; it then drops
+the oldest log line first, then the oldest progress event, and a lifecycle event (started,
+exited) only when it holds nothing else, since the portal rebuilds a job's state from those.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+
+from elastic.wire import WorkerEvent
+
+_LOG, _PROGRESS, _LIFECYCLE = 0, 1, 2
+_CLASS = {"log": _LOG, "progress": _PROGRESS, "started": _LIFECYCLE, "exited": _LIFECYCLE}
+
+
+class EventBuffer:
+    """Holds at most `capacity` events in arrival order. Thread-safe."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"an event buffer needs a capacity of at least 1, got {capacity}")
+        self._capacity = capacity
+        self._queues: tuple[deque[tuple[int, WorkerEvent]], ...] = (deque(), deque(), deque())
+        self._seq = itertools.count()
+        self._dropped = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(queue) for queue in self._queues)
+
+    @property
+    def dropped(self) -> int:
+        """How many events were dropped for lack of room since the buffer was made."""
+        return self._dropped
+
+    def add(self, event: WorkerEvent) -> None:
+        with self._lock:
+            self._queues[_CLASS[event.kind]].append((next(self._seq), event))
+            self._trim()
+
+    def extend(self, events: list[WorkerEvent]) -> None:
+        for event in events:
+            self.add(event)
+
+    def peek(self, limit: int | None = None) -> list[WorkerEvent]:
+        """Returns the oldest `limit` events (all if None) in order, leaving them in place."""
+        with self._lock:
+            merged = sorted(itertools.chain(*self._queues), key=lambda item: item[0])
+        return [event for _, event in merged[:limit]]
+
+    def remove(self, events: list[WorkerEvent]) -> None:
+        """Removes the given events (by identity): those a report delivered."""
+        delivered = {id(event) for event in events}
+        with self._lock:
+            self._queues = tuple(
+                deque(item for item in queue if id(item[1]) not in delivered) for queue in self._queues
+            )
+
+    def take(self) -> list[WorkerEvent]:
+        """Removes and returns every event, in order."""
+        with self._lock:
+            merged = sorted(itertools.chain(*self._queues), key=lambda item: item[0])
+            for queue in self._queues:
+                queue.clear()
+        return [event for _, event in merged]
+
+    def _trim(self) -> None:
+        while sum(len(queue) for queue in self._queues) > self._capacity:
+            victim = next(queue for queue in self._queues if queue)
+            victim.popleft()
+            self._dropped += 1

@@ -1,0 +1,405 @@
+"""The agent's entry point: parse the command line, build the parts, run until told to stop.
+
+`Agent.run` registers the node (retrying until the portal answers), follows the node's command
+stream, and every report interval sends the portal fresh device samples, the workers' events
+and the running workers. The portal may go away and come back: events wait in a bounded buffer
+meanwhile, and nothing stops the agent but a signal or a refused token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+from pydantic import ValidationError
+
+from agent.client import (
+    AgentAuthError,
+    PortalClient,
+    PortalRejectedError,
+    PortalUnavailableError,
+)
+from agent.commands import CommandDispatcher, CommandReader, StreamMark
+from agent.devices import DeviceBackend, DeviceError, backend_names, make_backend
+from agent.events import EventBuffer
+from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from elastic.wire import AgentReport, NodeRegistration, RegistrationReply, command_stream
+
+log = logging.getLogger("agent")
+
+PENDING_EVENTS = 5_000
+"""Events held while the portal is away; beyond it the least useful are dropped (EventBuffer)."""
+MAX_EVENTS_PER_REPORT = 1_000
+MAX_RETRY_DELAY_S = 10.0
+FAILURE_LOG_EVERY_S = 30.0
+UNKNOWN_NODE_CODE = "unknown_node"
+"""The portal's error code for a report from a node it has no record of: register again."""
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    """Stopped by SIGTERM or SIGINT after stopping the workers."""
+    FAILURE = 1
+    """An unexpected error; the traceback is on stderr."""
+    USAGE_OR_TOKEN_REFUSED = 2
+    """A bad command line (argparse's convention), or the portal refused the agent token."""
+    REGISTRATION_REJECTED = 3
+    """The portal refused the registration itself (a 4xx other than 401/403)."""
+    DEVICES_UNAVAILABLE = 4
+    """The device backend asked for cannot run here (e.g. --backend nvml without a GPU)."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    portal_url: str
+    token: str
+    node_name: str
+    address: str
+    backend: str
+    sim_devices: int | None
+    redis_url: str | None
+    report_interval_s: float | None
+    stop_grace_s: float
+    worker_module: str
+    log_level: str
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if value < 0 or (minimum_exclusive and value == 0):
+            bound = "above 0" if minimum_exclusive else "at least 0"
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+        return value
+
+    return parse
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """Returns the CLI parser; each flag's default comes from its environment variable."""
+    parser = argparse.ArgumentParser(
+        prog="python -m agent",
+        description="Bungee node agent: registers this node with the portal, reports its "
+        "devices and runs the elastic workers the portal assigns to it.",
+    )
+
+    def flag(name: str, env: str, default: str | None, help: str, **kwargs: object) -> None:
+        shown = f" (env {env}; default {default})" if default is not None else f" (env {env})"
+        parser.add_argument(name, default=environ.get(env) or default, help=help + shown, **kwargs)  # type: ignore[arg-type]
+
+    flag("--portal", "BUNGEE_PORTAL_URL", "http://127.0.0.1:8000", "the portal's base URL")
+    flag("--token", "BUNGEE_AGENT_TOKEN", None, "the agent token the portal issued (required)")
+    flag("--name", "BUNGEE_NODE_NAME", socket.gethostname(), "this node's name")
+    flag(
+        "--address",
+        "BUNGEE_NODE_ADDRESS",
+        "127.0.0.1",
+        "the host name or IP at which workers on other nodes reach this node",
+    )
+    flag(
+        "--backend",
+        "BUNGEE_DEVICE_BACKEND",
+        "auto",
+        "device backend: nvml, simulated, or auto (nvml if it finds a GPU, else simulated)",
+        choices=backend_names(),
+    )
+    flag(
+        "--devices",
+        "BUNGEE_SIM_DEVICES",
+        None,
+        "number of simulated slots (default: one per CPU)",
+        type=_positive_int,
+    )
+    flag(
+        "--redis-url",
+        "BUNGEE_AGENT_REDIS_URL",
+        None,
+        "Redis URL for the command stream, instead of the one the portal hands out",
+    )
+    flag(
+        "--report-interval",
+        "BUNGEE_REPORT_INTERVAL_S",
+        None,
+        "seconds between reports (default: what the portal says at registration)",
+        type=_seconds(minimum_exclusive=True),
+    )
+    flag(
+        "--stop-grace",
+        "BUNGEE_STOP_GRACE_S",
+        "30",
+        "seconds a worker has after SIGTERM to save and exit before SIGKILL",
+        type=_seconds(minimum_exclusive=False),
+    )
+    flag(
+        "--worker-module",
+        "BUNGEE_WORKER_MODULE",
+        "elastic.worker",
+        "the module each worker runs as `python -m MODULE`",
+    )
+    flag(
+        "--log-level",
+        "BUNGEE_LOG_LEVEL",
+        "INFO",
+        "logging level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AgentConfig:
+    """Returns the configuration from `argv` and `environ`; exits 2 with a usage message if a
+    value is missing or wrong."""
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    if not args.token:
+        parser.error("an agent token is required: pass --token or set BUNGEE_AGENT_TOKEN")
+    try:
+        NodeRegistration(name=args.name, address=args.address, backend=args.backend, devices=[])
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        parser.error(f"invalid node name {args.name!r} or address {args.address!r}: {problems}")
+    return AgentConfig(
+        portal_url=args.portal,
+        token=args.token,
+        node_name=args.name,
+        address=args.address,
+        backend=args.backend,
+        sim_devices=args.devices,
+        redis_url=args.redis_url or None,
+        report_interval_s=args.report_interval,
+        stop_grace_s=args.stop_grace,
+        worker_module=args.worker_module,
+        log_level=args.log_level,
+    )
+
+
+class _FailureLog:
+    """Logs a failure that repeats every interval once, then at most every FAILURE_LOG_EVERY_S,
+    and the recovery once."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._failures = 0
+        self._logged_at = 0.0
+
+    def failed(self, err: Exception) -> None:
+        self._failures += 1
+        now = time.monotonic()
+        if self._failures == 1 or now - self._logged_at >= FAILURE_LOG_EVERY_S:
+            log.warning("%s failed (%d in a row), retrying: %s", self._what, self._failures, err)
+            self._logged_at = now
+
+    def succeeded(self) -> None:
+        if self._failures:
+            log.info("%s works again after %d failures", self._what, self._failures)
+        self._failures = 0
+
+
+class Agent:
+    """One node's agent. `run` returns an ExitCode once `stopping` is set or the token is
+    refused; it stops the workers before it returns."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        backend: DeviceBackend,
+        client: PortalClient,
+        supervisor: WorkerSupervisor,
+        stopping: threading.Event,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.client = client
+        self.supervisor = supervisor
+        self.stopping = stopping
+        self._dispatcher = CommandDispatcher(supervisor, backend)
+        self._registration = NodeRegistration(
+            name=config.node_name,
+            address=config.address,
+            backend=backend.name,
+            devices=backend.devices(),
+        )
+        self._reader: CommandReader | None = None
+        self._pending = EventBuffer(PENDING_EVENTS)
+        self._report_failures = _FailureLog("reporting to the portal")
+
+    def run(self) -> ExitCode:
+        try:
+            return self._run()
+        finally:
+            self._shut_down()
+
+    def _run(self) -> ExitCode:
+        try:
+            reply = self._register()
+            if reply is None:
+                return ExitCode.OK
+            interval = self.config.report_interval_s or reply.report_interval_s
+            log.info("reporting every %.3g s", interval)
+            next_at = time.monotonic()
+            while not self.stopping.wait(max(0.0, next_at - time.monotonic())):
+                next_at = max(next_at + interval, time.monotonic())
+                try:
+                    self._report()
+                except (AgentAuthError, PortalRejectedError):
+                    raise
+                except Exception:
+                    # A bug in one report must not take the node's workers down with the agent.
+                    log.exception("a report failed unexpectedly; going on")
+        except AgentAuthError as err:
+            log.error("%s; check --token / BUNGEE_AGENT_TOKEN. Exiting.", err)
+            return ExitCode.USAGE_OR_TOKEN_REFUSED
+        except PortalRejectedError as err:
+            log.error("the portal refused the registration: %s. Exiting.", err)
+            return ExitCode.REGISTRATION_REJECTED
+        return ExitCode.OK
+
+    # --- registration ------------------------------------------------------------------------
+
+    def _register(self) -> RegistrationReply | None:
+        """Registers until the portal answers and follows the stream it names; returns its
+        reply, or None if told to stop first. Raises AgentAuthError, PortalRejectedError."""
+        failures = _FailureLog(f"registering with {self.client.base_url}")
+        delay = 0.5
+        while not self.stopping.is_set():
+            known_url: str | None
+            if self._reader is not None:
+                known_url, known_stream = self._reader.redis_url, self._reader.stream
+            else:
+                known_url, known_stream = self.config.redis_url, command_stream(self.config.node_name)
+            mark = StreamMark.take(known_url, known_stream)
+            try:
+                reply = self.client.register(self._registration)
+            except PortalUnavailableError as err:
+                failures.failed(err)
+                self.stopping.wait(delay)
+                delay = min(2 * delay, MAX_RETRY_DELAY_S)
+                continue
+            failures.succeeded()
+            log.info(
+                "registered node %r (id %d) with %d %s devices",
+                self.config.node_name,
+                reply.node_id,
+                len(self._registration.devices),
+                self.backend.name,
+            )
+            self._follow(reply, mark)
+            return reply
+        return None
+
+    def _follow(self, reply: RegistrationReply, mark: StreamMark) -> None:
+        """Reads the stream the reply names from `mark` on, unless already reading it."""
+        url = self.config.redis_url or reply.commands_redis_url
+        stream = reply.commands_stream
+        if self._reader is not None:
+            if (self._reader.redis_url, self._reader.stream) == (url, stream):
+                return
+            self._reader.stop()
+        self._reader = CommandReader(url, stream, mark, self._dispatcher.dispatch)
+        self._reader.start()
+
+    # --- reports -----------------------------------------------------------------------------
+
+    def _report(self) -> None:
+        """Sends one report. Raises AgentAuthError, and PortalRejectedError if registering
+        again is refused."""
+        # Running workers before events: a worker that exits in between is listed as running
+        # and its exit is in the same report, never missing from both.
+        running = self.supervisor.running()
+        try:
+            samples = self.backend.sample({w.pid: (w.job_id, w.device_index) for w in running})
+        except DeviceError as err:
+            log.warning("could not sample the devices: %s", err)
+            samples = []
+        self._pending.extend(self.supervisor.drain_events())
+        events = self._pending.peek(MAX_EVENTS_PER_REPORT)
+        report = AgentReport(node=self.config.node_name, samples=samples, events=events, running=running)
+        try:
+            self.client.report(report)
+        except PortalUnavailableError as err:
+            self._report_failures.failed(err)
+            return
+        except PortalRejectedError as err:
+            if err.code == UNKNOWN_NODE_CODE:
+                log.warning("the portal does not know this node any more (%s): registering again", err)
+                self._register()
+                return
+            log.error("the portal refused a report, dropping its %d events: %s", len(events), err)
+            self._pending.remove(events)
+            return
+        self._report_failures.succeeded()
+        self._pending.remove(events)
+
+    # --- shutdown ----------------------------------------------------------------------------
+
+    def _shut_down(self) -> None:
+        if self._reader is not None:
+            self._reader.stop()
+        running = self.supervisor.running()
+        if running:
+            log.info("stopping %d workers", len(running))
+        self.supervisor.shutdown()
+        self._pending.extend(self.supervisor.drain_events())
+        if len(self._pending):
+            # One try, so that the portal learns of the exits now rather than by timeout.
+            try:
+                self.client.report(
+                    AgentReport(node=self.config.node_name, events=self._pending.peek(MAX_EVENTS_PER_REPORT))
+                )
+            except (PortalUnavailableError, PortalRejectedError, AgentAuthError) as err:
+                log.warning("could not send the final report: %s", err)
+        self.backend.close()
+        self.client.close()
+        log.info("agent stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the agent; returns its ExitCode."""
+    config = parse_config(argv, os.environ)
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # httpx logs every request at INFO: one line a second per agent says nothing.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("%s: stopping", signal.Signals(signum).name)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        backend = make_backend(config.backend, slots=config.sim_devices, node_name=config.node_name)
+    except DeviceError as err:
+        log.error("device backend %r cannot start: %s", config.backend, err)
+        return ExitCode.DEVICES_UNAVAILABLE
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(worker_module=config.worker_module, stop_grace_s=config.stop_grace_s)
+    )
+    client = PortalClient(config.portal_url, config.token)
+    agent = Agent(config, backend, client, supervisor, stopping)
+    return agent.run()

@@ -1,0 +1,510 @@
+"""Starts, watches and stops this node's elastic workers.
+
+Each worker is `python -m elastic.worker` in its own session, told what to do by a WorkerConfig
+in its environment. Its stdout (stderr merged in) is read line by line: a line that starts with
+WORKER_EVENT_PREFIX is a structured event, any other line becomes a log event. The supervisor
+adds the lifecycle events itself: "started" right after the spawn, "exited" once the process
+and its output are gone, with the reason its exit code gives.
+
+Commands are versioned by the job's generation. Per job the supervisor remembers the highest
+generation it launched and the generation below which it was told to stop; a launch that is
+not newer than both is ignored, so a repeated or late command changes nothing. A newer launch
+first stops this node's older workers of the job (SIGTERM, SIGKILL after the grace period),
+then starts the new ones, in a thread of its own so that the command loop never waits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+import elastic
+from agent.devices import DeviceBackend, DeviceError
+from agent.events import EventBuffer
+from elastic.wire import (
+    WORKER_EVENT_PREFIX,
+    LaunchCommand,
+    RunningWorker,
+    StopCommand,
+    WorkerAssignment,
+    WorkerConfig,
+    WorkerEvent,
+)
+from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
+
+log = logging.getLogger(__name__)
+
+MAX_LOG_CHARS = 2000
+"""A log line longer than this is cut, so that one runaway print cannot swell a report."""
+_MAX_READ_BYTES = 64 * 1024
+_WORKER_KINDS = ("progress", "log")
+_REAP_AFTER_KILL_S = 10.0
+_PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
+
+ExitReason = Literal["completed", "stopped", "failed"]
+
+
+def exit_reason(exit_code: int, stop_requested: bool = False) -> ExitReason:
+    """Returns what a worker's exit code means: COMPLETED_EXIT_CODE (0) "completed",
+    STOPPED_EXIT_CODE (75) "stopped", anything else, a signal (negative) included, "failed".
+
+    One exception: a worker killed by the SIGTERM the supervisor sent it (`stop_requested`)
+    was "stopped". That is a worker still starting, before it could catch SIGTERM; it had
+    trained nothing, so nothing was lost, and calling it a failure would read as a crash."""
+    if exit_code == COMPLETED_EXIT_CODE:
+        return "completed"
+    if exit_code == STOPPED_EXIT_CODE or (stop_requested and exit_code == -signal.SIGTERM):
+        return "stopped"
+    return "failed"
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    worker_module: str = "elastic.worker"
+    """The module run as `python -m <worker_module>`; tests put a stand-in here."""
+    python: str = sys.executable
+    stop_grace_s: float = 30.0
+    """How long a worker has, after SIGTERM, to finish its step and save before SIGKILL."""
+    event_capacity: int = 10_000
+    """Events held between two drains; see EventBuffer for what is dropped first."""
+
+
+@dataclass
+class _Worker:
+    job_id: int
+    generation: int
+    rank: int
+    device_index: int
+    process: subprocess.Popen[bytes]
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set once the worker is reaped and its "exited" event is out."""
+    # Held while signalling or reaping, so that a signal never reaches a recycled pid.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    reaped: bool = False
+    stop_requested: str | None = None
+    kill_timer: threading.Timer | None = None
+    last_step: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def key(self) -> dict[str, int]:
+        return {"job_id": self.job_id, "generation": self.generation, "rank": self.rank}
+
+    def event(self, kind: str, **fields: Any) -> WorkerEvent:
+        return WorkerEvent(
+            job_id=self.job_id,
+            generation=self.generation,
+            rank=self.rank,
+            kind=kind,  # type: ignore[arg-type]
+            at=time.time(),
+            **fields,
+        )
+
+
+@dataclass
+class _Job:
+    launched_generation: int = 0
+    stop_before_generation: int = 0
+    # Serialises the job's launch threads: each stops what the previous one started.
+    launch_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class WorkerSupervisor:
+    """The node's workers. Every public method is thread-safe and returns promptly, except
+    shutdown(), which waits for the workers to exit."""
+
+    def __init__(self, config: SupervisorConfig | None = None) -> None:
+        self.config = config or SupervisorConfig()
+        self._jobs: dict[int, _Job] = {}
+        self._workers: list[_Worker] = []
+        self._threads: set[threading.Thread] = set()
+        self._events = EventBuffer(self.config.event_capacity)
+        self._closed = False
+        self._lock = threading.RLock()
+
+    # --- commands ----------------------------------------------------------------------------
+
+    def launch(self, command: LaunchCommand, backend: DeviceBackend) -> bool:
+        """Starts this node's workers of `command.generation` in the background, after stopping
+        the job's older workers here. Returns False, and does nothing, if that generation was
+        already launched or passed, or the supervisor is shut down."""
+        with self._lock:
+            job = self._jobs.setdefault(command.job_id, _Job())
+            if self._closed:
+                log.warning("ignoring launch of job %d: shutting down", command.job_id)
+                return False
+            if command.generation <= job.launched_generation:
+                log.info(
+                    "ignoring launch of job %d generation %d: generation %d already launched",
+                    command.job_id,
+                    command.generation,
+                    job.launched_generation,
+                )
+                return False
+            if command.generation < job.stop_before_generation:
+                log.info(
+                    "ignoring launch of job %d generation %d: told to stop below generation %d",
+                    command.job_id,
+                    command.generation,
+                    job.stop_before_generation,
+                )
+                return False
+            job.launched_generation = command.generation
+            self._start_thread(
+                f"launch-{command.job_id}-{command.generation}",
+                lambda: self._replace_workers(job, command, backend),
+            )
+        return True
+
+    def stop(self, command: StopCommand) -> int:
+        """Asks the job's workers here whose generation is below `command.before_generation` to
+        stop (SIGTERM; SIGKILL after the grace period) and ignores later launches below it.
+        Returns how many workers were asked; their exits are reported when they happen."""
+        with self._lock:
+            job = self._jobs.setdefault(command.job_id, _Job())
+            job.stop_before_generation = max(job.stop_before_generation, command.before_generation)
+            targets = [
+                worker
+                for worker in self._workers
+                if worker.job_id == command.job_id and worker.generation < command.before_generation
+            ]
+        for worker in targets:
+            self._terminate(worker, f"stop ({command.reason})")
+        return len(targets)
+
+    # --- state -------------------------------------------------------------------------------
+
+    def running(self) -> list[RunningWorker]:
+        """Returns the workers whose exit has not been reported yet."""
+        with self._lock:
+            return [
+                RunningWorker(
+                    job_id=worker.job_id,
+                    generation=worker.generation,
+                    rank=worker.rank,
+                    pid=worker.pid,
+                    device_index=worker.device_index,
+                )
+                for worker in self._workers
+                if not worker.done.is_set()
+            ]
+
+    def drain_events(self) -> list[WorkerEvent]:
+        """Removes and returns the events since the last drain, oldest first."""
+        return self._events.take()
+
+    @property
+    def dropped_events(self) -> int:
+        return self._events.dropped
+
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Refuses further launches, stops every worker (SIGTERM, SIGKILL after `grace_s`,
+        default the configured grace) and waits for them to exit."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers)
+        # Launch threads spawn under the lock and only while not closed, so `workers` is all
+        # there will ever be; a launch thread still stopping older workers ends with them.
+        self._stop_and_wait(workers, "agent shutting down", grace_s)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout=self.config.stop_grace_s + _REAP_AFTER_KILL_S)
+
+    # --- launching ---------------------------------------------------------------------------
+
+    def _replace_workers(self, job: _Job, command: LaunchCommand, backend: DeviceBackend) -> None:
+        with job.launch_lock:
+            with self._lock:
+                older = [
+                    worker
+                    for worker in self._workers
+                    if worker.job_id == command.job_id and worker.generation < command.generation
+                ]
+            self._stop_and_wait(older, f"replaced by generation {command.generation}")
+            with self._lock:
+                superseded = (
+                    self._closed
+                    or job.launched_generation != command.generation
+                    or command.generation < job.stop_before_generation
+                )
+                if superseded:
+                    log.info(
+                        "not starting job %d generation %d: superseded while stopping older workers",
+                        command.job_id,
+                        command.generation,
+                    )
+                    return
+                # Spawning under the lock: a stop that arrives now sees every new worker.
+                for assignment in command.workers:
+                    self._spawn(command, assignment, backend)
+
+    def _spawn(self, command: LaunchCommand, assignment: WorkerAssignment, backend: DeviceBackend) -> None:
+        def failed(message: str) -> None:
+            log.error(
+                "job %d generation %d rank %d: %s",
+                command.job_id,
+                command.generation,
+                assignment.rank,
+                message,
+            )
+            self._events.add(
+                WorkerEvent(
+                    job_id=command.job_id,
+                    generation=command.generation,
+                    rank=assignment.rank,
+                    kind="exited",
+                    at=time.time(),
+                    device_index=assignment.device_index,
+                    reason="failed",
+                    message=message,
+                )
+            )
+
+        try:
+            placement = backend.placement(assignment.device_index)
+        except DeviceError as err:
+            failed(f"cannot place the worker: {err}")
+            return
+        config = WorkerConfig(
+            job_id=command.job_id,
+            generation=command.generation,
+            rank=assignment.rank,
+            world_size=command.world_size,
+            master_addr=command.master_addr,
+            master_port=command.master_port,
+            device=placement.device,
+            spec=command.spec,
+            run_dir=command.run_dir,
+        )
+        python_path = os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
+        env = {
+            **os.environ,
+            **placement.env,
+            WORKER_CONFIG_ENV: config.model_dump_json(),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": python_path,
+        }
+        argv = [self.config.python, "-m", self.config.worker_module]
+        try:
+            process = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as err:
+            failed(f"cannot start {' '.join(argv)}: {err}")
+            return
+        if placement.cpu_affinity:
+            try:
+                os.sched_setaffinity(process.pid, placement.cpu_affinity)
+            except OSError as err:
+                log.warning(
+                    "could not pin pid %d to cores %s: %s", process.pid, sorted(placement.cpu_affinity), err
+                )
+        worker = _Worker(
+            job_id=command.job_id,
+            generation=command.generation,
+            rank=assignment.rank,
+            device_index=assignment.device_index,
+            process=process,
+        )
+        self._workers.append(worker)
+        log.info(
+            "started job %d generation %d rank %d on device %d: pid %d",
+            worker.job_id,
+            worker.generation,
+            worker.rank,
+            worker.device_index,
+            worker.pid,
+        )
+        self._events.add(worker.event("started", pid=worker.pid, device_index=worker.device_index))
+        reader = self._start_thread(f"read-{worker.pid}", lambda: self._read(worker))
+        self._start_thread(f"watch-{worker.pid}", lambda: self._watch(worker, reader))
+
+    def _start_thread(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        def run() -> None:
+            try:
+                target()
+            except Exception:
+                log.exception("thread %s failed", name)
+            finally:
+                with self._lock:
+                    self._threads.discard(thread)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+        return thread
+
+    # --- watching ----------------------------------------------------------------------------
+
+    def _read(self, worker: _Worker) -> None:
+        stdout = worker.process.stdout
+        assert stdout is not None
+        with stdout:
+            for raw in iter(lambda: stdout.readline(_MAX_READ_BYTES), b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if not line.strip():
+                    continue
+                event = parse_worker_line(worker.key, line)
+                if event.kind == "progress" and event.step is not None:
+                    worker.last_step = event.step
+                self._events.add(event)
+
+    def _watch(self, worker: _Worker, reader: threading.Thread) -> None:
+        try:
+            # Wait without reaping, so that the pid (and its process group) stays ours.
+            os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+        with worker.lock:
+            # Children the worker left behind would hold its stdout open; they are orphans.
+            _signal_group(worker.pid, signal.SIGKILL)
+        reader.join(timeout=_REAP_AFTER_KILL_S)
+        with worker.lock:
+            exit_code = worker.process.wait()
+            worker.reaped = True
+            if worker.kill_timer is not None:
+                worker.kill_timer.cancel()
+        reason = exit_reason(exit_code, worker.stop_requested is not None)
+        message = _describe_exit(exit_code, worker.stop_requested)
+        log.info(
+            "job %d generation %d rank %d (pid %d) exited: %s",
+            worker.job_id,
+            worker.generation,
+            worker.rank,
+            worker.pid,
+            message,
+        )
+        self._events.add(
+            worker.event(
+                "exited",
+                pid=worker.pid,
+                device_index=worker.device_index,
+                exit_code=exit_code,
+                reason=reason,
+                step=worker.last_step,
+                message=message,
+            )
+        )
+        with self._lock:
+            self._workers.remove(worker)
+        worker.done.set()
+
+    # --- stopping ----------------------------------------------------------------------------
+
+    def _terminate(self, worker: _Worker, why: str, grace_s: float | None = None) -> None:
+        """Sends SIGTERM once and arms a SIGKILL for when the grace period is over."""
+        grace = self.config.stop_grace_s if grace_s is None else grace_s
+        with worker.lock:
+            if worker.reaped or worker.stop_requested is not None:
+                return
+            worker.stop_requested = why
+            log.info(
+                "stopping job %d generation %d rank %d (pid %d): %s",
+                worker.job_id,
+                worker.generation,
+                worker.rank,
+                worker.pid,
+                why,
+            )
+            try:
+                os.kill(worker.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            worker.kill_timer = threading.Timer(grace, self._kill, args=(worker, grace))
+            worker.kill_timer.daemon = True
+            worker.kill_timer.start()
+
+    def _kill(self, worker: _Worker, grace_s: float) -> None:
+        with worker.lock:
+            if worker.reaped:
+                return
+            log.warning(
+                "job %d generation %d rank %d (pid %d) still running %.0f s after SIGTERM: SIGKILL",
+                worker.job_id,
+                worker.generation,
+                worker.rank,
+                worker.pid,
+                grace_s,
+            )
+            _signal_group(worker.pid, signal.SIGKILL)
+
+    def _stop_and_wait(self, workers: list[_Worker], why: str, grace_s: float | None = None) -> None:
+        grace = self.config.stop_grace_s if grace_s is None else grace_s
+        for worker in workers:
+            self._terminate(worker, why, grace)
+        # A worker already asked to stop keeps its own, earlier deadline; this one is a bound.
+        deadline = time.monotonic() + grace + _REAP_AFTER_KILL_S
+        for worker in workers:
+            if not worker.done.wait(timeout=max(0.0, deadline - time.monotonic())):
+                log.error("pid %d did not go away even after SIGKILL", worker.pid)
+
+
+def parse_worker_line(key: Mapping[str, int], line: str) -> WorkerEvent:
+    """Returns the event a worker's output line stands for. `key` holds the worker's job_id,
+    generation and rank as the supervisor launched it.
+
+    A line of WORKER_EVENT_PREFIX and a JSON object of kind "progress" or "log" is that event;
+    fields it leaves out are taken from `key` (job, generation, rank) or the clock (`at`).
+    Any other line, a malformed event or one of the kinds only the supervisor emits included,
+    is a log event carrying the whole line. Log messages are cut at MAX_LOG_CHARS."""
+    event = None
+    if line.startswith(WORKER_EVENT_PREFIX):
+        try:
+            payload = json.loads(line[len(WORKER_EVENT_PREFIX) :])
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict) and payload.get("kind") in _WORKER_KINDS:
+            try:
+                event = WorkerEvent.model_validate({**key, "at": time.time(), **payload})
+            except ValidationError:
+                event = None
+    if event is None:
+        event = WorkerEvent.model_validate({**key, "kind": "log", "at": time.time(), "message": line})
+    if event.message is not None and len(event.message) > MAX_LOG_CHARS:
+        event = event.model_copy(update={"message": _cut(event.message)})
+    return event
+
+
+def _cut(text: str) -> str:
+    return f"{text[:MAX_LOG_CHARS]}… [{len(text) - MAX_LOG_CHARS} more characters cut]"
+
+
+def _describe_exit(exit_code: int, stop_requested: str | None) -> str:
+    if exit_code < 0:
+        try:
+            what = f"killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            what = f"killed by signal {-exit_code}"
+    else:
+        what = f"exit code {exit_code} ({exit_reason(exit_code)})"
+    return f"{what} after {stop_requested}" if stop_requested else what
+
+
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass

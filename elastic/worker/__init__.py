@@ -1,0 +1,20 @@
+"""The elastic worker: one process per device, started by an agent as `python -m elastic.worker`
+with its WorkerConfig as JSON in the environment variable named by WORKER_CONFIG_ENV.
+
+The exit code says how it ended. Importing this package does not import torch, so the agent can
+read these constants cheaply; the runtime lives in the submodules.
+"""
+
+from __future__ import annotations
+
+WORKER_CONFIG_ENV = "BUNGEE_WORKER_CONFIG"
+"""The environment variable that carries the worker's elastic.wire.WorkerConfig as JSON."""
+
+COMPLETED_EXIT_CODE = 0
+"""Every step of the job is done and rank 0 has saved the final checkpoint."""
+FAILED_EXIT_CODE = 1
+"""Something went wrong; the traceback is on stderr. Steps since the last checkpoint are lost."""
+STOPPED_EXIT_CODE = 75
+"""Stopped by SIGTERM or SIGINT: all ranks finished the same step and rank 0 saved it."""
+
+__all__ = ["COMPLETED_EXIT_CODE", "FAILED_EXIT_CODE", "STOPPED_EXIT_CODE", "WORKER_CONFIG_ENV"]

@@ -1,0 +1,40 @@
+"""`python -m elastic.worker`: read the WorkerConfig from the environment, train, exit with the
+code that says how it ended (elastic.worker)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from elastic.worker import FAILED_EXIT_CODE, WORKER_CONFIG_ENV
+
+
+def main() -> int:
+    """Run the worker; return its exit code. A failure prints its traceback to stderr."""
+    # Installed first, so a stop asked while torch loads is honoured at the first step.
+    from elastic.worker.stop import StopRequest
+
+    stop = StopRequest()
+    stop.install()
+    try:
+        from elastic.wire import WorkerConfig
+        from elastic.worker.events import EventWriter
+        from elastic.worker.runner import WorkerRun
+        from elastic.worker.settings import WorkerSettings
+
+        raw_config = os.environ.get(WORKER_CONFIG_ENV)
+        if raw_config is None:
+            raise RuntimeError(f"{WORKER_CONFIG_ENV} is not set")
+        config = WorkerConfig.model_validate_json(raw_config)
+        settings = WorkerSettings.from_env(os.environ)
+        return WorkerRun(config, settings, EventWriter(config), stop).run()
+    except Exception:
+        traceback.print_exc()
+        return FAILED_EXIT_CODE
+    finally:
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The worker's structured output: elastic.wire.WorkerEvent objects written to stdout as single
+lines behind WORKER_EVENT_PREFIX, which the agent parses; any other stdout line is a plain log
+line to the agent."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Literal, TextIO
+
+from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
+
+
+class EventWriter:
+    """Writes the events of one worker, stamped with its job, generation and rank."""
+
+    def __init__(self, config: WorkerConfig, stream: TextIO | None = None) -> None:
+        self._config = config
+        self._stream = stream if stream is not None else sys.stdout
+
+    def emit(self, kind: Literal["progress", "log"], **fields: Any) -> WorkerEvent:
+        """Write one event and flush; return it. Raises pydantic.ValidationError if a field
+        does not belong to WorkerEvent."""
+        event = WorkerEvent(
+            job_id=self._config.job_id,
+            generation=self._config.generation,
+            rank=self._config.rank,
+            kind=kind,
+            at=time.time(),
+            **fields,
+        )
+        self._stream.write(WORKER_EVENT_PREFIX + event.model_dump_json(exclude_none=True) + "\n")
+        self._stream.flush()
+        return event
+
+    def log(self, message: str) -> WorkerEvent:
+        """Write a log event carrying `message`; return it."""
+        return self.emit("log", message=message)
+
+
+class ProgressReporter:
+    """Rank 0's progress events: at most one every `every_s` seconds, plus the first step after
+    a (re)start and any step the caller forces (the last one). `samples_per_s` is the global
+    throughput since the previous report, or since the reporter was started."""
+
+    def __init__(
+        self,
+        events: EventWriter,
+        total_steps: int,
+        batch_size: int,
+        samples_per_epoch: int,
+        every_s: float,
+    ) -> None:
+        self._events = events
+        self._total_steps = total_steps
+        self._batch_size = batch_size
+        self._samples_per_epoch = samples_per_epoch
+        self._every_s = every_s
+        self._last_report_at = time.monotonic()
+        self._samples_since_report = 0
+        self._reported_once = False
+
+    def restart_clock(self) -> None:
+        """Measure throughput from now on (call it just before the first step)."""
+        self._last_report_at = time.monotonic()
+        self._samples_since_report = 0
+
+    def step_done(self, step: int, loss: float, samples: int, force: bool = False) -> bool:
+        """Record that global step `step` (completed steps) trained `samples` samples with mean
+        loss `loss`; report it if due. Return whether an event was written."""
+        self._samples_since_report += samples
+        now = time.monotonic()
+        elapsed = now - self._last_report_at
+        if self._reported_once and not force and elapsed < self._every_s:
+            return False
+        self._events.emit(
+            "progress",
+            step=step,
+            total_steps=self._total_steps,
+            epoch=step * self._batch_size / self._samples_per_epoch,
+            loss=loss,
+            samples_per_s=self._samples_since_report / elapsed if elapsed > 0 else 0.0,
+        )
+        self._reported_once = True
+        self._last_report_at = now
+        self._samples_since_report = 0
+        return True

@@ -1,0 +1,71 @@
+"""The worker's tunables, read from the environment once at start. Every one has a default that
+suits a laptop; a value that does not parse stops the worker with the bad value quoted."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+THREADS_ENV = "OMP_NUM_THREADS"
+PG_TIMEOUT_ENV = "BUNGEE_PG_TIMEOUT_S"
+CHECKPOINT_EVERY_ENV = "BUNGEE_CHECKPOINT_EVERY_S"
+PROGRESS_EVERY_ENV = "BUNGEE_PROGRESS_EVERY_S"
+RECORD_SAMPLES_ENV = "BUNGEE_RECORD_SAMPLES"
+
+
+class WorkerSettingsError(ValueError):
+    """An environment variable holds a value the worker cannot use."""
+
+
+def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise WorkerSettingsError(f"{name}={raw!r} is not a number") from None
+    if not value > 0:
+        raise WorkerSettingsError(f"{name}={raw!r} must be above 0")
+    return value
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise WorkerSettingsError(f"{name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise WorkerSettingsError(f"{name}={raw!r} must be at least 1")
+    return value
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    threads: int = 1
+    """Intra-op threads of torch (OMP_NUM_THREADS)."""
+    pg_timeout_s: float = 60.0
+    """How long a collective, or joining the process group, waits for the other ranks."""
+    checkpoint_every_s: float = 30.0
+    """Rank 0 saves a checkpoint at the first step boundary after this many seconds."""
+    progress_every_s: float = 0.5
+    """Rank 0 reports progress at most this often (plus the first and the last step)."""
+    record_samples: Path | None = None
+    """If set, every rank appends the sample indices of each step it completes to this file,
+    one JSON object a line; for tests of the data order."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
+        """Return the settings given by `env`. Raises WorkerSettingsError on a bad value."""
+        record = env.get(RECORD_SAMPLES_ENV)
+        return cls(
+            threads=_positive_int(env, THREADS_ENV, cls.threads),
+            pg_timeout_s=_positive_float(env, PG_TIMEOUT_ENV, cls.pg_timeout_s),
+            checkpoint_every_s=_positive_float(env, CHECKPOINT_EVERY_ENV, cls.checkpoint_every_s),
+            progress_every_s=_positive_float(env, PROGRESS_EVERY_ENV, cls.progress_every_s),
+            record_samples=Path(record) if record else None,
+        )

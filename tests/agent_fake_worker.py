@@ -1,0 +1,81 @@
+"""A stand-in for `python -m elastic.worker` in the agent's tests: no torch, fast, and told by
+its spec how to behave. It reads its WorkerConfig like the real worker, prints one plain line
+describing where it runs, then a progress event per step. SIGTERM makes it stop at the next
+step boundary with STOPPED_EXIT_CODE, as the real worker does.
+
+Spec keys: steps (default 1000), step_s (default 0.02), busy (spin the CPU instead of
+sleeping), crash_at_step and crash_code (exit with that code at that step), sigterm ("stop",
+the default; "ignore"; "die": the default action, as before a handler is installed), child
+(start a sleeping child process and name its pid), long_line (print a line this long).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
+from elastic.worker import STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
+
+
+def main() -> int:
+    config = WorkerConfig.model_validate_json(os.environ[WORKER_CONFIG_ENV])
+    spec = config.spec
+    stop_requested = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    actions: dict[str, Any] = {"stop": on_sigterm, "ignore": signal.SIG_IGN, "die": signal.SIG_DFL}
+    signal.signal(signal.SIGTERM, actions[spec.get("sigterm", "stop")])
+    affinity = sorted(os.sched_getaffinity(0))
+    print(
+        f"fake worker rank={config.rank} device={config.device} "
+        f"cuda={os.environ.get('CUDA_VISIBLE_DEVICES')} omp={os.environ.get('OMP_NUM_THREADS')} "
+        f"affinity={','.join(map(str, affinity))}",
+        flush=True,
+    )
+    if spec.get("child"):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"child pid={child.pid}", flush=True)
+    if spec.get("long_line"):
+        print("x" * int(spec["long_line"]), flush=True)
+    print(f"{WORKER_EVENT_PREFIX}{{not json", flush=True)
+
+    def emit(kind: str, **fields: object) -> None:
+        event = WorkerEvent(
+            job_id=config.job_id,
+            generation=config.generation,
+            rank=config.rank,
+            kind=kind,  # type: ignore[arg-type]
+            at=time.time(),
+            **fields,  # type: ignore[arg-type]
+        )
+        print(WORKER_EVENT_PREFIX + event.model_dump_json(exclude_none=True), flush=True)
+
+    steps = int(spec.get("steps", 1000))
+    step_s = float(spec.get("step_s", 0.02))
+    for step in range(1, steps + 1):
+        if spec.get("busy"):
+            until = time.monotonic() + step_s
+            while time.monotonic() < until:
+                pass
+        else:
+            time.sleep(step_s)
+        if spec.get("crash_at_step") == step:
+            print("fake worker crashing", flush=True)
+            return int(spec.get("crash_code", 3))
+        emit("progress", step=step, total_steps=steps, loss=1.0 / step)
+        if stop_requested:
+            emit("log", message=f"stopping after step {step}")
+            return STOPPED_EXIT_CODE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The agent's command line, pinned: its flags, their environment variables and defaults,
+and the exit codes of a bad start. Changing any of these is a decision, not an accident."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.devices import BackendUnavailableError
+from agent.devices.nvml import NvmlBackend
+from agent.main import AgentConfig, ExitCode, build_parser, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_flags() -> None:
+    flags = {option for action in build_parser({})._actions for option in action.option_strings}
+    assert flags == {
+        "-h",
+        "--help",
+        "--portal",
+        "--token",
+        "--name",
+        "--address",
+        "--backend",
+        "--devices",
+        "--redis-url",
+        "--report-interval",
+        "--stop-grace",
+        "--worker-module",
+        "--log-level",
+    }
+
+
+def test_the_exit_codes() -> None:
+    assert {code.name: int(code) for code in ExitCode} == {
+        "OK": 0,
+        "FAILURE": 1,
+        "USAGE_OR_TOKEN_REFUSED": 2,
+        "REGISTRATION_REJECTED": 3,
+        "DEVICES_UNAVAILABLE": 4,
+    }
+
+
+def test_defaults_need_only_a_token() -> None:
+    assert parse_config(["--token", "t"], {}) == AgentConfig(
+        portal_url="http://127.0.0.1:8000",
+        token="t",
+        node_name=socket.gethostname(),
+        address="127.0.0.1",
+        backend="auto",
+        sim_devices=None,
+        redis_url=None,
+        report_interval_s=None,
+        stop_grace_s=30.0,
+        worker_module="elastic.worker",
+        log_level="INFO",
+    )
+
+
+ENVIRONMENT = {
+    "BUNGEE_PORTAL_URL": "http://portal:8000",
+    "BUNGEE_AGENT_TOKEN": "env-token",
+    "BUNGEE_NODE_NAME": "gpu-01",
+    "BUNGEE_NODE_ADDRESS": "10.0.0.7",
+    "BUNGEE_DEVICE_BACKEND": "simulated",
+    "BUNGEE_SIM_DEVICES": "4",
+    "BUNGEE_AGENT_REDIS_URL": "redis://redis:6379/0",
+    "BUNGEE_REPORT_INTERVAL_S": "0.5",
+    "BUNGEE_STOP_GRACE_S": "10",
+    "BUNGEE_WORKER_MODULE": "my.worker",
+    "BUNGEE_LOG_LEVEL": "DEBUG",
+}
+
+
+def test_every_flag_falls_back_to_its_environment_variable() -> None:
+    assert parse_config([], ENVIRONMENT) == AgentConfig(
+        portal_url="http://portal:8000",
+        token="env-token",
+        node_name="gpu-01",
+        address="10.0.0.7",
+        backend="simulated",
+        sim_devices=4,
+        redis_url="redis://redis:6379/0",
+        report_interval_s=0.5,
+        stop_grace_s=10.0,
+        worker_module="my.worker",
+        log_level="DEBUG",
+    )
+
+
+def test_flags_win_over_the_environment() -> None:
+    config = parse_config(["--token", "flag-token", "--devices", "2", "--name", "n-2"], ENVIRONMENT)
+    assert (config.token, config.sim_devices, config.node_name) == ("flag-token", 2, "n-2")
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        ([], {}, "an agent token is required: pass --token or set BUNGEE_AGENT_TOKEN"),
+        (["--token", "t", "--devices", "0"], {}, "argument --devices: '0' must be at least 1"),
+        (["--token", "t"], {"BUNGEE_SIM_DEVICES": "many"}, "argument --devices: 'many' is not an integer"),
+        (["--token", "t", "--report-interval", "0"], {}, "argument --report-interval: '0' must be above 0"),
+        (["--token", "t", "--backend", "tpu"], {}, "argument --backend: invalid choice: 'tpu'"),
+        (["--token", "t", "--name", "bad name"], {}, "invalid node name 'bad name'"),
+    ],
+)
+def test_a_bad_start_exits_2_saying_what_is_wrong(
+    argv: list[str], environ: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse_config(argv, environ)
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _has_gpu() -> bool:
+    try:
+        NvmlBackend().close()
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU")
+def test_nvml_without_a_gpu_exits_4() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agent",
+            "--token",
+            "t",
+            "--backend",
+            "nvml",
+            "--portal",
+            "http://127.0.0.1:9",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 4
+    assert "device backend 'nvml' cannot start: NVML did not initialise" in result.stderr

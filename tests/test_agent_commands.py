@@ -1,0 +1,207 @@
+"""The node's command stream on the real Redis of this machine (db 15): where reading starts,
+the reader, the dispatcher, and `python -m agent.simulate`."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import redis
+
+from agent.commands import (
+    COMMAND_FIELD,
+    CommandDispatcher,
+    CommandReader,
+    StreamMark,
+    entry_id_at,
+    last_entry_id,
+)
+from agent.devices.simulated import SimulatedBackend
+from agent.simulate import main as simulate_main
+from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from elastic.wire import (
+    LaunchCommand,
+    SimulateOwnerCommand,
+    StopCommand,
+    WorkerAssignment,
+    WorkerEvent,
+    command_stream,
+    parse_command,
+)
+
+REDIS_URL = "redis://127.0.0.1:6379/15"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def stream(client: redis.Redis) -> Iterator[str]:
+    name = command_stream(f"agent-test-{uuid.uuid4().hex[:8]}")
+    yield name
+    client.delete(name)
+
+
+def add(client: redis.Redis, stream: str, command: object) -> str:
+    text = command if isinstance(command, str) else command.model_dump_json()  # type: ignore[attr-defined]
+    return str(client.xadd(stream, {COMMAND_FIELD: text}))
+
+
+def entries(client: redis.Redis, stream: str, after: str | None = None) -> list[tuple[str, dict[str, str]]]:
+    """The stream's entries, all or those after the id `after`."""
+    return cast(list[tuple[str, dict[str, str]]], client.xrange(stream, min=f"({after}" if after else "-"))
+
+
+def test_stream_name() -> None:
+    assert command_stream("gpu-07") == "bungee:node:gpu-07:commands"
+
+
+def test_last_entry_id_of_a_missing_stream_and_of_one_with_entries(client: redis.Redis, stream: str) -> None:
+    assert last_entry_id(client, stream) == "0-0"
+    add(client, stream, "a")
+    second = add(client, stream, "b")
+    assert last_entry_id(client, stream) == second
+
+
+def test_entry_id_at_a_time_reads_what_came_after_it(client: redis.Redis, stream: str) -> None:
+    add(client, stream, "before")
+    time.sleep(0.3)
+    moment = time.time()
+    after = add(client, stream, "after")
+    start = entry_id_at(client, moment)
+    assert [entry_id for entry_id, _ in entries(client, stream, after=start)] == [after]
+
+
+def test_a_mark_with_the_stream_known_uses_its_last_id(client: redis.Redis, stream: str) -> None:
+    old = add(client, stream, "old")
+    mark = StreamMark.take(REDIS_URL, stream)
+    assert mark.last_id == old
+    assert mark.start_id(client, REDIS_URL, stream) == old
+
+
+def test_a_mark_for_another_stream_falls_back_to_the_clock(client: redis.Redis, stream: str) -> None:
+    mark = StreamMark.take(REDIS_URL, "bungee:node:someone-else:commands")
+    new = add(client, stream, "new")
+    start = mark.start_id(client, REDIS_URL, stream)
+    assert [entry_id for entry_id, _ in entries(client, stream, after=start)] == [new]
+
+
+def test_a_mark_without_redis_is_taken_from_the_clock(client: redis.Redis, stream: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert StreamMark.take(f"redis://127.0.0.1:{port}/0", stream).last_id is None
+    assert StreamMark.take(None, None).last_id is None
+
+
+def test_the_reader_passes_commands_in_order_and_skips_what_is_not_one(
+    client: redis.Redis, stream: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    skipped = add(client, stream, SimulateOwnerCommand(device_index=9, present=True))
+    received: list[object] = []
+    arrived = threading.Event()
+
+    def handle(command: object) -> None:
+        received.append(command)
+        if len(received) == 2:
+            arrived.set()
+
+    reader = CommandReader(REDIS_URL, stream, skipped, handle, block_s=0.2)
+    caplog.set_level(logging.WARNING, logger="agent.commands")
+    reader.start()
+    first = SimulateOwnerCommand(device_index=1, present=True)
+    second = StopCommand(job_id=4, before_generation=2)
+    add(client, stream, first)
+    add(client, stream, '{"kind": "launch"}')
+    client.xadd(stream, {"other": "x"})
+    last = add(client, stream, second)
+    assert arrived.wait(10)
+    started = time.monotonic()
+    reader.stop()
+    assert time.monotonic() - started < 2
+    assert received == [first, second] and reader.last_id == last
+    assert "not a command" in caplog.text and "no 'command' field" in caplog.text
+
+
+def test_the_dispatcher_hands_each_command_to_its_handler(tmp_path: Path) -> None:
+    backend = SimulatedBackend(slots=2)
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module="tests.agent_fake_worker", stop_grace_s=5))
+    dispatcher = CommandDispatcher(supervisor, backend)
+    try:
+        dispatcher.dispatch(SimulateOwnerCommand(device_index=1, present=True))
+        assert [s.owner_present for s in backend.sample({})] == [False, True]
+        dispatcher.dispatch(SimulateOwnerCommand(device_index=7, present=True))  # logged, not raised
+        dispatcher.dispatch(
+            LaunchCommand(
+                job_id=2,
+                generation=1,
+                world_size=1,
+                master_addr="127.0.0.1",
+                master_port=29500,
+                workers=[WorkerAssignment(rank=0, device_index=0)],
+                spec={},
+                run_dir=str(tmp_path),
+            )
+        )
+        events: list[WorkerEvent] = []
+        deadline = time.monotonic() + 10
+        while not any(e.kind == "progress" for e in events):  # SIGTERM is handled by now
+            assert time.monotonic() < deadline
+            events += supervisor.drain_events()
+            time.sleep(0.02)
+        dispatcher.dispatch(StopCommand(job_id=2, before_generation=2))
+        while not any(e.kind == "exited" for e in events):
+            assert time.monotonic() < deadline
+            events += supervisor.drain_events()
+            time.sleep(0.02)
+        assert [(e.exit_code, e.reason) for e in events if e.kind == "exited"] == [(75, "stopped")]
+    finally:
+        supervisor.shutdown(grace_s=1)
+
+
+def test_simulate_owner_puts_the_command_on_the_nodes_stream(client: redis.Redis, stream: str) -> None:
+    node = stream.split(":")[2]
+    argv = ["owner", "--redis-url", REDIS_URL, "--node", node, "--device", "1"]
+    assert simulate_main([*argv, "--present"]) == 0
+    assert simulate_main([*argv, "--absent"]) == 0
+    commands = [parse_command(fields[COMMAND_FIELD]) for _, fields in entries(client, stream)]
+    assert commands == [
+        SimulateOwnerCommand(device_index=1, present=True),
+        SimulateOwnerCommand(device_index=1, present=False),
+    ]
+
+
+def test_simulate_owner_as_a_process(client: redis.Redis, stream: str) -> None:
+    node = stream.split(":")[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "agent.simulate", "owner", "--redis-url", REDIS_URL, "--node", node]
+        + ["--device", "0", "--present"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"{stream} " in result.stdout and "owner of device 0 present" in result.stdout
+    [(_, fields)] = entries(client, stream)
+    assert parse_command(fields[COMMAND_FIELD]) == SimulateOwnerCommand(device_index=0, present=True)
+
+
+def test_simulate_owner_needs_present_or_absent() -> None:
+    with pytest.raises(SystemExit) as caught:
+        simulate_main(["owner", "--node", "n", "--device", "0"])
+    assert caught.value.code == 2

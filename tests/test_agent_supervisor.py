@@ -1,0 +1,389 @@
+"""The worker supervisor with real worker processes: tests/agent_fake_worker.py (no torch, told
+by its spec how to behave) for the lifecycle and the generation rules, and the real
+`python -m elastic.worker` once, end to end on one CPU slot."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from agent.devices import make_backend
+from agent.devices.simulated import SimulatedBackend
+from agent.supervisor import (
+    MAX_LOG_CHARS,
+    SupervisorConfig,
+    WorkerSupervisor,
+    exit_reason,
+    parse_worker_line,
+)
+from elastic.wire import WORKER_EVENT_PREFIX, LaunchCommand, StopCommand, WorkerAssignment, WorkerEvent
+
+FAKE_WORKER = "tests.agent_fake_worker"
+KEY = {"job_id": 5, "generation": 2, "rank": 1}
+
+
+class Recorder:
+    """Collects a supervisor's events across drains."""
+
+    def __init__(self, supervisor: WorkerSupervisor) -> None:
+        self.supervisor = supervisor
+        self.events: list[WorkerEvent] = []
+
+    def wait_for(self, predicate: Callable[[list[WorkerEvent]], bool], timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.events += self.supervisor.drain_events()
+            if predicate(self.events):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"timed out; events: {[e.model_dump(exclude_none=True) for e in self.events]}"
+                )
+            time.sleep(0.02)
+
+    def of(self, kind: str, generation: int | None = None) -> list[WorkerEvent]:
+        return [
+            e for e in self.events if e.kind == kind and (generation is None or e.generation == generation)
+        ]
+
+    def exits(self, count: int, generation: int | None = None) -> Callable[[list[WorkerEvent]], bool]:
+        return lambda _: len(self.of("exited", generation)) >= count
+
+
+@pytest.fixture
+def backend() -> SimulatedBackend:
+    return SimulatedBackend(slots=2)
+
+
+@pytest.fixture
+def supervisor() -> Iterator[WorkerSupervisor]:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0))
+    yield supervisor
+    supervisor.shutdown(grace_s=1.0)
+
+
+def launch(generation: int = 1, ranks: int = 1, job_id: int = 1, **spec: Any) -> LaunchCommand:
+    return LaunchCommand(
+        job_id=job_id,
+        generation=generation,
+        world_size=ranks,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        workers=[WorkerAssignment(rank=rank, device_index=rank) for rank in range(ranks)],
+        spec=spec,
+        run_dir="/tmp/bungee-agent-test",
+    )
+
+
+def test_launch_starts_each_worker_and_reports_what_it_does(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    assert supervisor.launch(launch(ranks=2, steps=3), backend)
+    recorder.wait_for(recorder.exits(2))
+    for rank in (0, 1):
+        mine = [e for e in recorder.events if e.rank == rank]
+        assert [e.kind for e in mine][0] == "started" and [e.kind for e in mine][-1] == "exited"
+        started, exited = mine[0], mine[-1]
+        assert started.device_index == rank and started.pid is not None
+        assert [e.step for e in mine if e.kind == "progress"] == [1, 2, 3]
+        assert (exited.exit_code, exited.reason, exited.step, exited.pid) == (0, "completed", 3, started.pid)
+        core = sorted(os.sched_getaffinity(0))[rank]
+        assert f"fake worker rank={rank} device=cpu cuda=None omp=1 affinity={core}" in [
+            e.message for e in mine if e.kind == "log"
+        ]
+        # A line behind the prefix that is not an event arrives as a log line.
+        assert f"{WORKER_EVENT_PREFIX}{{not json" in [e.message for e in mine]
+    assert {(e.job_id, e.generation) for e in recorder.events} == {(1, 1)}
+    assert supervisor.running() == []
+
+
+def test_running_lists_live_workers(supervisor: WorkerSupervisor, backend: SimulatedBackend) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(ranks=2, job_id=3, generation=4), backend)
+    recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
+    running = sorted(supervisor.running(), key=lambda w: w.rank)
+    assert [(w.job_id, w.generation, w.rank, w.device_index) for w in running] == [(3, 4, 0, 0), (3, 4, 1, 1)]
+    assert [w.pid for w in running] == [e.pid for e in sorted(recorder.of("started"), key=lambda e: e.rank)]
+    assert all(psutil.pid_exists(w.pid) for w in running)
+
+
+def test_the_same_generation_twice_starts_nothing_more(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    assert supervisor.launch(launch(generation=2), backend)
+    assert not supervisor.launch(launch(generation=2), backend)
+    recorder.wait_for(lambda _: len(recorder.of("progress")) >= 3)
+    assert len(recorder.of("started")) == 1 and len(supervisor.running()) == 1
+
+
+def test_a_newer_generation_stops_the_older_workers_first(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(generation=1), backend)
+    recorder.wait_for(lambda _: len(recorder.of("progress", 1)) >= 1)
+    assert supervisor.launch(launch(generation=2, ranks=2), backend)
+    recorder.wait_for(lambda _: len(recorder.of("started", 2)) == 2)
+    [old_exit] = recorder.of("exited", 1)
+    assert (old_exit.exit_code, old_exit.reason) == (75, "stopped")
+    assert "replaced by generation 2" in (old_exit.message or "")
+    assert recorder.events.index(old_exit) < recorder.events.index(recorder.of("started", 2)[0])
+    assert {w.generation for w in supervisor.running()} == {2}
+
+
+def test_an_older_generation_arriving_late_is_ignored(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(generation=3), backend)
+    recorder.wait_for(lambda _: len(recorder.of("started")) == 1)
+    assert not supervisor.launch(launch(generation=2), backend)
+    time.sleep(0.3)
+    recorder.wait_for(lambda _: True)
+    assert [e.generation for e in recorder.of("started")] == [3]
+    assert recorder.of("exited") == []
+
+
+def test_generations_are_tracked_per_job(supervisor: WorkerSupervisor, backend: SimulatedBackend) -> None:
+    recorder = Recorder(supervisor)
+    assert supervisor.launch(launch(job_id=1, generation=5), backend)
+    assert supervisor.launch(launch(job_id=2, generation=1), backend)
+    recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
+    assert {e.job_id for e in recorder.of("started")} == {1, 2}
+
+
+def test_stop_ends_the_older_workers_and_a_late_launch_below_it_is_ignored(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(generation=1, ranks=2), backend)
+    recorder.wait_for(lambda _: {e.rank for e in recorder.of("progress")} == {0, 1})
+    assert supervisor.stop(StopCommand(job_id=1, before_generation=3, reason="cancel")) == 2
+    recorder.wait_for(recorder.exits(2))
+    for exited in recorder.of("exited"):
+        assert (exited.exit_code, exited.reason) == (75, "stopped")
+        assert exited.step is not None and exited.step >= 1
+        assert exited.message == "exit code 75 (stopped) after stop (cancel)"
+    assert not supervisor.launch(launch(generation=2), backend)
+    assert supervisor.launch(launch(generation=3), backend)
+    recorder.wait_for(lambda _: len(recorder.of("started", 3)) == 1)
+
+
+def test_stop_leaves_newer_generations_and_other_jobs_alone(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(job_id=1, generation=2), backend)
+    supervisor.launch(launch(job_id=2, generation=1), backend)
+    recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
+    assert supervisor.stop(StopCommand(job_id=1, before_generation=2)) == 0
+    assert supervisor.stop(StopCommand(job_id=3, before_generation=9)) == 0
+    assert len(supervisor.running()) == 2
+
+
+def test_a_crash_is_a_failure_with_its_exit_code(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(steps=10, crash_at_step=3, crash_code=3), backend)
+    recorder.wait_for(recorder.exits(1))
+    [exited] = recorder.of("exited")
+    assert (exited.exit_code, exited.reason, exited.step) == (3, "failed", 2)
+    assert "fake worker crashing" in [e.message for e in recorder.of("log")]
+
+
+def test_a_worker_killed_by_a_signal_failed(supervisor: WorkerSupervisor, backend: SimulatedBackend) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(), backend)
+    recorder.wait_for(lambda _: len(recorder.of("started")) == 1)
+    os.kill(recorder.of("started")[0].pid or 0, 9)
+    recorder.wait_for(recorder.exits(1))
+    [exited] = recorder.of("exited")
+    assert (exited.exit_code, exited.reason, exited.message) == (-9, "failed", "killed by SIGKILL")
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(backend: SimulatedBackend) -> None:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=0.5))
+    recorder = Recorder(supervisor)
+    try:
+        supervisor.launch(launch(sigterm="ignore"), backend)
+        recorder.wait_for(lambda _: len(recorder.of("progress")) >= 1)
+        supervisor.stop(StopCommand(job_id=1, before_generation=2))
+        recorder.wait_for(recorder.exits(1))
+        [exited] = recorder.of("exited")
+        assert (exited.exit_code, exited.reason) == (-9, "failed")
+        assert exited.message == "killed by SIGKILL after stop (resize)"
+    finally:
+        supervisor.shutdown(grace_s=0.5)
+
+
+def test_a_worker_that_dies_of_the_sigterm_it_was_sent_stopped(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(sigterm="die"), backend)
+    recorder.wait_for(lambda _: len(recorder.of("progress")) >= 1)
+    supervisor.stop(StopCommand(job_id=1, before_generation=2))
+    recorder.wait_for(recorder.exits(1))
+    [exited] = recorder.of("exited")
+    assert (exited.exit_code, exited.reason) == (-15, "stopped")
+    assert exited.message == "killed by SIGTERM after stop (resize)"
+
+
+def test_children_a_worker_leaves_behind_are_ended(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(steps=2, child=True), backend)
+    recorder.wait_for(recorder.exits(1))
+    [line] = [e.message or "" for e in recorder.of("log") if (e.message or "").startswith("child pid=")]
+    child_pid = int(line.removeprefix("child pid="))
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(child_pid) and psutil.Process(child_pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the worker's child outlived it"
+        time.sleep(0.05)
+    assert recorder.of("exited")[0].reason == "completed"
+
+
+def test_a_device_the_node_lacks_fails_that_worker_without_starting_it(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    command = launch(ranks=3, steps=1)  # device 2 is not on a two-slot node
+    supervisor.launch(command, backend)
+    recorder.wait_for(recorder.exits(3))
+    failed = [e for e in recorder.of("exited") if e.reason == "failed"]
+    assert [(e.rank, e.device_index, e.exit_code) for e in failed] == [(2, 2, None)]
+    assert "device index 2 is not on this node" in (failed[0].message or "")
+    assert sorted(e.rank for e in recorder.of("started")) == [0, 1]
+
+
+def test_a_worker_module_that_does_not_exist_fails(backend: SimulatedBackend) -> None:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module="tests.no_such_worker"))
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(), backend)
+    recorder.wait_for(recorder.exits(1))
+    [exited] = recorder.of("exited")
+    assert (exited.exit_code, exited.reason) == (1, "failed")
+    assert any("No module named tests.no_such_worker" in (e.message or "") for e in recorder.of("log"))
+    supervisor.shutdown()
+
+
+def test_shutdown_stops_every_worker_and_refuses_new_launches(backend: SimulatedBackend) -> None:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0))
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(job_id=1, ranks=2), backend)
+    supervisor.launch(launch(job_id=2), backend)
+    recorder.wait_for(
+        lambda _: {(e.job_id, e.rank) for e in recorder.of("progress")} == {(1, 0), (1, 1), (2, 0)}
+    )
+    supervisor.shutdown()
+    assert supervisor.running() == []
+    recorder.wait_for(recorder.exits(3))
+    assert {(e.exit_code, e.reason) for e in recorder.of("exited")} == {(75, "stopped")}
+    assert not supervisor.launch(launch(job_id=3), backend)
+
+
+# --- output lines and exit codes -------------------------------------------------------------
+
+
+def test_an_event_line_becomes_that_event_with_the_missing_key_filled_in() -> None:
+    event = parse_worker_line(KEY, WORKER_EVENT_PREFIX + '{"kind": "progress", "step": 4, "loss": 0.5}')
+    assert (event.kind, event.step, event.loss) == ("progress", 4, 0.5)
+    assert (event.job_id, event.generation, event.rank) == (5, 2, 1)
+    own = WorkerEvent(job_id=5, generation=3, rank=0, kind="log", at=1.0, message="hi")
+    assert parse_worker_line(KEY, WORKER_EVENT_PREFIX + own.model_dump_json()) == own
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "plain output",
+        WORKER_EVENT_PREFIX + "{broken",
+        WORKER_EVENT_PREFIX + "[1, 2]",
+        WORKER_EVENT_PREFIX + '{"kind": "progress", "step": "many"}',
+        WORKER_EVENT_PREFIX + '{"kind": "exited", "exit_code": 0}',
+        WORKER_EVENT_PREFIX + '{"kind": "started", "pid": 1}',
+    ],
+)
+def test_any_other_line_is_a_log_line(line: str) -> None:
+    event = parse_worker_line(KEY, line)
+    assert (event.kind, event.message, event.job_id, event.rank) == ("log", line, 5, 1)
+
+
+def test_a_very_long_line_is_cut() -> None:
+    event = parse_worker_line(KEY, "y" * (MAX_LOG_CHARS + 500))
+    assert event.message is not None
+    assert event.message.startswith("y" * MAX_LOG_CHARS)
+    assert event.message.endswith("[500 more characters cut]")
+    long_log = WORKER_EVENT_PREFIX + '{"kind": "log", "message": "' + "z" * (MAX_LOG_CHARS + 1) + '"}'
+    assert (parse_worker_line(KEY, long_log).message or "").endswith("[1 more characters cut]")
+
+
+@pytest.mark.parametrize(
+    ("code", "stop_requested", "reason"),
+    [
+        (0, False, "completed"),
+        (75, False, "stopped"),
+        (1, False, "failed"),
+        (3, True, "failed"),
+        (-15, False, "failed"),
+        (-15, True, "stopped"),
+        (-9, True, "failed"),
+    ],
+)
+def test_exit_reasons(code: int, stop_requested: bool, reason: str) -> None:
+    assert exit_reason(code, stop_requested) == reason
+
+
+# --- the real worker -------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
+    supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0))
+    recorder = Recorder(supervisor)
+    spec = {"name": "agent-test", "workload": "digits-mlp", "steps": 100_000, "seed": 1}
+    command = LaunchCommand(
+        job_id=9,
+        generation=1,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=_free_port(),
+        workers=[WorkerAssignment(rank=0, device_index=0)],
+        spec=spec,
+        run_dir=str(tmp_path),
+    )
+    try:
+        assert supervisor.launch(command, make_backend("simulated", slots=1))
+        recorder.wait_for(lambda _: bool(recorder.of("progress")) or bool(recorder.of("exited")), 120)
+        assert recorder.of("exited") == [], [e.message for e in recorder.of("log")]
+        progress = recorder.of("progress")[0]
+        assert (progress.job_id, progress.generation, progress.rank, progress.total_steps) == (
+            9,
+            1,
+            0,
+            100_000,
+        )
+        supervisor.stop(StopCommand(job_id=9, before_generation=2))
+        recorder.wait_for(recorder.exits(1), 60)
+        [exited] = recorder.of("exited")
+        assert (exited.exit_code, exited.reason) == (75, "stopped"), [e.message for e in recorder.of("log")]
+        assert exited.step is not None and exited.step >= 1
+    finally:
+        supervisor.shutdown(grace_s=5.0)

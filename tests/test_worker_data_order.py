@@ -1,0 +1,75 @@
+"""Across a stop and a resume on another world size, every step trains on exactly its global
+batch and every sample of the epoch is seen exactly once. The batch of 5 divides evenly on
+neither world size: shares of 2, 2 and 1 before the stop, 3 and 2 after it. (Shares of a world
+larger than the batch are covered in test_worker_trainer.)"""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE
+from elastic.worker.data import SampleStream
+from elastic.worker.local import LocalWorkers
+
+pytestmark = pytest.mark.slow
+
+SAMPLES = 1437
+BATCH = 5
+SEED = 11
+SPEC = {
+    "name": "order",
+    "workload": "digits-mlp",
+    "epochs": 1,
+    "seed": SEED,
+    "hyperparameters": {"batch_size": BATCH},
+}
+STEPS = -(-SAMPLES // BATCH)  # the last batch ends with samples of epoch 1
+FIRST_WORLD, SECOND_WORLD = 3, 2
+
+
+def test_every_sample_of_the_epoch_once_across_a_resize(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = tmp_path / "samples.jsonl"
+    monkeypatch.setenv("BUNGEE_RECORD_SAMPLES", str(record))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run_dir = tmp_path / "run"
+    with LocalWorkers(SPEC, world_size=FIRST_WORLD, run_dir=run_dir, generation=1) as workers:
+        workers.wait_for(0, lambda event: event.kind == "progress")
+        workers.send_signal(0, signal.SIGTERM)
+        assert [o.returncode for o in workers.wait()] == [STOPPED_EXIT_CODE] * FIRST_WORLD
+    with LocalWorkers(SPEC, world_size=SECOND_WORLD, run_dir=run_dir, generation=2) as workers:
+        outputs = workers.wait()
+        assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE] * SECOND_WORLD, [
+            o.stderr for o in outputs
+        ]
+
+    shares: dict[int, dict[int, list[int]]] = defaultdict(dict)
+    generations: dict[int, set[tuple[int, int]]] = defaultdict(set)
+    for line in record.read_text().splitlines():
+        entry = json.loads(line)
+        assert entry["rank"] not in shares[entry["step"]], entry
+        shares[entry["step"]][entry["rank"]] = entry["indices"]
+        generations[entry["step"]].add((entry["generation"], entry["world_size"]))
+    assert sorted(shares) == list(range(STEPS))
+    assert generations[0] == {(1, FIRST_WORLD)} and generations[STEPS - 1] == {(2, SECOND_WORLD)}
+    stop_step = min(step for step in shares if generations[step] == {(2, SECOND_WORLD)})
+    assert 0 < stop_step < STEPS
+
+    stream = SampleStream(SAMPLES, SEED)
+    seen: list[int] = []
+    for step in range(STEPS):
+        generation, world_size = (1, FIRST_WORLD) if step < stop_step else (2, SECOND_WORLD)
+        assert generations[step] == {(generation, world_size)}
+        assert sorted(shares[step]) == list(range(world_size))
+        batch = [index for rank in range(world_size) for index in shares[step][rank]]
+        assert batch == stream.global_batch(step, BATCH).tolist()
+        seen.extend(batch)
+    epoch_zero, epoch_one = seen[:SAMPLES], seen[SAMPLES:]
+    assert Counter(epoch_zero) == Counter(range(SAMPLES))
+    assert epoch_one == stream.positions(SAMPLES, STEPS * BATCH).tolist()

@@ -1,0 +1,49 @@
+"""The worker's events: one prefixed JSON line each that parses back as a WorkerEvent; progress
+reported on the first step, then at most once an interval, and whenever forced."""
+
+from __future__ import annotations
+
+import io
+
+from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
+from elastic.worker.events import EventWriter, ProgressReporter
+
+CONFIG = WorkerConfig(
+    job_id=7,
+    generation=3,
+    rank=0,
+    world_size=2,
+    master_addr="127.0.0.1",
+    master_port=1234,
+    device="cpu",
+    spec={},
+    run_dir="/tmp/run",
+)
+
+
+def _events(stream: io.StringIO) -> list[WorkerEvent]:
+    lines = stream.getvalue().splitlines()
+    assert all(line.startswith(WORKER_EVENT_PREFIX) for line in lines)
+    return [WorkerEvent.model_validate_json(line.removeprefix(WORKER_EVENT_PREFIX)) for line in lines]
+
+
+def test_log_event_carries_the_worker_key() -> None:
+    stream = io.StringIO()
+    EventWriter(CONFIG, stream).log("resumed from step 4")
+    [event] = _events(stream)
+    assert (event.job_id, event.generation, event.rank) == (7, 3, 0)
+    assert (event.kind, event.message) == ("log", "resumed from step 4")
+
+
+def test_progress_is_rate_limited_except_first_and_forced() -> None:
+    stream = io.StringIO()
+    reporter = ProgressReporter(
+        EventWriter(CONFIG, stream), total_steps=10, batch_size=4, samples_per_epoch=8, every_s=3600
+    )
+    reporter.restart_clock()
+    written = [reporter.step_done(step, 1.0 / step, 4, force=step == 10) for step in range(1, 11)]
+    assert written == [True] + [False] * 8 + [True]
+    first, last = _events(stream)
+    assert (first.step, first.total_steps, first.epoch, first.loss) == (1, 10, 0.5, 1.0)
+    assert (last.step, last.epoch, last.loss) == (10, 5.0, 0.1)
+    assert last.samples_per_s is not None and last.samples_per_s > 0

@@ -1,0 +1,38 @@
+"""The worker's environment settings: defaults with nothing set, values parsed, and a bad value
+refused with the variable and the value quoted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic.worker.settings import WorkerSettings, WorkerSettingsError
+
+
+def test_defaults_need_no_environment() -> None:
+    assert WorkerSettings.from_env({}) == WorkerSettings(
+        threads=1, pg_timeout_s=60.0, checkpoint_every_s=30.0, progress_every_s=0.5
+    )
+
+
+def test_values_are_read() -> None:
+    settings = WorkerSettings.from_env(
+        {
+            "OMP_NUM_THREADS": "4",
+            "BUNGEE_PG_TIMEOUT_S": "5",
+            "BUNGEE_CHECKPOINT_EVERY_S": "0.25",
+            "BUNGEE_PROGRESS_EVERY_S": "2",
+            "BUNGEE_RECORD_SAMPLES": "/tmp/samples.jsonl",
+        }
+    )
+    assert settings == WorkerSettings(4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("OMP_NUM_THREADS", "many"), ("OMP_NUM_THREADS", "0"), ("BUNGEE_PG_TIMEOUT_S", "-1")],
+)
+def test_bad_values_are_refused_with_name_and_value(name: str, value: str) -> None:
+    with pytest.raises(WorkerSettingsError, match=f"{name}='{value}'"):
+        WorkerSettings.from_env({name: value})

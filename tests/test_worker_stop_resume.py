@@ -1,0 +1,91 @@
+"""Real worker processes on CPU: a fixed two-worker run completes and learns; a SIGTERM to one
+rank stops every rank after the same step with that step saved; a single worker resumes from it,
+completes, and ends with the parameters of the fixed run."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE
+from elastic.worker.checkpoint import checkpoint_path, load_checkpoint
+from elastic.worker.local import LocalWorkers, WorkerOutput
+
+pytestmark = pytest.mark.slow
+
+TOTAL_STEPS = 400
+# No dropout: its masks depend on each rank's share, so only then is a 2-then-1 run the same
+# computation as a 2-worker run.
+SPEC = {
+    "name": "stop-resume",
+    "workload": "digits-mlp",
+    "steps": TOTAL_STEPS,
+    "hyperparameters": {"dropout": 0.0},
+}
+ENV = {"OMP_NUM_THREADS": "1", "BUNGEE_PG_TIMEOUT_S": "30"}
+
+
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+def _describe(outputs: list[WorkerOutput]) -> str:
+    return "\n".join(f"rank {o.rank} exit {o.returncode}: {o.lines} {o.stderr}" for o in outputs)
+
+
+@pytest.fixture(scope="module")
+def fixed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[WorkerOutput]]:
+    run_dir = tmp_path_factory.mktemp("fixed")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _env(monkeypatch)
+        with LocalWorkers(SPEC, world_size=2, run_dir=run_dir) as workers:
+            return run_dir, workers.wait()
+
+
+def test_fixed_run_completes_and_learns(fixed_run: tuple[Path, list[WorkerOutput]]) -> None:
+    run_dir, outputs = fixed_run
+    assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE] * 2, _describe(outputs)
+    leader, follower = outputs
+    progress = leader.of_kind("progress")
+    assert not follower.of_kind("progress")
+    assert progress[0].step == 1 and progress[-1].step == TOTAL_STEPS
+    assert all(event.total_steps == TOTAL_STEPS for event in progress)
+    assert progress[-1].epoch == pytest.approx(TOTAL_STEPS * 64 / 1437)
+    assert progress[-1].loss is not None and progress[0].loss is not None
+    assert progress[-1].loss < progress[0].loss / 4
+    assert all(event.samples_per_s and event.samples_per_s > 0 for event in progress)
+    assert leader.log_messages()[0] == f"starting from step 0 of {TOTAL_STEPS}, world size 2"
+    state = load_checkpoint(checkpoint_path(run_dir))
+    assert state is not None and state.step == TOTAL_STEPS
+
+
+def test_stop_then_resume_on_fewer_workers_matches_the_fixed_run(
+    fixed_run: tuple[Path, list[WorkerOutput]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _env(monkeypatch)
+    with LocalWorkers(SPEC, world_size=2, run_dir=tmp_path) as workers:
+        workers.wait_for(0, lambda event: event.kind == "progress")
+        workers.send_signal(1, signal.SIGTERM)
+        stopped = workers.wait()
+    assert [o.returncode for o in stopped] == [STOPPED_EXIT_CODE] * 2, _describe(stopped)
+    saved = load_checkpoint(checkpoint_path(tmp_path))
+    assert saved is not None and 0 < saved.step < TOTAL_STEPS
+    assert stopped[0].log_messages()[-1] == f"stopping at step {saved.step}"
+    assert stopped[0].of_kind("progress")[-1].step == saved.step
+
+    with LocalWorkers(SPEC, world_size=1, run_dir=tmp_path, generation=2) as workers:
+        [resumed] = workers.wait()
+    assert resumed.returncode == COMPLETED_EXIT_CODE, _describe([resumed])
+    assert resumed.log_messages()[0] == f"resumed from step {saved.step} of {TOTAL_STEPS}, world size 1"
+    progress = resumed.of_kind("progress")
+    assert progress[0].step == saved.step + 1 and progress[-1].step == TOTAL_STEPS
+
+    final = load_checkpoint(checkpoint_path(tmp_path))
+    fixed = load_checkpoint(checkpoint_path(fixed_run[0]))
+    assert final is not None and fixed is not None and final.step == fixed.step == TOTAL_STEPS
+    for name, tensor in fixed.model.items():
+        assert torch.allclose(final.model[name], tensor, rtol=1e-5, atol=1e-5), name
