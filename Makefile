@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Front-end libraries come from the npm registry into static/vendor (served by the portal) and
+# tests/browser (axe-core for the accessibility check); never copied by hand, never a CDN.
+STATIC_LIBS := static/vendor/node_modules/.package-lock.json
+TEST_LIBS := tests/browser/node_modules/.package-lock.json
 
 .PHONY: demo test install lint clean
 
@@ -12,14 +16,20 @@ $(STAMP): requirements.txt requirements-test.txt
 	$(PY) -m pip install --quiet -r requirements-test.txt
 	touch $(STAMP)
 
-install: $(STAMP)
+$(STATIC_LIBS): static/vendor/package-lock.json
+	npm ci --prefix static/vendor --no-audit --no-fund --loglevel=error
 
-demo: $(STAMP)
+$(TEST_LIBS): tests/browser/package-lock.json
+	npm ci --prefix tests/browser --no-audit --no-fund --loglevel=error
+
+install: $(STAMP) $(STATIC_LIBS)
+
+demo: install
 	$(PY) -m portal.demo
 
-test: $(STAMP)
+test: install $(TEST_LIBS)
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) var test-output
+	rm -rf $(VENV) var test-output static/vendor/node_modules tests/browser/node_modules

@@ -91,6 +91,36 @@ def _errors_from(exc: ValidationError, data: Any, prefix: str = "") -> list[Fiel
     return errors
 
 
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
+    """The rules that involve two fields, reported on the field a person would change."""
+    errors = []
+    low, high = _as_number(data.get("min_workers", 1)), _as_number(data.get("max_workers", 1))
+    if low is not None and high is not None and high < low:
+        errors.append(
+            FieldError("max_workers", f"must be at least min_workers ({data.get('min_workers')})", data.get("max_workers"))
+        )
+    has_steps = data.get("steps") not in (None, "")
+    has_epochs = data.get("epochs") not in (None, "")
+    if has_steps and has_epochs:
+        errors.append(FieldError("epochs", "give exactly one of steps and epochs, not both", data.get("epochs")))
+    elif not has_steps and not has_epochs:
+        errors.append(FieldError("steps", "give exactly one of steps and epochs", None))
+    return errors
+
+
 def validate_spec(data: Any) -> JobSpec:
     """Validate a submitted spec (a dict, as parsed from JSON or YAML).
 
@@ -99,12 +129,13 @@ def validate_spec(data: Any) -> JobSpec:
     """
     if not isinstance(data, dict):
         raise SpecError([FieldError("spec", "must be an object", data)])
-    errors: list[FieldError] = []
+    errors = _cross_field_errors(data)
     spec: JobSpec | None = None
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        errors.extend(_errors_from(exc, data))
+        # Whole-spec errors repeat the cross-field ones above, which name their field.
+        errors.extend(e for e in _errors_from(exc, data) if e.field != "spec")
 
     workload = data.get("workload")
     info = CATALOGUE.get(workload) if isinstance(workload, str) else None

@@ -38,6 +38,9 @@ class DeviceProcess(_Message):
     pid: int
     name: str
     memory_bytes: int = Field(ge=0)
+    utilization_pct: float | None = Field(
+        None, ge=0, le=100, description="this process's share of the device's compute, where known"
+    )
     ours: bool = Field(description="started by the agent as an elastic worker")
     job_id: int | None = None
 

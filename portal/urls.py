@@ -3,11 +3,13 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from portal.api import api
-from portal.jobs import views as job_views
+from portal.jobs import views
 
 urlpatterns = [
-    path("", job_views.job_list, name="job-list"),
-    path("jobs/<int:job_id>/", job_views.job_page, name="job-page"),
+    path("", views.board, name="board"),
+    path("jobs/", views.job_list, name="job-list"),
+    path("jobs/new/", views.submit_page, name="job-submit"),
+    path("jobs/<int:job_id>/", views.job_page, name="job-page"),
     path("login/", auth_views.LoginView.as_view(template_name="login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

@@ -90,3 +90,26 @@ VALID_SPEC = {
     "max_workers": 2,
     "steps": 50,
 }
+
+
+@pytest.fixture(scope="session")
+def browser_platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The whole platform with one agent of four simulated devices, shared by the browser tests."""
+    from tests.platform import running_platform
+
+    with running_platform(tmp_path_factory.mktemp("browser-platform"), {"node-b": 4}) as platform:
+        platform.wait_for("the agent's devices", lambda: sum(
+            len(n["devices"]) for n in platform.api("alice").get("/api/cluster").json()["nodes"]) == 4)
+        yield platform
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Any:
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser_support import CHROMIUM, CHROMIUM_ARGS
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

@@ -13,6 +13,8 @@ DATABASES = {
         os.environ.get("TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bungee")
     )
 }
+# One test database per test run, so that two runs on one machine do not drop each other's.
+DATABASES["default"]["TEST"] = {"NAME": f"test_bungee_{os.getpid()}"}
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 CHANNEL_LAYERS = {
     "default": {

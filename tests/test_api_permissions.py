@@ -103,6 +103,7 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
         "/api/jobs/{job_id}/metrics",
         "/api/jobs/{job_id}/logs",
         "/api/cluster",
+        "/api/cluster/history",
         "/api/devices/{device_id}/samples",
         "/api/workloads",
         "/api/agent/register",

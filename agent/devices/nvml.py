@@ -43,6 +43,7 @@ class GpuProcess:
 
     pid: int
     memory_bytes: int | None
+    utilization_pct: float | None = None
 
 
 def classify_processes(
@@ -57,13 +58,17 @@ def classify_processes(
     their descendants to their job id. The owner is present when any process is not ours.
     """
     memory: dict[int, int] = {}
+    utilization: dict[int, float] = {}
     for process in found:
         memory[process.pid] = max(memory.get(process.pid, 0), process.memory_bytes or 0)
+        if process.utilization_pct is not None:
+            utilization[process.pid] = max(utilization.get(process.pid, 0.0), process.utilization_pct)
     processes = [
         DeviceProcess(
             pid=pid,
             name=name_of(pid),
             memory_bytes=used,
+            utilization_pct=utilization.get(pid),
             ours=pid in ours,
             job_id=ours.get(pid),
         )
@@ -129,6 +134,7 @@ class NvmlBackend(DeviceBackend):
             if count < 1:
                 raise BackendUnavailableError("NVML initialised but found no GPU")
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            self._last_sample_us: dict[int, int] = {}
             self._devices = [
                 DeviceInfo(
                     index=index,
@@ -184,8 +190,15 @@ class NvmlBackend(DeviceBackend):
         rates = _optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
         temperature = _optional(lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
         power_mw = _optional(lambda: pynvml.nvmlDeviceGetPowerUsage(handle))
+        # Per-process SM utilisation since the previous sample of this GPU (NVML keeps a short
+        # ring of samples; asking from the last timestamp reads only the new ones).
+        since_us = self._last_sample_us.get(index, 0)
+        self._last_sample_us[index] = int(taken_at * 1e6)
+        sm_util: dict[int, float] = {}
+        for reading in _optional(lambda: pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)) or []:
+            sm_util[int(reading.pid)] = max(sm_util.get(int(reading.pid), 0.0), float(reading.smUtil))
         found = [
-            GpuProcess(pid=int(p.pid), memory_bytes=p.usedGpuMemory)
+            GpuProcess(pid=int(p.pid), memory_bytes=p.usedGpuMemory, utilization_pct=sm_util.get(int(p.pid)))
             for p in [
                 *(_optional(lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []),
                 *(_optional(lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle)) or []),

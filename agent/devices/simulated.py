@@ -113,7 +113,10 @@ class SimulatedBackend(DeviceBackend):
                 busy[index] += cpu_pct
                 memory[index] += rss
                 processes[index].append(
-                    DeviceProcess(pid=pid, name=name, memory_bytes=rss, ours=True, job_id=job_id)
+                    DeviceProcess(
+                        pid=pid, name=name, memory_bytes=rss, utilization_pct=min(100.0, cpu_pct),
+                        ours=True, job_id=job_id,
+                    )
                 )
             self._tracked = seen
             owners = set(self._owners)

@@ -49,6 +49,21 @@ def device_samples(request: HttpRequest, device_id: int, minutes: int = 60) -> A
     return list(DeviceSample.objects.filter(device_id=device_id, taken_at__gte=since).order_by("taken_at"))
 
 
+@cluster_router.get("/cluster/history", summary="Every device's sample history, for sparklines")
+def cluster_history(request: HttpRequest, minutes: int = 10) -> dict[str, list[list[float]]]:
+    """Device id to [[unix time, utilisation %, memory used bytes], ...], oldest first."""
+    if not 1 <= minutes <= MAX_HISTORY_MINUTES:
+        raise ApiError(400, "invalid_request", f"minutes must be in [1, {MAX_HISTORY_MINUTES}], not {minutes}")
+    since = timezone.now() - timedelta(minutes=minutes)
+    history: dict[str, list[list[float]]] = {}
+    rows = DeviceSample.objects.filter(taken_at__gte=since).order_by("taken_at").values_list(
+        "device_id", "taken_at", "utilization_pct", "memory_used_bytes"
+    )
+    for device_id, taken_at, utilization, memory in rows:
+        history.setdefault(str(device_id), []).append([taken_at.timestamp(), utilization, memory])
+    return history
+
+
 class WorkloadOut(Schema):
     name: str
     title: str

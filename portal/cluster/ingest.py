@@ -186,7 +186,12 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
             )
             broadcast.job_changed(job)
     elif job.state == JobState.RUNNING and event.generation == job.generation:
-        ResizeEvent.objects.filter(job=job, generation=job.generation, completed_at=None).update(completed_at=at)
+        first_step = ResizeEvent.objects.filter(
+            job=job, generation=job.generation, completed_at=None
+        ).update(completed_at=at)
+        if first_step:
+            Job.objects.filter(pk=job.pk).update(message=f"running on {job.allocations.count()} workers")
+            broadcast.job_changed(job)
     broadcast.send(
         broadcast.job_group(job.pk),
         {
@@ -209,10 +214,11 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
 
 def _on_log(node: Node, job: Job, event: WorkerEvent) -> None:
     line = (event.message or "")[:LOG_LINE_LIMIT]
-    JobLog.objects.create(job=job, generation=event.generation, rank=event.rank, at=_at(event.at), line=line)
+    row = JobLog.objects.create(job=job, generation=event.generation, rank=event.rank, at=_at(event.at), line=line)
     broadcast.send(
         broadcast.job_group(job.pk),
-        {"type": "log", "job_id": job.pk, "rank": event.rank, "generation": event.generation, "line": line, "at": event.at},
+        {"type": "log", "id": row.pk, "job_id": job.pk, "rank": event.rank, "generation": event.generation,
+         "line": line, "at": event.at},
     )
 
 

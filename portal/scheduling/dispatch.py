@@ -43,7 +43,9 @@ def stop_job_workers(job_id: int, before_generation: int, reason: str) -> None:
 
 
 def run_dir(job: Job) -> str:
-    return os.path.join(settings.BUNGEE["RUN_DIR"], f"job-{job.pk}")
+    """The job's checkpoint directory. Named by id and submission time, so that a database
+    that starts over (ids reused) never resumes a job from another job's checkpoint."""
+    return os.path.join(settings.BUNGEE["RUN_DIR"], f"job-{job.pk}-{job.created_at:%Y%m%dT%H%M%S%f}")
 
 
 def launch_if_ready(job_id: int) -> bool:

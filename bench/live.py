@@ -1,0 +1,159 @@
+"""Live-update latency: how long a device sample takes from being taken on the node to arriving
+in every open browser socket, and what it costs the portal.
+
+One run, side by side on the same platform: (1) ours, the Channels push to N sockets; (2) the
+baseline dashboards without push use, N clients polling GET /api/cluster once a second (delay
+= age of the newest sample when the poll returns). The simulated backend plays D devices sampled
+every second. Prints min/p50/p95/max per approach and the portal's CPU use; the last line is one
+JSON object.
+
+    python bench/live.py [--devices 256] [--sockets 20] [--seconds 30] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform as host
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.platform import Platform, running_platform  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "min_ms": round(min(values) * 1000, 1),
+        "p50_ms": round(statistics.median(values) * 1000, 1),
+        "p95_ms": round(percentile(values, 95) * 1000, 1),
+        "max_ms": round(max(values) * 1000, 1),
+    }
+
+
+async def sockets(platform: Platform, count: int, seconds: float, devices: int) -> list[float]:
+    """Per (socket, sample): arrival time minus the time the agent took the sample."""
+    from websockets.asyncio.client import connect
+
+    delays: list[float] = []
+    url = platform.base_url.replace("http", "ws") + "/ws/live/"
+    headers = {"Authorization": f"Bearer {platform.tokens['alice']}"}
+    deadline = time.time() + seconds
+
+    async def one() -> None:
+        async with connect(url, additional_headers=headers, origin="http://127.0.0.1", max_size=2**24) as ws:  # type: ignore[arg-type]
+            while time.time() < deadline:
+                try:
+                    raw = await asyncio.wait_for(ws.recv(), timeout=max(0.1, deadline - time.time()))
+                except TimeoutError:
+                    break
+                arrived = time.time()
+                message = json.loads(raw)
+                if message.get("type") == "samples":
+                    delays.extend(arrived - s["taken_at"] for s in message["samples"])
+
+    await asyncio.gather(*(one() for _ in range(count)))
+    return delays
+
+
+async def polling(platform: Platform, count: int, seconds: float) -> list[float]:
+    """Per (client, poll, device): when the poll returned minus when its newest sample was taken."""
+    delays: list[float] = []
+    deadline = time.time() + seconds
+    headers = {"Authorization": f"Bearer {platform.tokens['alice']}"}
+
+    async def one(offset: float) -> None:
+        async with httpx.AsyncClient(base_url=platform.base_url, headers=headers, timeout=30) as client:
+            await asyncio.sleep(offset)
+            while time.time() < deadline:
+                started = time.time()
+                reply = await client.get("/api/cluster")
+                arrived = time.time()
+                for node in reply.json()["nodes"]:
+                    delays.extend(arrived - d["sample"]["taken_at"] for d in node["devices"] if d["sample"])
+                await asyncio.sleep(max(0.0, 1.0 - (time.time() - started)))
+
+    await asyncio.gather(*(one(i / count) for i in range(count)))
+    return delays
+
+
+def portal_cpu(platform: Platform) -> psutil.Process:
+    portal = next(p for p in platform.group.processes if p.name == "portal")
+    return psutil.Process(portal.process.pid)
+
+
+def measure(platform: Platform, run: object) -> tuple[list[float], float]:
+    process = portal_cpu(platform)
+    before = process.cpu_times()
+    started = time.time()
+    delays = asyncio.run(run)  # type: ignore[arg-type]
+    after = process.cpu_times()
+    wall = time.time() - started
+    cpu_pct = 100 * ((after.user - before.user) + (after.system - before.system)) / wall
+    return delays, cpu_pct
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=256)
+    parser.add_argument("--sockets", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="10 s per phase, one repeat")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.repeats = 10, 1
+
+    with tempfile.TemporaryDirectory() as tmp, running_platform(Path(tmp), {"bench-node": args.devices}) as platform:
+        api = platform.api("alice")
+        platform.wait_for("the devices", lambda: sum(len(n["devices"]) for n in api.get("/api/cluster").json()["nodes"]) == args.devices, timeout_s=90)
+        platform.wait_for("samples", lambda: all(d["sample"] for n in api.get("/api/cluster").json()["nodes"] for d in n["devices"]), timeout_s=60)
+        push: list[float] = []
+        poll: list[float] = []
+        push_cpu: list[float] = []
+        poll_cpu: list[float] = []
+        for repeat in range(args.repeats):
+            delays, cpu = measure(platform, sockets(platform, args.sockets, args.seconds, args.devices))
+            push += delays
+            push_cpu.append(cpu)
+            delays, cpu = measure(platform, polling(platform, args.sockets, args.seconds))
+            poll += delays
+            poll_cpu.append(cpu)
+            print(f"repeat {repeat + 1}: push p50 {statistics.median(push) * 1000:.0f} ms, poll p50 {statistics.median(poll) * 1000:.0f} ms", flush=True)
+
+    conditions = (
+        f"{host.node()}: {psutil.cpu_count()} cores, Python {host.python_version()}; {args.devices} simulated "
+        f"devices sampled every 1 s by one agent; {args.sockets} clients; {args.repeats} x {args.seconds:.0f} s per "
+        f"approach, interleaved; portal = one daphne process; Redis and PostgreSQL on the same machine"
+    )
+    ours, baseline = summary(push), summary(poll)
+    print(f"\nconditions: {conditions}")
+    print(f"{'approach':<34} {'n':>8} {'min':>8} {'p50':>8} {'p95':>8} {'max':>8}  portal CPU")
+    for name, s, cpu in (("Channels push (ours)", ours, push_cpu), ("HTTP polling 1/s (baseline)", baseline, poll_cpu)):
+        print(f"{name:<34} {s['n']:>8} {s['min_ms']:>6.0f}ms {s['p50_ms']:>6.0f}ms {s['p95_ms']:>6.0f}ms {s['max_ms']:>6.0f}ms"
+              f"  {statistics.median(cpu):.0f}% (min {min(cpu):.0f}, max {max(cpu):.0f})")
+    print(json.dumps({
+        "bench": "live", "devices": args.devices, "sockets": args.sockets,
+        "p50_ms": ours["p50_ms"], "p95_ms": ours["p95_ms"], "max_ms": ours["max_ms"], "min_ms": ours["min_ms"],
+        "portal_cpu_pct": round(statistics.median(push_cpu), 1),
+        "baseline_polling": {**baseline, "portal_cpu_pct": round(statistics.median(poll_cpu), 1)},
+        "seconds": args.seconds, "repeats": args.repeats
+    }))
+
+
+if __name__ == "__main__":
+    main()

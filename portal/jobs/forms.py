@@ -1,0 +1,106 @@
+"""The submit form's side of the one spec validation: turn the posted fields (or a pasted or
+uploaded YAML spec) into the spec dict that `elastic.spec.validate_spec` checks, and describe
+each workload's hyperparameters for the template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from django.http import QueryDict
+from django.utils.datastructures import MultiValueDict
+
+from elastic.spec import FieldError
+from elastic.workloads import CATALOGUE
+from portal.errors import ApiError
+
+SPEC_FIELDS = ("name", "workload", "min_workers", "max_workers", "priority", "consistency", "seed")
+MAX_YAML_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class HyperparameterField:
+    name: str
+    label: str
+    kind: str  # "integer" or "number"
+    default: Any
+    minimum: Any
+    maximum: Any
+    description: str
+
+    def input_id(self, workload: str) -> str:
+        return f"hp-{workload}-{self.name}"
+
+
+def hyperparameter_fields(workload: str) -> list[HyperparameterField]:
+    schema = CATALOGUE[workload].schema()
+    fields = []
+    for name, prop in schema["properties"].items():
+        fields.append(
+            HyperparameterField(
+                name=name,
+                label=name,
+                kind=prop.get("type", "number"),
+                default=prop.get("default"),
+                minimum=prop.get("minimum", prop.get("exclusiveMinimum")),
+                maximum=prop.get("maximum", prop.get("exclusiveMaximum")),
+                description=prop.get("description", ""),
+            )
+        )
+    return fields
+
+
+def spec_from_yaml(text: str) -> Any:
+    """Parse a YAML (or JSON) spec. Raises ApiError 400 quoting the parser's complaint."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ApiError(400, "malformed_body", f"the YAML spec does not parse: {exc}",
+                       [FieldError("spec_yaml", f"not valid YAML: {exc}", text[:200])]) from exc
+
+
+def uses_yaml(post: QueryDict, files: MultiValueDict) -> bool:
+    """Whether the person gave the spec as YAML (which then replaces the form's fields)."""
+    return files.get("spec_file") is not None or bool(post.get("spec_yaml", "").strip())
+
+
+def spec_from_post(post: QueryDict, files: MultiValueDict) -> Any:
+    """The spec a person submitted: the uploaded or pasted YAML if there is one, else the form's
+    fields (empty ones left out so that defaults apply)."""
+    upload = files.get("spec_file")
+    if upload is not None:
+        if upload.size > MAX_YAML_BYTES:
+            raise ApiError(400, "invalid_spec", f"the uploaded spec is {upload.size} bytes; at most {MAX_YAML_BYTES}",
+                           [FieldError("spec_file", "too large", upload.size)])
+        return spec_from_yaml(upload.read().decode("utf-8", errors="replace"))
+    if post.get("spec_yaml", "").strip():
+        return spec_from_yaml(post["spec_yaml"])
+    spec: dict[str, Any] = {key: post[key] for key in SPEC_FIELDS if post.get(key, "").strip() != ""}
+    length_kind = post.get("length_kind", "steps")
+    if post.get("length", "").strip():
+        spec["epochs" if length_kind == "epochs" else "steps"] = post["length"]
+    workload = post.get("workload", "")
+    if workload in CATALOGUE:
+        spec["hyperparameters"] = {
+            field.name: post[field.input_id(workload)]
+            for field in hyperparameter_fields(workload)
+            if post.get(field.input_id(workload), "").strip() != ""
+        }
+    return spec
+
+
+def errors_by_input(error: ApiError, workload: str, from_yaml: bool) -> dict[str, str]:
+    """Map the API's field errors to the form's input ids (a YAML spec's keep the spec's names)."""
+    mapped: dict[str, str] = {}
+    for field in error.fields:
+        name = field.field
+        if from_yaml:
+            if name not in {"spec_yaml", "spec_file"}:
+                name = f"spec.{name}"
+        elif name.startswith("hyperparameters."):
+            name = f"hp-{workload}-{name.removeprefix('hyperparameters.')}"
+        elif name in {"steps", "epochs"}:
+            name = "length"
+        mapped.setdefault(name, field.message)
+    return mapped

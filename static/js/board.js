@@ -1,0 +1,317 @@
+// The cluster board: every device with its live readings, and every active job as a bar whose
+// length is its worker count. A job's owner (or staff) drags the bar's right edge, or focuses
+// the bar and uses the arrow keys and Enter, to resize it; a size outside [min, max] or beyond
+// the free devices snaps back with the reason. Everything arrives over the live socket.
+(function () {
+  "use strict";
+  const boot = BungeeLive.bootstrap();
+  const viewer = boot.viewer;
+  const devices = new Map();
+  const jobs = new Map();
+  const pending = new Map();
+  const HISTORY_S = 300;
+  const FINAL = new Set(["succeeded", "failed", "cancelled"]);
+  boot.jobs.forEach((job) => jobs.set(job.id, job));
+
+  const $ = (sel, root) => (root || document).querySelector(sel);
+  const el = (tag, attrs, text) => {
+    const node = document.createElement(tag);
+    Object.entries(attrs || {}).forEach(([k, v]) => node.setAttribute(k, v));
+    if (text !== undefined) node.textContent = text;
+    return node;
+  };
+  const hue = (id) => (id * 137.508) % 360;
+  const bytes = (n) => {
+    if (n === null || n === undefined) return "–";
+    const units = ["B", "KB", "MB", "GB", "TB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+    return n.toFixed(n >= 10 || i === 0 ? 0 : 1) + " " + units[i];
+  };
+  const mayManage = (job) => viewer.is_staff || job.owner === viewer.username;
+
+  function holderOf(device) {
+    if (device.holder === "lost") return "lost";
+    if (device.sample && device.sample.owner_present) return "owner";
+    return device.job ? "job" : (device.holder === "owner" ? "owner" : "free");
+  }
+
+  // --- devices -------------------------------------------------------------------------------
+  function loadCluster(cluster) {
+    const seen = new Set();
+    cluster.nodes.forEach((node) => node.devices.forEach((d) => {
+      const old = devices.get(d.id);
+      devices.set(d.id, Object.assign({}, d, { node: node.name, nodeState: node.state,
+        history: old ? old.history : [] }));
+      if (d.sample) pushHistory(devices.get(d.id), d.sample);
+      seen.add(d.id);
+    }));
+    [...devices.keys()].forEach((id) => { if (!seen.has(id)) devices.delete(id); });
+    renderDevices();
+    renderJobs();
+  }
+
+  function pushHistory(device, sample) {
+    const h = device.history;
+    if (!h.length || h[h.length - 1][0] < sample.taken_at) h.push([sample.taken_at, sample.utilization_pct]);
+    const cutoff = sample.taken_at - HISTORY_S;
+    while (h.length && h[0][0] < cutoff) h.shift();
+  }
+
+  function sparkline(history) {
+    const w = 120, h = 24;
+    const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+    svg.setAttribute("viewBox", "0 0 " + w + " " + h);
+    svg.setAttribute("class", "spark");
+    svg.setAttribute("aria-hidden", "true");
+    if (history.length > 1) {
+      // The x axis spans what there is, up to HISTORY_S: a fresh page still draws a line.
+      const last = history[history.length - 1][0];
+      const span = Math.max(10, Math.min(HISTORY_S, last - history[0][0]));
+      const t0 = last - span;
+      const points = history.filter(([t]) => t >= t0).map(([t, u]) =>
+        ((t - t0) / span * w).toFixed(1) + "," + (h - 1 - (u / 100) * (h - 2)).toFixed(1));
+      const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+      line.setAttribute("points", points.join(" "));
+      svg.appendChild(line);
+    }
+    return svg;
+  }
+
+  function perJob(sample) {
+    if (!sample || !sample.processes) return "";
+    const shares = new Map();
+    sample.processes.forEach((p) => {
+      if (p.job_id === null || p.job_id === undefined) return;
+      const s = shares.get(p.job_id) || { util: 0, mem: 0, known: false };
+      if (p.utilization_pct !== null && p.utilization_pct !== undefined) { s.util += p.utilization_pct; s.known = true; }
+      s.mem += p.memory_bytes;
+      shares.set(p.job_id, s);
+    });
+    return [...shares.entries()].map(([id, s]) =>
+      "#" + id + ": " + (s.known ? s.util.toFixed(0) + "%" : "–") + " · " + bytes(s.mem)).join("; ");
+  }
+
+  function renderDevices() {
+    const body = $("#devices tbody");
+    body.replaceChildren();
+    [...devices.values()].forEach((d) => {
+      const row = el("tr", { "data-device": d.id });
+      row.appendChild(el("th", { scope: "row" }, d.node + "/" + d.index));
+      const util = el("td", { class: "util" });
+      util.append(el("span", { "data-field": "util" }), sparkline(d.history));
+      row.appendChild(util);
+      row.appendChild(el("td", { "data-field": "mem" }));
+      row.appendChild(el("td", { "data-field": "temp" }));
+      row.appendChild(el("td", { "data-field": "power" }));
+      row.appendChild(el("td", { "data-field": "holder" }));
+      row.appendChild(el("td", { "data-field": "share" }));
+      body.appendChild(row);
+      updateDeviceRow(d);
+    });
+    summarise();
+  }
+
+  function updateDeviceRow(d) {
+    const row = $('#devices tr[data-device="' + d.id + '"]');
+    if (!row) return;
+    const s = d.sample;
+    $('[data-field="util"]', row).textContent = s ? s.utilization_pct.toFixed(0) + "%" : "–";
+    const spark = $(".spark", row);
+    if (spark) spark.replaceWith(sparkline(d.history));
+    $('[data-field="mem"]', row).textContent = s ? bytes(s.memory_used_bytes) + " / " + bytes(s.memory_total_bytes) : "–";
+    $('[data-field="temp"]', row).textContent = s && s.temperature_c !== null ? s.temperature_c.toFixed(0) + " °C" : "–";
+    $('[data-field="power"]', row).textContent = s && s.power_w !== null ? s.power_w.toFixed(0) + " W" : "–";
+    const holder = $('[data-field="holder"]', row);
+    const kind = holderOf(d);
+    holder.replaceChildren();
+    if (kind === "job" && d.job) {
+      const tag = el("span", { class: "tag job-tag", style: "--job-hue:" + hue(d.job.id) },
+        "#" + d.job.id + " " + d.job.name + " (" + d.job.owner + ")");
+      holder.appendChild(tag);
+    } else {
+      holder.appendChild(el("span", { class: "tag tag-" + kind }, { free: "free", owner: "its owner", lost: "lost" }[kind] || kind));
+    }
+    $('[data-field="share"]', row).textContent = perJob(s);
+  }
+
+  function summarise() {
+    const all = [...devices.values()];
+    const free = all.filter((d) => holderOf(d) === "free").length;
+    const nodes = new Set(all.map((d) => d.node)).size;
+    $("#board-summary").textContent = nodes + " node(s) · " + all.length + " device(s) · " + free +
+      " free · " + [...jobs.values()].filter((j) => !FINAL.has(j.state)).length + " active job(s)";
+  }
+
+  // --- jobs lane -----------------------------------------------------------------------------
+  const freeDevices = () => [...devices.values()].filter((d) => holderOf(d) === "free").length;
+  const trackSize = () => Math.max(1, [...devices.values()].filter((d) => holderOf(d) !== "lost").length);
+
+  function message(text) {
+    const box = $("#board-message");
+    box.textContent = text;
+    box.hidden = !text;
+  }
+
+  function renderJobs() {
+    const lane = $("#jobs-lane");
+    lane.replaceChildren();
+    const active = [...jobs.values()].filter((j) => !FINAL.has(j.state));
+    if (!active.length) lane.appendChild(el("p", { class: "muted" }, "No active jobs. Submit one from the Submit page."));
+    const cells = trackSize();
+    active.forEach((job) => {
+      const row = el("div", { class: "job-row", "data-job": job.id });
+      const label = el("div", { class: "job-label" });
+      const title = mayManage(job) ? el("a", { href: "/jobs/" + job.id + "/" }, "#" + job.id + " " + job.name)
+        : el("span", {}, "#" + job.id + " " + job.name);
+      label.append(title, el("span", { class: "muted" }, " " + job.owner + " · " + job.state +
+        " · " + job.workers + " of " + job.min_workers + "–" + job.max_workers));
+      const track = el("div", { class: "track", style: "--cells:" + cells });
+      const target = pending.has(job.id) ? pending.get(job.id) : job.workers;
+      const bar = el("div", {
+        class: "bar" + (pending.has(job.id) || job.state === "resizing" ? " resizing" : "") + (mayManage(job) ? " mine" : ""),
+        style: "--job-hue:" + hue(job.id) + ";--workers:" + Math.max(job.workers, 0.25),
+        tabindex: "0",
+        "data-workers": job.workers,
+        "aria-label": "Job " + job.name + " workers",
+      });
+      if (mayManage(job)) {
+        bar.setAttribute("role", "slider");
+        bar.setAttribute("aria-valuemin", "0");
+        bar.setAttribute("aria-valuemax", String(cells));
+        bar.setAttribute("aria-valuenow", String(target));
+        bar.setAttribute("aria-valuetext", target + " workers");
+        const handle = el("span", { class: "handle", "aria-hidden": "true" });
+        bar.appendChild(handle);
+        attachDrag(job, bar, handle, track);
+        attachKeys(job, bar, track);
+      } else {
+        bar.setAttribute("role", "img");
+        bar.setAttribute("aria-label", "Job " + job.name + " of " + job.owner + ": " + job.workers + " workers (not yours to resize)");
+      }
+      bar.appendChild(el("span", { class: "bar-text" }, pending.has(job.id) ? "resizing to " + target + "…" : job.workers + " worker(s)"));
+      track.appendChild(bar);
+      row.append(label, track);
+      lane.appendChild(row);
+    });
+    summarise();
+  }
+
+  function showDraft(bar, track, draft) {
+    bar.style.setProperty("--workers", Math.max(draft, 0.25));
+    bar.querySelector(".bar-text").textContent = "→ " + draft + " worker(s)";
+    bar.setAttribute("aria-valuenow", String(draft));
+    bar.setAttribute("aria-valuetext", draft + " workers");
+    track.classList.add("dragging");
+  }
+
+  async function commit(job, draft) {
+    message("");
+    if (draft === job.workers && !pending.has(job.id)) { renderJobs(); return; }
+    let refusal = "";
+    if (draft < job.min_workers || draft > job.max_workers) {
+      refusal = job.name + " must have between " + job.min_workers + " and " + job.max_workers + " workers; " + draft + " is outside that.";
+    } else if (draft > job.workers + freeDevices()) {
+      refusal = "Only " + freeDevices() + " device(s) are free: " + job.name + " can have at most " + (job.workers + freeDevices()) + " workers now.";
+    }
+    if (refusal) { message(refusal); renderJobs(); return; }
+    pending.set(job.id, draft);
+    renderJobs();
+    const result = await BungeeLive.post("/api/jobs/" + job.id + "/resize", { workers: draft });
+    if (!result.ok) {
+      pending.delete(job.id);
+      message("Resize refused: " + BungeeLive.errorText(result));
+      renderJobs();
+    }
+  }
+
+  function attachDrag(job, bar, handle, track) {
+    let dragging = false;
+    let draft = job.workers;
+    const cellWidth = () => track.getBoundingClientRect().width / trackSize();
+    handle.addEventListener("pointerdown", (event) => {
+      dragging = true;
+      draft = job.workers;
+      handle.setPointerCapture(event.pointerId);
+      event.preventDefault();
+    });
+    handle.addEventListener("pointermove", (event) => {
+      if (!dragging) return;
+      const x = event.clientX - track.getBoundingClientRect().left;
+      draft = Math.max(0, Math.min(trackSize(), Math.round(x / cellWidth())));
+      showDraft(bar, track, draft);
+    });
+    const end = () => { if (dragging) { dragging = false; commit(job, draft); } };
+    handle.addEventListener("pointerup", end);
+    handle.addEventListener("pointercancel", () => { dragging = false; renderJobs(); });
+  }
+
+  function attachKeys(job, bar, track) {
+    let draft = null;
+    bar.addEventListener("keydown", (event) => {
+      const current = draft === null ? job.workers : draft;
+      if (event.key === "ArrowRight" || event.key === "ArrowUp") draft = Math.min(trackSize(), current + 1);
+      else if (event.key === "ArrowLeft" || event.key === "ArrowDown") draft = Math.max(0, current - 1);
+      else if (event.key === "Enter" && draft !== null) { const d = draft; draft = null; commit(job, d).then(() => focusBar(job.id)); return; }
+      else if (event.key === "Escape") { draft = null; renderJobs(); focusBar(job.id); return; }
+      else return;
+      event.preventDefault();
+      showDraft(bar, track, draft);
+    });
+  }
+
+  function focusBar(id) {
+    const bar = $('.job-row[data-job="' + id + '"] .bar');
+    if (bar) bar.focus();
+  }
+
+  // --- live ----------------------------------------------------------------------------------
+  BungeeLive.on(function (msg) {
+    if (msg.type === "cluster") {
+      loadCluster(msg.cluster);
+    } else if (msg.type === "samples") {
+      msg.samples.forEach((s) => {
+        const d = devices.get(s.device_id);
+        if (!d) return;
+        d.sample = s;
+        pushHistory(d, s);
+        updateDeviceRow(d);
+      });
+      summarise();
+    } else if (msg.type === "allocations") {
+      const byDevice = new Map(msg.allocations.map((a) => [a.device_id, a]));
+      devices.forEach((d) => {
+        const a = byDevice.get(d.id);
+        const job = a ? jobs.get(a.job_id) : null;
+        d.job = a ? { id: a.job_id, rank: a.rank, name: job ? job.name : "job " + a.job_id, owner: job ? job.owner : "" } : null;
+        updateDeviceRow(d);
+      });
+      summarise();
+    } else if (msg.type === "job") {
+      const job = msg.job;
+      const focused = document.activeElement && document.activeElement.closest(".job-row");
+      jobs.set(job.id, job);
+      if (pending.has(job.id) && job.workers === pending.get(job.id) && job.state === "running") pending.delete(job.id);
+      if (FINAL.has(job.state)) pending.delete(job.id);
+      const dragging = document.querySelector(".track.dragging");
+      if (!dragging) {
+        renderJobs();
+        if (focused) focusBar(Number(focused.dataset.job));
+      }
+    } else if (msg.type === "job_progress") {
+      const job = jobs.get(msg.job_id);
+      if (job) job.steps_done = msg.steps_done;
+    }
+  });
+
+  fetch("/api/cluster/history?minutes=5", { credentials: "same-origin" }).then((r) => r.ok ? r.json() : {}).then((history) => {
+    Object.entries(history).forEach(([id, rows]) => {
+      const d = devices.get(Number(id));
+      if (!d) return;
+      const live = d.history;
+      d.history = rows.map((r) => [r[0], r[1]]).filter((r) => !live.length || r[0] < live[0][0]).concat(live);
+      updateDeviceRow(d);
+    });
+  });
+  renderJobs();
+})();

@@ -1,0 +1,172 @@
+// The job page: live loss and throughput curves (uPlot), the job's share of each device it
+// holds, the timeline of resizes with the pause each cost, the log tail, and the actions its
+// owner may take. All live over the socket; nothing polls.
+(function () {
+  "use strict";
+  const boot = BungeeLive.bootstrap();
+  let job = boot.job;
+  const $ = (sel) => document.querySelector(sel);
+  const el = (tag, text, attrs) => {
+    const node = document.createElement(tag);
+    if (text !== undefined) node.textContent = text;
+    Object.entries(attrs || {}).forEach(([k, v]) => node.setAttribute(k, v));
+    return node;
+  };
+  const bytes = (n) => (n === null || n === undefined) ? "–" : (n / 2 ** 20).toFixed(0) + " MB";
+  const MAX_POINTS = 5000;
+  const MAX_LOG_LINES = 500;
+
+  // --- charts --------------------------------------------------------------------------------
+  const steps = [], losses = [], speeds = [];
+  boot.metrics.forEach((m) => { steps.push(m.step); losses.push(m.loss); speeds.push(m.samples_per_s); });
+  const css = getComputedStyle(document.documentElement);
+  function chart(target, label, values, colour) {
+    const width = Math.max(280, target.clientWidth || 480);
+    return new uPlot({
+      width: width, height: 220,
+      scales: { x: { time: false } },
+      axes: [{ label: "step", stroke: css.getPropertyValue("--fg") }, { stroke: css.getPropertyValue("--fg") }],
+      series: [{ label: "step" }, { label: label, stroke: colour, width: 2 }],
+      legend: { show: false },
+    }, [steps, values], target);
+  }
+  const lossChart = chart($("#loss-chart"), "loss", losses, "#d9480f");
+  const speedChart = chart($("#speed-chart"), "samples/s", speeds, "#1c7ed6");
+  function redraw() {
+    lossChart.setData([steps, losses]);
+    speedChart.setData([steps, speeds]);
+  }
+  window.addEventListener("resize", () => {
+    [lossChart, speedChart].forEach((c) => c.setSize({ width: Math.max(280, c.root.parentElement.clientWidth), height: 220 }));
+  });
+
+  // --- facts, devices, resizes, log ---------------------------------------------------------
+  function renderFacts() {
+    const facts = $("#facts");
+    facts.replaceChildren();
+    const rows = [
+      ["Owner", job.owner], ["Workload", job.workload],
+      ["Mode", job.consistency + ", " + job.priority],
+      ["Workers", job.workers + " of " + job.min_workers + "–" + job.max_workers +
+        (job.pinned_workers !== null && job.pinned_workers !== undefined ? " (pinned to " + job.pinned_workers + ")" : "")],
+      ["Progress", job.steps_done + " / " + job.total_steps + " steps"],
+      ["Loss", job.last_loss === null || job.last_loss === undefined ? "–" : job.last_loss.toFixed(4)],
+      ["Throughput", job.samples_per_s ? job.samples_per_s.toFixed(0) + " samples/s" : "–"],
+      ["Generation", String(job.generation)],
+    ];
+    if (job.pin_problem) rows.push(["Pin", job.pin_problem]);
+    rows.forEach(([k, v]) => facts.append(el("dt", k), el("dd", v)));
+    const state = $("#job-state");
+    state.textContent = job.state;
+    state.className = "state state-" + job.state;
+    $("#job-message").textContent = job.message || "";
+    const ended = ["succeeded", "failed", "cancelled"].includes(job.state);
+    $("#resize").disabled = ended;
+    $("#cancel").disabled = ended;
+  }
+
+  const deviceSamples = new Map();
+  function renderDevices() {
+    const body = $("#job-devices tbody");
+    body.replaceChildren();
+    (job.allocations || []).forEach((a) => {
+      const s = deviceSamples.get(a.device_id);
+      let util = null, mem = 0;
+      (s && s.processes || []).forEach((p) => {
+        if (p.job_id !== job.id) return;
+        if (p.utilization_pct !== null && p.utilization_pct !== undefined) util = (util || 0) + p.utilization_pct;
+        mem += p.memory_bytes;
+      });
+      const row = el("tr");
+      row.append(el("td", String(a.rank)), el("td", a.node + "/" + a.device_index),
+        el("td", util === null ? "–" : util.toFixed(0) + "%"), el("td", s ? bytes(mem) : "–"),
+        el("td", s ? s.utilization_pct.toFixed(0) + "%" : "–"));
+      body.appendChild(row);
+    });
+    if (!(job.allocations || []).length) {
+      const row = el("tr");
+      row.appendChild(el("td", "no devices now", { colspan: "5" }));
+      body.appendChild(row);
+    }
+  }
+
+  function renderResizes() {
+    const body = $("#resizes tbody");
+    body.replaceChildren();
+    (job.resizes || []).forEach((r) => {
+      const row = el("tr");
+      row.append(el("td", String(r.generation)), el("td", new Date(r.requested_at).toLocaleTimeString()),
+        el("td", r.reason), el("td", r.workers_before + " → " + r.workers_after),
+        el("td", r.pause_s === null || r.pause_s === undefined ? "–" : r.pause_s.toFixed(2) + " s"),
+        el("td", (r.devices_after || []).join(", ")));
+      body.appendChild(row);
+    });
+  }
+
+  const log = $("#log");
+  function appendLog(line) {
+    const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
+    log.append(line + "\n");
+    while (log.childNodes.length > MAX_LOG_LINES) log.removeChild(log.firstChild);
+    if (atBottom) log.scrollTop = log.scrollHeight;
+  }
+  let lastLogId = 0;
+  function addLog(entry) {
+    if (entry.id <= lastLogId) return;
+    lastLogId = entry.id;
+    appendLog("[" + entry.generation + "." + entry.rank + "] " + entry.line);
+  }
+  boot.logs.forEach(addLog);
+
+  async function refresh() {
+    const reply = await fetch("/api/jobs/" + job.id, { credentials: "same-origin" });
+    if (reply.ok) { job = await reply.json(); renderFacts(); renderDevices(); renderResizes(); }
+  }
+
+  async function catchUpLogs() {
+    const reply = await fetch("/api/jobs/" + job.id + "/logs?after=" + lastLogId, { credentials: "same-origin" });
+    if (reply.ok) (await reply.json()).forEach(addLog);
+  }
+
+  // --- actions -------------------------------------------------------------------------------
+  function say(text) {
+    const box = $("#action-message");
+    box.textContent = text;
+    box.hidden = !text;
+  }
+  $("#resize").addEventListener("click", async () => {
+    const raw = $("#resize-to").value.trim();
+    const workers = raw === "" ? null : Number(raw);
+    const result = await BungeeLive.post("/api/jobs/" + job.id + "/resize", { workers: workers });
+    say(result.ok ? (workers === null ? "Pin lifted: the scheduler decides." : "Resizing to " + workers + " workers…") : BungeeLive.errorText(result));
+    if (result.ok) { job = result.body; renderFacts(); }
+  });
+  $("#cancel").addEventListener("click", async () => {
+    if (!confirm("Cancel job " + job.name + "? Its workers stop and its devices are freed.")) return;
+    const result = await BungeeLive.post("/api/jobs/" + job.id + "/cancel");
+    say(result.ok ? "Cancelled." : BungeeLive.errorText(result));
+    if (result.ok) { job = result.body; renderFacts(); renderDevices(); }
+  });
+
+  BungeeLive.on((msg) => {
+    if (msg.type === "progress" && msg.job_id === job.id) {
+      steps.push(msg.step); losses.push(msg.loss); speeds.push(msg.samples_per_s);
+      if (steps.length > MAX_POINTS) { steps.shift(); losses.shift(); speeds.shift(); }
+      job.steps_done = msg.step; job.last_loss = msg.loss; job.samples_per_s = msg.samples_per_s;
+      redraw(); renderFacts();
+    } else if (msg.type === "log" && msg.job_id === job.id) {
+      addLog(msg);
+    } else if (msg.type === "job_state" && msg.job.id === job.id) {
+      refresh();
+    } else if (msg.type === "subscribed" && msg.job_id === job.id) {
+      // After (re)subscribing, whatever happened while the socket was away is fetched once.
+      refresh();
+      catchUpLogs();
+    } else if (msg.type === "samples") {
+      msg.samples.forEach((s) => deviceSamples.set(s.device_id, s));
+      renderDevices();
+    }
+  });
+  BungeeLive.subscribeJob(job.id);
+  renderFacts(); renderDevices(); renderResizes();
+})();

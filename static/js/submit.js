@@ -1,0 +1,23 @@
+// The submit form: show the chosen workload's hyperparameters; load an uploaded YAML file into
+// the text area so the person sees what will be sent.
+(function () {
+  "use strict";
+  const select = document.getElementById("workload");
+  function showChosen() {
+    document.querySelectorAll("fieldset.hyper").forEach(function (set) {
+      const chosen = set.dataset.workload === select.value;
+      set.hidden = !chosen;
+      set.querySelectorAll("input").forEach((input) => { input.disabled = !chosen; });
+    });
+  }
+  select.addEventListener("change", showChosen);
+  showChosen();
+  const file = document.getElementById("spec_file");
+  file.addEventListener("change", async function () {
+    if (!file.files.length) return;
+    document.getElementById("spec_yaml").value = await file.files[0].text();
+    file.value = "";
+  });
+  const firstInvalid = document.querySelector("[aria-invalid=true]");
+  if (firstInvalid) firstInvalid.focus();
+})();

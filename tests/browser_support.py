@@ -1,0 +1,65 @@
+"""Real Chromium (Debian's /usr/bin/chromium) driven by Playwright against the real platform.
+Screenshots go to test-output/screenshots/ so that people can look at them after a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from playwright.sync_api import Browser, Page
+
+from tests.platform import Platform
+
+ROOT = Path(__file__).resolve().parent.parent
+SCREENSHOTS = ROOT / "test-output" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run", "--disable-quic",
+]
+AXE = ROOT / "tests" / "browser" / "node_modules" / "axe-core" / "axe.min.js"
+
+
+def log_in(browser: Browser, platform: Platform, user: str, **context: Any) -> Page:
+    page = browser.new_context(**context).new_page()
+    page.goto(platform.base_url + "/login/")
+    page.fill("#id_username", user)
+    page.fill("#id_password", f"{user}-pass")
+    page.click("button[type=submit]")
+    page.wait_for_url(platform.base_url + "/")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    return page
+
+
+def screenshot(page: Page, name: str) -> Path:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def axe_violations(page: Page) -> list[dict[str, Any]]:
+    """Runs axe-core (WCAG 2 A and AA rules) on the page; returns its violations."""
+    page.add_script_tag(path=str(AXE))
+    result = page.evaluate(
+        "async () => await axe.run(document, {runOnly: {type: 'tag', values: ['wcag2a', 'wcag2aa']}})"
+    )
+    return [
+        {"id": v["id"], "help": v["help"], "nodes": [n["html"][:120] for n in v["nodes"][:3]]}
+        for v in result["violations"]
+    ]
+
+
+def submit_job(platform: Platform, user: str, **spec: Any) -> int:
+    body = {"name": "browser-job", "workload": "digits-mlp", "min_workers": 1, "max_workers": 3,
+            "steps": 1_000_000, **spec}
+    reply = platform.api(user).post("/api/jobs", json=body)
+    assert reply.status_code == 201, reply.text
+    return int(reply.json()["id"])
+
+
+def cancel_all(platform: Platform, user: str) -> None:
+    client = platform.api(user)
+    for job in client.get("/api/jobs", params={"owner": user}).json():
+        if job["state"] in {"queued", "running", "resizing"}:
+            client.post(f"/api/jobs/{job['id']}/cancel")

@@ -1,0 +1,111 @@
+"""The cluster board in real Chromium: live utilisation without reloading; drag-resize with the
+mouse and with the keyboard, landing in a second browser too; a size above max refused; a
+second user sees the bar but cannot drag it, open the job or cancel it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.browser_support import cancel_all, log_in, screenshot, submit_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+
+def bar(page: Any, job_id: int) -> Any:
+    return page.locator(f'.job-row[data-job="{job_id}"] .bar')
+
+
+def wait_workers(page: Any, job_id: int, workers: int) -> None:
+    page.wait_for_function(
+        """([id, n]) => { const b = document.querySelector(`.job-row[data-job="${id}"] .bar`);
+             return b && b.dataset.workers === String(n) && !b.classList.contains('resizing'); }""",
+        arg=[job_id, workers], timeout=90_000,
+    )
+
+
+def drag_to(page: Any, job_id: int, workers: int) -> None:
+    row = page.locator(f'.job-row[data-job="{job_id}"]')
+    track = row.locator(".track").bounding_box()
+    handle = row.locator(".handle").bounding_box()
+    cells = int(page.evaluate("() => getComputedStyle(document.querySelector('.track')).getPropertyValue('--cells')"))
+    page.mouse.move(handle["x"] + handle["width"] / 2, handle["y"] + handle["height"] / 2)
+    page.mouse.down()
+    target_x = track["x"] + track["width"] * workers / cells - 2
+    page.mouse.move(target_x, handle["y"] + handle["height"] / 2, steps=8)
+    page.mouse.up()
+
+
+def test_utilisation_changes_live(browser_platform: Any, chromium: Any) -> None:
+    job_id = submit_job(browser_platform, "alice", name="busy", max_workers=1)
+    page = log_in(chromium, browser_platform, "alice")
+    bar(page, job_id).wait_for()
+    cell = page.locator('#devices tbody tr:first-child [data-field="util"]')
+    page.wait_for_function("() => document.querySelector('#devices tbody tr [data-field=util]').textContent.endsWith('%')")
+    readings = {cell.inner_text()}
+    for _ in range(20):
+        page.wait_for_timeout(700)
+        readings.add(cell.inner_text())
+        if len(readings) >= 3:
+            break
+    assert len(readings) >= 3, f"the board did not change by itself: {readings}"
+    assert page.evaluate("() => performance.getEntriesByType('navigation').length") == 1, "the page reloaded"
+    screenshot(page, "board")
+    cancel_all(browser_platform, "alice")
+
+
+def test_drag_and_keyboard_resize_seen_by_another_browser(browser_platform: Any, chromium: Any) -> None:
+    job_id = submit_job(browser_platform, "alice", name="stretchy", min_workers=1, max_workers=3)
+    alice = log_in(chromium, browser_platform, "alice")
+    watcher = log_in(chromium, browser_platform, "alice")
+    wait_workers(alice, job_id, 3)
+    browser_platform.api("alice").post(f"/api/jobs/{job_id}/resize", json={"workers": 2})
+    wait_workers(alice, job_id, 2)
+
+    drag_to(alice, job_id, 1)
+    assert "resizing to 1" in bar(alice, job_id).inner_text() or bar(alice, job_id).get_attribute("data-workers") == "1"
+    wait_workers(alice, job_id, 1)
+    wait_workers(watcher, job_id, 1)
+    screenshot(watcher, "board-after-drag")
+
+    bar(alice, job_id).focus()
+    alice.keyboard.press("ArrowRight")
+    assert "→ 2" in bar(alice, job_id).inner_text()
+    alice.keyboard.press("Enter")
+    wait_workers(alice, job_id, 2)
+    wait_workers(watcher, job_id, 2)
+
+    drag_to(alice, job_id, 4)
+    message = alice.locator("#board-message")
+    message.wait_for()
+    assert "between 1 and 3" in message.inner_text()
+    assert bar(alice, job_id).get_attribute("data-workers") == "2", "the bar snapped back"
+    detail = browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()
+    assert detail["pinned_workers"] == 2
+    screenshot(alice, "board-refused")
+    cancel_all(browser_platform, "alice")
+
+
+def test_second_user_sees_but_cannot_touch(browser_platform: Any, chromium: Any) -> None:
+    job_id = submit_job(browser_platform, "alice", name="alices", max_workers=1)
+    bob = log_in(chromium, browser_platform, "bob")
+    bar(bob, job_id).wait_for()
+    assert bar(bob, job_id).get_attribute("role") == "img"
+    assert bob.locator(f'.job-row[data-job="{job_id}"] .handle').count() == 0
+    assert bob.locator(f'.job-row[data-job="{job_id}"] a').count() == 0, "no link to another's job"
+    bar(bob, job_id).focus()
+    bob.keyboard.press("ArrowRight")
+    bob.keyboard.press("Enter")
+    assert browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()["pinned_workers"] is None
+    response = bob.goto(f"{browser_platform.base_url}/jobs/{job_id}/")
+    assert response is not None and response.status == 403
+    reply = bob.evaluate(
+        """async (id) => { const csrf = document.cookie.match(/csrftoken=([^;]+)/);
+             const r = await fetch(`/api/jobs/${id}/cancel`, {method: 'POST', headers: {'X-CSRFToken': csrf ? csrf[1] : ''}});
+             return r.status; }""",
+        job_id,
+    )
+    assert reply == 403
+    assert browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()["state"] in {"queued", "running", "resizing"}
+    cancel_all(browser_platform, "alice")

@@ -1,0 +1,53 @@
+"""Submitting through the form in real Chromium: an invalid field is shown next to the field
+with what was typed kept; fixed, the job is stored and the job page shows it start, live."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.browser_support import cancel_all, log_in, screenshot
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+
+def test_submit_with_an_error_then_fixed(browser_platform: Any, chromium: Any) -> None:
+    page = log_in(chromium, browser_platform, "alice")
+    page.click("nav >> text=Submit")
+    page.fill("#name", "from-the-form")
+    page.fill("#min_workers", "3")
+    page.fill("#max_workers", "2")
+    page.fill("#hp-digits-mlp-lr", "0.02")
+    page.fill("#length", "100000")
+    page.click("button[type=submit] >> text=Submit")
+    error = page.locator("#max_workers-error")
+    error.wait_for()
+    assert "must be at least min_workers (3)" in error.inner_text()
+    assert page.locator("#max_workers").get_attribute("aria-invalid") == "true"
+    assert page.input_value("#name") == "from-the-form", "what was typed is kept"
+    assert page.input_value("#hp-digits-mlp-lr") == "0.02"
+    screenshot(page, "submit-error")
+
+    page.fill("#min_workers", "1")
+    page.click("button[type=submit] >> text=Submit")
+    page.wait_for_url("**/jobs/*/")
+    page.wait_for_selector("#job-state.state-running", timeout=60_000)
+    page.wait_for_function("() => document.querySelectorAll('#log').length && document.querySelector('#log').textContent.includes('starting from step 0')", timeout=60_000)
+    screenshot(page, "job-page")
+    cancel_all(browser_platform, "alice")
+
+
+def test_yaml_paste(browser_platform: Any, chromium: Any) -> None:
+    page = log_in(chromium, browser_platform, "alice")
+    page.goto(browser_platform.base_url + "/jobs/new/")
+    page.click("text=Or paste or upload the spec as YAML")
+    page.fill("#spec_yaml", "name: yaml-job\nworkload: digits-cnn\nmin_workers: 1\nmax_workers: 1\nsteps: 5\nhyperparameters:\n  channels: -4\n")
+    page.click("button[type=submit] >> text=Submit")
+    page.locator("#spec-errors").wait_for()
+    assert "spec.hyperparameters.channels" in page.locator("#spec-errors").inner_text()
+    assert "channels: -4" in page.input_value("#spec_yaml")
+    page.fill("#spec_yaml", "name: yaml-job\nworkload: digits-cnn\nmin_workers: 1\nmax_workers: 1\nsteps: 5\n")
+    page.click("button[type=submit] >> text=Submit")
+    page.wait_for_url("**/jobs/*/")
+    assert "yaml-job" in page.locator("h1").inner_text()
