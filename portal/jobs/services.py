@@ -14,6 +14,7 @@ from portal.cluster.models import Device, Node
 from portal.errors import ApiError, conflict
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES, JobState
+from portal.live import broadcast
 from portal.scheduling.trigger import request_schedule
 
 
@@ -37,6 +38,7 @@ def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
             message="waiting for the scheduler",
         )
         request_schedule(f"job {job.pk} submitted")
+        transaction.on_commit(lambda: broadcast.job_changed(job))
     return job
 
 
