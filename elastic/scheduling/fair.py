@@ -6,23 +6,45 @@ job gets its minimum (or its pin) if that many devices are left, else it waits: 
 below its minimum. Then the devices left over are dealt one at a time, round robin, to the
 unpinned jobs still below their maximum. Placement keeps every device a job already holds when
 it can (a resize costs the job a pause), and grows a job onto the nodes it is already on first.
+
+A device whose owner is present is given to nobody. Hybrid jobs keep their batch size. Lent devices (owned, owner away) go only to
+opportunistic jobs, before any shared device does; guaranteed jobs draw on the shared pool only.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from elastic.scheduling.api import ClusterSnapshot, JobView, Plan
+from elastic.scheduling.api import ClusterSnapshot, DeviceView, JobView, Plan
 
 
 def _service_order(job: JobView) -> tuple[int, float, int]:
     return (0 if job.priority == "guaranteed" else 1, job.submitted_at, job.id)
 
 
-def _worker_counts(jobs: list[JobView], capacity: int, plan: Plan) -> dict[int, int]:
+class _Budget:
+    """Devices left to give: guaranteed jobs draw on the shared pool, opportunistic ones on the
+    lent pool first."""
+
+    def __init__(self, shared: int, lent: int) -> None:
+        self.shared = shared
+        self.lent = lent
+
+    def left_for(self, job: JobView) -> int:
+        return self.shared if job.priority == "guaranteed" else self.shared + self.lent
+
+    def take(self, job: JobView, count: int) -> None:
+        if job.priority != "guaranteed":
+            from_lent = min(count, self.lent)
+            self.lent -= from_lent
+            count -= from_lent
+        self.shared -= count
+
+
+def _worker_counts(jobs: list[JobView], budget: _Budget, plan: Plan) -> dict[int, int]:
     counts: dict[int, int] = {}
-    left = capacity
     for job in jobs:
+        left = budget.left_for(job)
         wanted = job.pinned_workers if job.pinned_workers is not None else job.min_workers
         if wanted <= left:
             counts[job.id] = wanted
@@ -30,19 +52,18 @@ def _worker_counts(jobs: list[JobView], capacity: int, plan: Plan) -> dict[int, 
             counts[job.id] = left
         else:
             counts[job.id] = 0
-        left -= counts[job.id]
+        budget.take(job, counts[job.id])
         if job.pinned_workers is not None and counts[job.id] != job.pinned_workers:
             plan.pin_problems[job.id] = (
-                f"pinned to {job.pinned_workers} workers but only {counts[job.id]} devices "
-                f"are free for it"
+                f"pinned to {job.pinned_workers} workers but only {counts[job.id]} devices are free for it"
             )
     growable = [j for j in jobs if j.pinned_workers is None and counts[j.id] > 0]
-    while left > 0:
+    while True:
         grew = False
         for job in growable:
-            if left > 0 and counts[job.id] < job.max_workers:
+            if budget.left_for(job) > 0 and counts[job.id] < job.max_workers:
                 counts[job.id] += 1
-                left -= 1
+                budget.take(job, 1)
                 grew = True
         if not grew:
             break
@@ -52,14 +73,29 @@ def _worker_counts(jobs: list[JobView], capacity: int, plan: Plan) -> dict[int, 
 def fair_share(snapshot: ClusterSnapshot) -> Plan:
     """Returns the target devices of every job in the snapshot (see the module docstring)."""
     plan = Plan()
-    usable = {d.id: d for d in snapshot.devices if d.usable}
+    usable = {d.id: d for d in snapshot.devices if d.available}
     jobs = sorted(snapshot.jobs, key=_service_order)
-    counts = _worker_counts(jobs, len(usable), plan)
+    budget = _Budget(sum(1 for d in usable.values() if not d.lent), sum(1 for d in usable.values() if d.lent))
+    counts = _worker_counts(jobs, budget, plan)
 
+    def allowed(job: JobView, device: DeviceView) -> bool:
+        return job.priority != "guaranteed" or not device.lent
+
+    lent_total = sum(1 for d in usable.values() if d.lent)
+    opportunistic_total = sum(counts[j.id] for j in jobs if j.priority != "guaranteed")
+    shared_for_opportunistic = opportunistic_total - min(opportunistic_total, lent_total)
     free = set(usable)
     kept: dict[int, list[int]] = {}
     for job in jobs:
-        keep = [d for d in job.current if d in free][: counts[job.id]]
+        keep: list[int] = []
+        for d in job.current:
+            if len(keep) == counts[job.id] or d not in free or not allowed(job, usable[d]):
+                continue
+            if job.priority != "guaranteed" and not usable[d].lent:
+                if shared_for_opportunistic == 0:
+                    continue
+                shared_for_opportunistic -= 1
+            keep.append(d)
         kept[job.id] = keep
         free.difference_update(keep)
 
@@ -70,12 +106,18 @@ def fair_share(snapshot: ClusterSnapshot) -> Plan:
             own_nodes = Counter(usable[d].node for d in devices)
             free_per_node = Counter(usable[d].node for d in free)
             chosen = sorted(
-                free,
+                (d for d in free if allowed(job, usable[d])),
                 key=lambda d, own=own_nodes, spare=free_per_node: (
-                    -own[usable[d].node], -spare[usable[d].node], usable[d].node, d
+                    not usable[d].lent,
+                    -own[usable[d].node],
+                    -spare[usable[d].node],
+                    usable[d].node,
+                    d,
                 ),
             )[:missing]
             devices = devices + chosen
             free.difference_update(chosen)
         plan.assignments[job.id] = tuple(devices)
+        if devices and job.consistency == "hybrid" and job.batch_size is not None:
+            plan.batch_sizes[job.id] = job.batch_size
     return plan

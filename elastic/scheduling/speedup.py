@@ -1,0 +1,124 @@
+"""Every job's speedup curve at once: the rate of progress of each job on each candidate number
+of workers, at the best batch size it may use there, as numpy arrays.
+
+The rate is the goodput of `goodput`: base-batch steps per second, i.e. statistical gain over
+step time. A strict job (or a hybrid one whose gradient noise is not known yet) has one batch
+size; a hybrid job with known noise tries a geometric ladder between its bounds and keeps the
+best. Workers on one node cost less to synchronise than workers across nodes, so k workers are
+priced at the fewest nodes that can hold them (placement then tries to achieve that).
+
+All jobs are evaluated in one vectorised pass (jobs x worker counts x batch sizes), which is
+what keeps a 1,000-job, 2,048-device decision well inside a second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from elastic.scheduling.api import JobView
+from elastic.scheduling.throughput import ThroughputModel, step_times
+
+LADDER_STEPS = 10
+DENSE_WORKERS = 16
+"""Every worker count up to this is a candidate; then whole nodes' worth (multiples of 4) up to
+64, then a geometric ladder: fewer options keep the dynamic program fast at 2,048 devices."""
+
+_LINEAR = ThroughputModel(0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0).as_array()
+"""Step time proportional to the local batch, no synchronisation: perfect scaling."""
+
+
+def worker_grid(largest: int) -> np.ndarray:
+    """Candidate worker counts from 0 to `largest` (see DENSE_WORKERS), always with `largest`."""
+    dense = np.arange(0, min(largest, DENSE_WORKERS) + 1)
+    if largest <= DENSE_WORKERS:
+        return dense
+    nodes = np.arange(DENSE_WORKERS + 4, min(largest, 64) + 1, 4)
+    ladder = np.round(np.geomspace(64, largest, 16)).astype(int) if largest > 64 else np.array([], dtype=int)
+    return np.unique(np.concatenate([dense, nodes, ladder, [largest]]))
+
+
+@dataclass(frozen=True)
+class SpeedupTable:
+    workers: np.ndarray
+    """(K,) candidate worker counts; workers[0] == 0."""
+    rate: np.ndarray
+    """(J, K) progress per second at the best batch; 0 at 0 workers; -inf where not allowed."""
+    batch: np.ndarray
+    """(J, K) the global batch size achieving `rate` (0 where there is none)."""
+    single_rate: np.ndarray
+    """(J,) the rate on one worker at its best batch: the unit of each job's speedup."""
+
+    def speedup(self) -> np.ndarray:
+        """(J, K) rate over single-worker rate: 0 at 0 workers, -inf where not allowed."""
+        with np.errstate(invalid="ignore"):
+            return np.where(np.isfinite(self.rate), self.rate / self.single_rate[:, None], -np.inf)
+
+
+def _batch_candidates(job: JobView, adapt_batch: bool) -> list[float]:
+    if job.batch_size is None:
+        return [math.nan]
+    if (
+        adapt_batch
+        and job.consistency == "hybrid"
+        and job.gradient_noise is not None
+        and job.min_batch_size is not None
+        and job.max_batch_size is not None
+        and job.max_batch_size > job.min_batch_size
+    ):
+        ladder = np.geomspace(job.min_batch_size, job.max_batch_size, LADDER_STEPS)
+        return sorted({*np.round(ladder).tolist(), float(job.batch_size)})
+    return [float(job.batch_size)]
+
+
+def speedup_table(
+    jobs: Sequence[JobView], workers: np.ndarray, node_size: int, adapt_batch: bool = True
+) -> SpeedupTable:
+    """The table for `jobs` over the candidate worker counts `workers` (see SpeedupTable)."""
+    n_jobs, n_workers = len(jobs), len(workers)
+    candidates = [_batch_candidates(job, adapt_batch) for job in jobs]
+    width = max((len(c) for c in candidates), default=1)
+    batch = np.full((n_jobs, width), np.nan)
+    for j, values in enumerate(candidates):
+        batch[j, : len(values)] = values
+    weak_scaling = np.isnan(batch[:, 0])
+    params = np.array(
+        [j.throughput.as_array() if j.throughput is not None else _LINEAR for j in jobs]
+    ).reshape(n_jobs, 7)
+    max_local = np.array([j.max_local_batch_size or np.inf for j in jobs], dtype=float)
+    base = np.array([j.gradient_noise.base_batch_size if j.gradient_noise else 1 for j in jobs], dtype=float)
+    sqr = np.array([j.gradient_noise.grad_sqr if j.gradient_noise else 0.0 for j in jobs])
+    var = np.array([j.gradient_noise.grad_var if j.gradient_noise else 0.0 for j in jobs])
+    lo = np.array([j.min_workers for j in jobs])
+    hi = np.array([min(j.max_workers, j.virtual_workers or j.max_workers) for j in jobs])
+
+    def rates(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        kk = np.maximum(k, 1).astype(float)[None, :, None]
+        global_batch = np.where(weak_scaling[:, None, None], kk, batch[:, None, :])
+        local = global_batch / kk
+        accumulation = np.maximum(np.ceil(local / max_local[:, None, None]), 1.0)
+        micro = local / accumulation
+        nodes = np.ceil(kk / node_size)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            step = step_times(params[:, None, None, :], kk, nodes, micro, accumulation)
+            scale = global_batch / base[:, None, None]
+            total = (var + sqr)[:, None, None]
+            gain = np.where(total > 0, total / (var[:, None, None] / scale + sqr[:, None, None]), 1.0)
+            gain = np.where(weak_scaling[:, None, None], global_batch, gain)
+            rate = gain / step
+        rate = np.where(np.isfinite(rate) & (local >= 1.0), rate, -np.inf)
+        best = np.argmax(rate, axis=2)
+        best_rate = np.take_along_axis(rate, best[..., None], axis=2)[..., 0]
+        best_batch = np.take_along_axis(np.nan_to_num(global_batch, nan=0.0), best[..., None], axis=2)[..., 0]
+        return best_rate, best_batch
+
+    rate, best_batch = rates(workers) if n_jobs else (np.zeros((0, n_workers)), np.zeros((0, n_workers)))
+    single, _ = rates(np.array([1])) if n_jobs else (np.zeros((0, 1)), None)
+    allowed = (workers[None, :] >= lo[:, None]) & (workers[None, :] <= hi[:, None])
+    rate = np.where(allowed, rate, -np.inf)
+    rate[:, workers == 0] = 0.0
+    single_rate = np.where(np.isfinite(single[:, 0]) & (single[:, 0] > 0), single[:, 0], 1.0)
+    return SpeedupTable(workers, rate, np.where(np.isfinite(rate), best_batch, 0), single_rate)
