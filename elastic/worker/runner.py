@@ -163,6 +163,18 @@ class _PendingResize:
     step_ends: list[float] = field(default_factory=list)
 
 
+def _detached_copy(value: Any) -> Any:
+    """A copy of a state_dict (nested dicts and lists) whose tensors are CPU copies that later
+    steps do not change."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _detached_copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_detached_copy(item) for item in value)
+    return value
+
+
 class WorkerRun:
     """One worker process of one job; `run` returns the exit code."""
 
@@ -201,6 +213,7 @@ class WorkerRun:
         self._pending_resize: _PendingResize | None = None
         self._switch_started: float | None = None
         self._last_save = time.monotonic()
+        self._saving: threading.Thread | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -223,6 +236,7 @@ class WorkerRun:
             return way_out.code
         finally:
             self._stop_watcher()
+            self._finish_saving()
             self._leave_group()
             self.board.close()
 
@@ -599,7 +613,7 @@ class WorkerRun:
             if outcome.switch_to:
                 return self._switch(outcome.switch_to)
             if self.is_leader and time.monotonic() - self._last_save >= self.settings.checkpoint_every_s:
-                self._save()
+                self._save(background=True)
         self._log(f"completed all {self.total_steps} steps")
         self._save_and_wait()
         return COMPLETED_EXIT_CODE
@@ -659,16 +673,38 @@ class WorkerRun:
 
     # --- checkpoints -------------------------------------------------------------------------
 
-    def _save(self) -> None:
+    def _save(self, background: bool = False) -> None:
+        """Writes the state after the current step to the periodic checkpoint. In the
+        background, the step only pays for a copy of the state in memory; the file is written
+        and synced by a thread while training goes on (one write at a time)."""
+        self._finish_saving()
         state = TrainingState(
             step=self.step,
             workload=self.spec.workload,
             seed=self.spec.seed,
-            model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
+            model=_detached_copy(self.model.state_dict()),
+            optimizer=_detached_copy(self.optimizer.state_dict()),
         )
-        save_checkpoint(self.checkpoint, state)
         self._last_save = time.monotonic()
+        if not background:
+            save_checkpoint(self.checkpoint, state)
+            return
+        self._saving = threading.Thread(
+            target=self._write_checkpoint, args=(state,), name="checkpoint-writer", daemon=True
+        )
+        self._saving.start()
+
+    def _write_checkpoint(self, state: TrainingState) -> None:
+        try:
+            save_checkpoint(self.checkpoint, state)
+        except OSError as err:
+            self.events.log(f"could not write the periodic checkpoint of step {state.step}: {err}")
+
+    def _finish_saving(self) -> None:
+        """Waits for the background write in flight, if any."""
+        if self._saving is not None:
+            self._saving.join()
+            self._saving = None
 
     def _save_and_wait(self) -> None:
         """Rank 0 saves the state after the current step; then every rank waits until it has."""
