@@ -4,6 +4,7 @@ second user sees the bar but cannot drag it, open the job or cancel it."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -84,6 +85,13 @@ def test_drag_and_keyboard_resize_seen_by_another_browser(browser_platform: Any,
     detail = browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()
     assert detail["pinned_workers"] == 2
     screenshot(alice, "board-refused")
+
+    # The job page shows how the 1 -> 2 resize went: the state moved from memory, and each phase.
+    alice.goto(f"{browser_platform.base_url}/jobs/{job_id}/")
+    grown = alice.locator("#resizes tbody tr", has_text="1 → 2").last
+    grown.locator("td", has_text="transfer").wait_for(timeout=90_000)
+    assert re.search(r"\b[1-9][0-9.]* (kB|MB|GB)\b", grown.inner_text()), grown.inner_text()
+    screenshot(alice, "job-page-after-resize")
     cancel_all(browser_platform, "alice")
 
 

@@ -163,6 +163,14 @@ class _PendingResize:
     step_ends: list[float] = field(default_factory=list)
 
 
+def _size(byte_count: int) -> str:
+    """`byte_count` for people: 512 B, 40.0 kB, 205.0 MB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if byte_count >= size:
+            return f"{byte_count / size:.1f} {unit}"
+    return f"{byte_count} B"
+
+
 def _detached_copy(value: Any) -> Any:
     """A copy of a state_dict (nested dicts and lists) whose tensors are CPU copies that later
     steps do not change."""
@@ -553,7 +561,7 @@ class WorkerRun:
             )
         else:
             moved = (
-                f"{bytes_moved / 1e6:.1f} MB from {sources} holder(s)" if bytes_moved else "nothing to move"
+                f"{_size(bytes_moved)} from {sources} holder(s)" if bytes_moved else "nothing to move"
             )
             self.events.log(
                 f"generation {record.generation}: {len(before_group)} -> {record.world_size} workers at {where}; {moved}"

@@ -12,7 +12,16 @@
     Object.entries(attrs || {}).forEach(([k, v]) => node.setAttribute(k, v));
     return node;
   };
-  const bytes = (n) => (n === null || n === undefined) ? "–" : (n / 2 ** 20).toFixed(0) + " MB";
+  const bytes = (n) => {
+    if (n === null || n === undefined) return "–";
+    const units = [[1e9, " GB"], [1e6, " MB"], [1e3, " kB"]];
+    const [size, unit] = units.find(([size]) => n >= size) || [1, " B"];
+    return (n / size).toFixed(n >= size * 100 || size === 1 ? 0 : 1) + unit;
+  };
+  // Postgres keeps JSON keys in its own order; phases are shown in the order they happen.
+  const PHASES = ["leave", "rendezvous", "exchange", "transfer", "first_step"];
+  const phaseOrder = (name) => (PHASES.indexOf(name) + PHASES.length + 1) % (PHASES.length + 1);
+  const compact = (v) => Math.abs(v) >= 1e4 ? (v / 1e3).toFixed(0) + "k" : String(v);
   const MAX_POINTS = 5000;
   const MAX_LOG_LINES = 500;
 
@@ -25,7 +34,8 @@
     return new uPlot({
       width: width, height: 220,
       scales: { x: { time: false } },
-      axes: [{ label: "step", stroke: css.getPropertyValue("--fg") }, { stroke: css.getPropertyValue("--fg") }],
+      axes: [{ label: "step", stroke: css.getPropertyValue("--fg") },
+        { stroke: css.getPropertyValue("--fg"), size: 56, values: (u, ticks) => ticks.map(compact) }],
       series: [{ label: "step" }, { label: label, stroke: colour, width: 2 }],
       legend: { show: false },
     }, [steps, values], target);
@@ -99,9 +109,11 @@
         el("td", r.reason), el("td", r.workers_before + " → " + r.workers_after),
         el("td", r.pause_s === null || r.pause_s === undefined ? "–" : r.pause_s.toFixed(2) + " s"),
         el("td", (r.devices_after || []).join(", ")),
-        el("td", (r.members_before || []).join(", ") + " → " + (r.members_after || []).join(", ")),
-        el("td", r.bytes_moved === null || r.bytes_moved === undefined ? "–" : (r.bytes_moved / 1e6).toFixed(1) + " MB"),
-        el("td", Object.entries(r.phases || {}).map(([name, s]) => name + " " + (s * 1000).toFixed(0) + " ms").join(", ")));
+        el("td", (r.members_after || []).length
+          ? ((r.members_before || []).join(", ") || "none") + " → " + r.members_after.join(", ") : "–"),
+        el("td", bytes(r.bytes_moved)),
+        el("td", Object.entries(r.phases || {}).sort(([a], [b]) => phaseOrder(a) - phaseOrder(b))
+          .map(([name, s]) => name.replace("_", " ") + " " + (s * 1000).toFixed(0) + " ms").join(", ") || "–"));
       body.appendChild(row);
     });
   }
