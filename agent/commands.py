@@ -103,11 +103,13 @@ class StreamMark:
 
 class CommandDispatcher:
     """Hands each kind of command to its handler: launch and stop to the supervisor, a played
-    owner to the device backend. A handler's failure is logged, never raised."""
+    owner to the device backend. A handler's failure is logged, never raised. `redis_url` is
+    the Redis the commands come from; the workers' membership board lives there too."""
 
-    def __init__(self, supervisor: WorkerSupervisor, backend: DeviceBackend) -> None:
+    def __init__(self, supervisor: WorkerSupervisor, backend: DeviceBackend, redis_url: str = "") -> None:
+        self.redis_url = redis_url
         self._handlers: Mapping[type[Any], Callable[[Any], object]] = {
-            LaunchCommand: lambda command: supervisor.launch(command, backend),
+            LaunchCommand: lambda command: supervisor.launch(command, backend, self.redis_url),
             StopCommand: supervisor.stop,
             SimulateOwnerCommand: lambda command: backend.set_owner_present(
                 command.device_index, command.present

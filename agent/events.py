@@ -3,7 +3,7 @@
 Events wait here between the worker that emitted them and a report the portal accepted. When
 the portal is away for long, or a worker floods its stdout, the buffer fills; it then drops
 the oldest log line first, then the oldest progress event, and a lifecycle event (started,
-exited) only when it holds nothing else, since the portal rebuilds a job's state from those.
+joined, resized, exited) only when it holds nothing else, since the portal rebuilds a job's state from those.
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ from collections import deque
 from elastic.wire import WorkerEvent
 
 _LOG, _PROGRESS, _LIFECYCLE = 0, 1, 2
-_CLASS = {"log": _LOG, "progress": _PROGRESS, "started": _LIFECYCLE, "exited": _LIFECYCLE}
+_CLASS = {
+    "log": _LOG,
+    "progress": _PROGRESS,
+    "started": _LIFECYCLE,
+    "joined": _LIFECYCLE,
+    "resized": _LIFECYCLE,
+    "exited": _LIFECYCLE,
+}
 
 
 class EventBuffer:

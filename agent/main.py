@@ -2,7 +2,8 @@
 
 `Agent.run` registers the node (retrying until the portal answers), follows the node's command
 stream, and every report interval sends the portal fresh device samples, the workers' events
-and the running workers. The portal may go away and come back: events wait in a bounded buffer
+and the running workers; a worker's exit is reported at once, since the job's survivors wait
+for the portal's next generation. The portal may go away and come back: events wait in a bounded buffer
 meanwhile, and nothing stops the agent but a signal or a refused token.
 """
 
@@ -228,6 +229,7 @@ class Agent:
         client: PortalClient,
         supervisor: WorkerSupervisor,
         stopping: threading.Event,
+        report_now: threading.Event | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -235,6 +237,8 @@ class Agent:
         self.supervisor = supervisor
         self.stopping = stopping
         self._dispatcher = CommandDispatcher(supervisor, backend)
+        self.report_now = report_now or threading.Event()
+        """Set (by the supervisor, on a worker's exit) to send the next report without waiting."""
         self._registration = NodeRegistration(
             name=config.node_name,
             address=config.address,
@@ -259,7 +263,11 @@ class Agent:
             interval = self.config.report_interval_s or reply.report_interval_s
             log.info("reporting every %.3g s", interval)
             next_at = time.monotonic()
-            while not self.stopping.wait(max(0.0, next_at - time.monotonic())):
+            while not self.stopping.is_set():
+                self.report_now.wait(max(0.0, next_at - time.monotonic()))
+                self.report_now.clear()
+                if self.stopping.is_set():
+                    break
                 next_at = max(next_at + interval, time.monotonic())
                 try:
                     self._report()
@@ -317,6 +325,7 @@ class Agent:
             if (self._reader.redis_url, self._reader.stream) == (url, stream):
                 return
             self._reader.stop()
+        self._dispatcher.redis_url = url
         self._reader = CommandReader(url, stream, mark, self._dispatcher.dispatch)
         self._reader.start()
 
@@ -386,9 +395,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     stopping = threading.Event()
 
+    report_now = threading.Event()
+
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("%s: stopping", signal.Signals(signum).name)
         stopping.set()
+        report_now.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -398,8 +410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("device backend %r cannot start: %s", config.backend, err)
         return ExitCode.DEVICES_UNAVAILABLE
     supervisor = WorkerSupervisor(
-        SupervisorConfig(worker_module=config.worker_module, stop_grace_s=config.stop_grace_s)
+        SupervisorConfig(
+            worker_module=config.worker_module, stop_grace_s=config.stop_grace_s, node_name=config.node_name
+        ),
+        on_exit=report_now.set,
     )
     client = PortalClient(config.portal_url, config.token)
-    agent = Agent(config, backend, client, supervisor, stopping)
+    agent = Agent(config, backend, client, supervisor, stopping, report_now)
     return agent.run()

@@ -8,9 +8,15 @@ and its output are gone, with the reason its exit code gives.
 
 Commands are versioned by the job's generation. Per job the supervisor remembers the highest
 generation it launched and the generation below which it was told to stop; a launch that is
-not newer than both is ignored, so a repeated or late command changes nothing. A newer launch
-first stops this node's older workers of the job (SIGTERM, SIGKILL after the grace period),
-then starts the new ones, in a thread of its own so that the command loop never waits.
+not newer than both is ignored, so a repeated or late command changes nothing.
+
+A resize happens in place (elastic.worker.membership): a newer launch starts only the joiners it
+lists and leaves every running worker alone. Survivors switch generation by themselves and say
+so with a "joined" event, after which the supervisor reports them under their new generation and
+rank, with the same pid. Workers of the job on devices the launch does not keep are leavers:
+they read the membership record and exit with LEFT_EXIT_CODE at the switch; one still running
+`leave_grace_s` later is killed. A stop (cancel, finish, agent shutdown) is SIGTERM, SIGKILL
+after the grace period.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -35,6 +42,7 @@ from agent.devices import DeviceBackend, DeviceError
 from agent.events import EventBuffer
 from elastic.wire import (
     WORKER_EVENT_PREFIX,
+    ExitReason,
     LaunchCommand,
     RunningWorker,
     StopCommand,
@@ -42,29 +50,30 @@ from elastic.wire import (
     WorkerConfig,
     WorkerEvent,
 )
-from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
+from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
 
 log = logging.getLogger(__name__)
 
 MAX_LOG_CHARS = 2000
 """A log line longer than this is cut, so that one runaway print cannot swell a report."""
 _MAX_READ_BYTES = 64 * 1024
-_WORKER_KINDS = ("progress", "log")
+_WORKER_KINDS = ("joined", "resized", "progress", "log")
 _REAP_AFTER_KILL_S = 10.0
 _PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
-
-ExitReason = Literal["completed", "stopped", "failed"]
 
 
 def exit_reason(exit_code: int, stop_requested: bool = False) -> ExitReason:
     """Returns what a worker's exit code means: COMPLETED_EXIT_CODE (0) "completed",
-    STOPPED_EXIT_CODE (75) "stopped", anything else, a signal (negative) included, "failed".
+    STOPPED_EXIT_CODE (75) "stopped", LEFT_EXIT_CODE (76) "left", anything else, a signal
+    (negative) included, "failed".
 
     One exception: a worker killed by the SIGTERM the supervisor sent it (`stop_requested`)
     was "stopped". That is a worker still starting, before it could catch SIGTERM; it had
     trained nothing, so nothing was lost, and calling it a failure would read as a crash."""
     if exit_code == COMPLETED_EXIT_CODE:
         return "completed"
+    if exit_code == LEFT_EXIT_CODE:
+        return "left"
     if exit_code == STOPPED_EXIT_CODE or (stop_requested and exit_code == -signal.SIGTERM):
         return "stopped"
     return "failed"
@@ -77,6 +86,11 @@ class SupervisorConfig:
     python: str = sys.executable
     stop_grace_s: float = 30.0
     """How long a worker has, after SIGTERM, to finish its step and save before SIGKILL."""
+    leave_grace_s: float = 120.0
+    """How long a leaver may go on after the launch that left it out: the switch waits for the
+    joiners to warm up, so this is generous. A leaver still there afterwards is killed."""
+    node_name: str = field(default_factory=socket.gethostname)
+    """This node's name, as the portal knows it: workers are named by it in membership records."""
     event_capacity: int = 10_000
     """Events held between two drains; see EventBuffer for what is dropped first."""
 
@@ -95,6 +109,7 @@ class _Worker:
     reaped: bool = False
     stop_requested: str | None = None
     kill_timer: threading.Timer | None = None
+    leave_timer: threading.Timer | None = None
     last_step: int | None = None
 
     @property
@@ -120,16 +135,17 @@ class _Worker:
 class _Job:
     launched_generation: int = 0
     stop_before_generation: int = 0
-    # Serialises the job's launch threads: each stops what the previous one started.
-    launch_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class WorkerSupervisor:
     """The node's workers. Every public method is thread-safe and returns promptly, except
     shutdown(), which waits for the workers to exit."""
 
-    def __init__(self, config: SupervisorConfig | None = None) -> None:
+    def __init__(
+        self, config: SupervisorConfig | None = None, on_exit: Callable[[], None] | None = None
+    ) -> None:
         self.config = config or SupervisorConfig()
+        self._on_exit = on_exit
         self._jobs: dict[int, _Job] = {}
         self._workers: list[_Worker] = []
         self._threads: set[threading.Thread] = set()
@@ -139,10 +155,11 @@ class WorkerSupervisor:
 
     # --- commands ----------------------------------------------------------------------------
 
-    def launch(self, command: LaunchCommand, backend: DeviceBackend) -> bool:
-        """Starts this node's workers of `command.generation` in the background, after stopping
-        the job's older workers here. Returns False, and does nothing, if that generation was
-        already launched or passed, or the supervisor is shut down."""
+    def launch(self, command: LaunchCommand, backend: DeviceBackend, redis_url: str) -> bool:
+        """Starts the joiners of `command.generation` here (their membership board is at
+        `redis_url`) and sets leavers a deadline; survivors go on untouched. Returns False, and
+        does nothing, if that generation was already launched or passed, or the supervisor is
+        shut down."""
         with self._lock:
             job = self._jobs.setdefault(command.job_id, _Job())
             if self._closed:
@@ -165,23 +182,41 @@ class WorkerSupervisor:
                 )
                 return False
             job.launched_generation = command.generation
-            self._start_thread(
-                f"launch-{command.job_id}-{command.generation}",
-                lambda: self._replace_workers(job, command, backend),
-            )
+            mine = [w for w in self._workers if w.job_id == command.job_id and not w.done.is_set()]
+            for worker in mine:
+                if worker.device_index in command.members:
+                    self._cancel_leave(worker)
+                else:
+                    self._expect_to_leave(worker, command.generation)
+            # Spawning under the lock: a stop that arrives now sees every new worker.
+            busy = {worker.device_index for worker in mine if worker.leave_timer is None}
+            for assignment in command.workers:
+                if assignment.device_index in busy:
+                    log.info(
+                        "job %d generation %d: device %d already runs a worker of the job; it joins",
+                        command.job_id,
+                        command.generation,
+                        assignment.device_index,
+                    )
+                    continue
+                self._spawn(command, assignment, backend, redis_url)
         return True
 
     def stop(self, command: StopCommand) -> int:
-        """Asks the job's workers here whose generation is below `command.before_generation` to
-        stop (SIGTERM; SIGKILL after the grace period) and ignores later launches below it.
-        Returns how many workers were asked; their exits are reported when they happen."""
+        """Asks the job's workers here whose generation is below `command.before_generation`
+        (on `command.devices`, if given) to stop (SIGTERM; SIGKILL after the grace period).
+        A stop of the whole job also ignores later launches below that generation. Returns how
+        many workers were asked; their exits are reported when they happen."""
         with self._lock:
             job = self._jobs.setdefault(command.job_id, _Job())
-            job.stop_before_generation = max(job.stop_before_generation, command.before_generation)
+            if command.devices is None:
+                job.stop_before_generation = max(job.stop_before_generation, command.before_generation)
             targets = [
                 worker
                 for worker in self._workers
-                if worker.job_id == command.job_id and worker.generation < command.before_generation
+                if worker.job_id == command.job_id
+                and worker.generation < command.before_generation
+                and (command.devices is None or worker.device_index in command.devices)
             ]
         for worker in targets:
             self._terminate(worker, f"stop ({command.reason})")
@@ -228,33 +263,9 @@ class WorkerSupervisor:
 
     # --- launching ---------------------------------------------------------------------------
 
-    def _replace_workers(self, job: _Job, command: LaunchCommand, backend: DeviceBackend) -> None:
-        with job.launch_lock:
-            with self._lock:
-                older = [
-                    worker
-                    for worker in self._workers
-                    if worker.job_id == command.job_id and worker.generation < command.generation
-                ]
-            self._stop_and_wait(older, f"replaced by generation {command.generation}")
-            with self._lock:
-                superseded = (
-                    self._closed
-                    or job.launched_generation != command.generation
-                    or command.generation < job.stop_before_generation
-                )
-                if superseded:
-                    log.info(
-                        "not starting job %d generation %d: superseded while stopping older workers",
-                        command.job_id,
-                        command.generation,
-                    )
-                    return
-                # Spawning under the lock: a stop that arrives now sees every new worker.
-                for assignment in command.workers:
-                    self._spawn(command, assignment, backend)
-
-    def _spawn(self, command: LaunchCommand, assignment: WorkerAssignment, backend: DeviceBackend) -> None:
+    def _spawn(
+        self, command: LaunchCommand, assignment: WorkerAssignment, backend: DeviceBackend, redis_url: str
+    ) -> None:
         def failed(message: str) -> None:
             log.error(
                 "job %d generation %d rank %d: %s",
@@ -291,6 +302,10 @@ class WorkerSupervisor:
             device=placement.device,
             spec=command.spec,
             run_dir=command.run_dir,
+            node=self.config.node_name,
+            device_index=assignment.device_index,
+            redis_url=redis_url,
+            coordination_key=command.coordination_key,
         )
         python_path = os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
         env = {
@@ -370,6 +385,10 @@ class WorkerSupervisor:
                 event = parse_worker_line(worker.key, line)
                 if event.kind == "progress" and event.step is not None:
                     worker.last_step = event.step
+                elif event.kind == "joined":
+                    with self._lock:
+                        worker.generation, worker.rank = event.generation, event.rank
+                    event = event.model_copy(update={"pid": worker.pid, "device_index": worker.device_index})
                 self._events.add(event)
 
     def _watch(self, worker: _Worker, reader: threading.Thread) -> None:
@@ -385,8 +404,9 @@ class WorkerSupervisor:
         with worker.lock:
             exit_code = worker.process.wait()
             worker.reaped = True
-            if worker.kill_timer is not None:
-                worker.kill_timer.cancel()
+            for timer in (worker.kill_timer, worker.leave_timer):
+                if timer is not None:
+                    timer.cancel()
         reason = exit_reason(exit_code, worker.stop_requested is not None)
         message = _describe_exit(exit_code, worker.stop_requested)
         log.info(
@@ -411,6 +431,8 @@ class WorkerSupervisor:
         with self._lock:
             self._workers.remove(worker)
         worker.done.set()
+        if self._on_exit is not None:
+            self._on_exit()
 
     # --- stopping ----------------------------------------------------------------------------
 
@@ -436,6 +458,36 @@ class WorkerSupervisor:
             worker.kill_timer = threading.Timer(grace, self._kill, args=(worker, grace))
             worker.kill_timer.daemon = True
             worker.kill_timer.start()
+
+    def _expect_to_leave(self, worker: _Worker, generation: int) -> None:
+        """Arms the kill of a leaver that has not left `leave_grace_s` from now (lock held)."""
+        if worker.leave_timer is not None or worker.stop_requested is not None:
+            return
+        why = f"did not leave within {self.config.leave_grace_s:g} s of generation {generation}"
+        worker.leave_timer = threading.Timer(self.config.leave_grace_s, self._kill_leaver, args=(worker, why))
+        worker.leave_timer.daemon = True
+        worker.leave_timer.start()
+
+    def _cancel_leave(self, worker: _Worker) -> None:
+        """A newer generation keeps the worker after all (lock held)."""
+        if worker.leave_timer is not None:
+            worker.leave_timer.cancel()
+            worker.leave_timer = None
+
+    def _kill_leaver(self, worker: _Worker, why: str) -> None:
+        with worker.lock:
+            if worker.reaped or worker.stop_requested is not None:
+                return
+            worker.stop_requested = why
+            log.warning(
+                "job %d generation %d rank %d (pid %d) %s: SIGKILL",
+                worker.job_id,
+                worker.generation,
+                worker.rank,
+                worker.pid,
+                why,
+            )
+            _signal_group(worker.pid, signal.SIGKILL)
 
     def _kill(self, worker: _Worker, grace_s: float) -> None:
         with worker.lock:

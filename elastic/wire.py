@@ -1,8 +1,10 @@
 """The messages that cross a process boundary: agent to portal (HTTP, JSON), portal to agent
-(commands on a per-node Redis stream) and worker to agent (JSON lines on the worker's stdout).
+(commands on a per-node Redis stream), portal to workers (the job's membership record in Redis,
+see elastic.worker.membership) and worker to agent (JSON lines on the worker's stdout).
 
 Both sides import these models, so a field renamed here is renamed everywhere at once. Commands
-carry the job's membership generation; an agent ignores a command older than what it has seen.
+and membership records carry the job's membership generation; an agent ignores a command older
+than what it has seen, and workers act only on the newest record.
 """
 
 from __future__ import annotations
@@ -85,16 +87,24 @@ class WorkerKey(_Message):
     rank: int
 
 
+ExitReason = Literal["completed", "stopped", "left", "failed"]
+
+
 class WorkerEvent(WorkerKey):
     """Something a worker did. `kind` decides which of the optional fields are set:
 
-    - started: pid, device_index
+    - started: pid, device_index (the agent spawned the process; it is warming up)
+    - joined: pid, device_index; the worker is rank `rank` of generation `generation`, whose
+      process group formed and whose training state it now holds. A survivor sends one at every
+      resize, so its generation and rank follow it while its pid stays the same.
+    - resized (rank 0 only): generation `generation` took over at `step`: members_before and
+      members_after ("node/device_index"), pause_s, bytes_moved, phases (seconds per phase)
     - progress: step, total_steps, epoch, loss, samples_per_s
     - log: message
-    - exited: exit_code, reason (completed, stopped, failed), step (last completed step)
+    - exited: exit_code, reason (completed, stopped, left, failed), step (last completed step)
     """
 
-    kind: Literal["started", "progress", "log", "exited"]
+    kind: Literal["started", "joined", "resized", "progress", "log", "exited"]
     at: float
     pid: int | None = None
     device_index: int | None = None
@@ -105,7 +115,14 @@ class WorkerEvent(WorkerKey):
     samples_per_s: float | None = None
     message: str | None = None
     exit_code: int | None = None
-    reason: Literal["completed", "stopped", "failed"] | None = None
+    reason: ExitReason | None = None
+    members_before: list[str] | None = None
+    members_after: list[str] | None = None
+    pause_s: float | None = Field(
+        None, description="last step end before the switch to first step end after it, less a normal step"
+    )
+    bytes_moved: int | None = Field(None, ge=0, description="training state bytes the joiners received")
+    phases: dict[str, float] | None = None
 
 
 class RunningWorker(WorkerKey):
@@ -131,8 +148,11 @@ class WorkerAssignment(_Message):
 
 
 class LaunchCommand(_Message):
-    """Start this node's workers of `generation` of a job. Idempotent: a second copy, or a copy
-    for a generation the agent has already started or passed, changes nothing."""
+    """Generation `generation` of a job, as far as this node is concerned: start the joiners in
+    `workers` (new processes), keep the job's workers on the devices in `members`, and expect the
+    job's other workers here to leave by themselves (they read the membership record). Survivors
+    are never restarted. Idempotent: a second copy, or a copy for a generation the agent has
+    already seen or passed, changes nothing."""
 
     kind: Literal["launch"] = "launch"
     job_id: int
@@ -140,19 +160,25 @@ class LaunchCommand(_Message):
     world_size: int = Field(ge=1)
     master_addr: str
     master_port: int = Field(gt=0, lt=65536)
-    workers: list[WorkerAssignment]
+    workers: list[WorkerAssignment] = Field(description="joiners to start on this node")
+    members: list[int] = Field(
+        default_factory=list, description="device indices of this node in the generation, joiners included"
+    )
     spec: dict[str, Any]
     run_dir: str = Field(description="where the job's periodic checkpoint lives")
+    coordination_key: str = Field(description="Redis key prefix of the job's membership records")
 
 
 class StopCommand(_Message):
-    """Stop this node's workers of the job whose generation is below `before_generation`.
-    Workers finish the step in flight, save the state and exit."""
+    """Stop this node's workers of the job whose generation is below `before_generation` (only
+    those on `devices`, if given). Workers finish the step in flight, save the state and exit;
+    a joiner still warming up just exits."""
 
     kind: Literal["stop"] = "stop"
     job_id: int
     before_generation: int
     reason: Literal["resize", "cancel", "owner", "finished"] = "resize"
+    devices: list[int] | None = None
 
 
 class SimulateOwnerCommand(_Message):
@@ -178,7 +204,9 @@ def parse_command(raw: str | bytes) -> LaunchCommand | StopCommand | SimulateOwn
 
 
 class WorkerConfig(_Message):
-    """Everything one worker process needs; the agent passes it as JSON in BUNGEE_WORKER_CONFIG."""
+    """Everything one worker process needs; the agent passes it as JSON in BUNGEE_WORKER_CONFIG.
+    `generation` is the one it was launched for; the membership records in Redis under
+    `coordination_key` say which generation it ends up joining, with which rank."""
 
     job_id: int
     generation: int
@@ -189,8 +217,73 @@ class WorkerConfig(_Message):
     device: str = Field(description='"cpu" or "cuda:N"')
     spec: dict[str, Any]
     run_dir: str
+    node: str = Field(description="the node's name, as in the membership records")
+    device_index: int = Field(ge=0)
+    redis_url: str
+    coordination_key: str
+
+    @property
+    def member_key(self) -> str:
+        return member_key(self.node, self.device_index)
+
+
+# --- portal to workers (Redis) ---------------------------------------------------------------
+
+
+def member_key(node: str, device_index: int) -> str:
+    """How a worker is named in membership records: at most one worker of a job per device."""
+    return f"{node}/{device_index}"
+
+
+class Member(_Message):
+    node: str
+    device_index: int = Field(ge=0)
+    address: str = Field(description="host at which the node's workers are reached")
+    joiner: bool = Field(description="a new process, or one still warming up: it holds no training state")
+
+    @property
+    def key(self) -> str:
+        return member_key(self.node, self.device_index)
+
+
+class Membership(_Message):
+    """Generation `generation` of a job: its members in rank order and where they meet.
+
+    `has_state`: a running group holds the training state in memory; joiners mark themselves
+    ready and wait for its go. Otherwise nobody holds it: the members form the group as soon as
+    they are ready and rank 0 restores the periodic checkpoint (or starts the job).
+    `donor`: a worker of the running group that is not a member but must hand the state over
+    (no member holds it, as when a job's only worker moves); it leaves after the transfer.
+    """
+
+    job_id: int
+    generation: int = Field(ge=1)
+    master_addr: str
+    master_port: int = Field(gt=0, lt=65536)
+    members: list[Member] = Field(min_length=1)
+    has_state: bool
+    donor: Member | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, key: str) -> int | None:
+        """Returns the rank of the member named `key`, or None if it is not a member."""
+        for rank, member in enumerate(self.members):
+            if member.key == key:
+                return rank
+        return None
+
+    def keys(self) -> list[str]:
+        return [member.key for member in self.members]
 
 
 def command_stream(node_name: str, prefix: str = "bungee") -> str:
     """The Redis stream that carries a node's commands (the portal names it at registration)."""
     return f"{prefix}:node:{node_name}:commands"
+
+
+def coordination_key(job_id: int, prefix: str = "bungee") -> str:
+    """The Redis key prefix of a job's membership records (elastic.worker.membership)."""
+    return f"{prefix}:job:{job_id}"

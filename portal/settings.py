@@ -125,6 +125,9 @@ BUNGEE = {
     "SAMPLE_HISTORY_EVERY_S": env_float("BUNGEE_SAMPLE_HISTORY_EVERY_S", 10.0),
     # A job whose workers fail more often than this is failed instead of restarted.
     "MAX_RESTARTS": env_int("BUNGEE_MAX_RESTARTS", 3),
+    # A resize whose joiners are not all ready this long after it was written gives up on the
+    # ones still warming up (they are stopped) and is planned again without their devices.
+    "JOINER_TIMEOUT_S": env_float("BUNGEE_JOINER_TIMEOUT_S", 300.0),
     # Where jobs keep their periodic checkpoint (shared by agents on one machine).
     "RUN_DIR": str(DATA_DIR / "runs"),
     # First port of the range rendezvous ports are drawn from.

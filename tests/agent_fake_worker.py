@@ -4,7 +4,8 @@ describing where it runs, then a progress event per step. SIGTERM makes it stop 
 step boundary with STOPPED_EXIT_CODE, as the real worker does.
 
 Spec keys: steps (default 1000), step_s (default 0.02), busy (spin the CPU instead of
-sleeping), crash_at_step and crash_code (exit with that code at that step), sigterm ("stop",
+sleeping), crash_at_step and crash_code (exit with that code at that step), joins_at_step and
+joins_generation (say it joined that generation, with its rank, after that step), sigterm ("stop",
 the default; "ignore"; "die": the default action, as before a handler is installed), child
 (start a sleeping child process and name its pid), long_line (print a line this long).
 """
@@ -47,10 +48,12 @@ def main() -> int:
         print("x" * int(spec["long_line"]), flush=True)
     print(f"{WORKER_EVENT_PREFIX}{{not json", flush=True)
 
+    generation = config.generation
+
     def emit(kind: str, **fields: object) -> None:
         event = WorkerEvent(
             job_id=config.job_id,
-            generation=config.generation,
+            generation=generation,
             rank=config.rank,
             kind=kind,  # type: ignore[arg-type]
             at=time.time(),
@@ -71,6 +74,9 @@ def main() -> int:
             print("fake worker crashing", flush=True)
             return int(spec.get("crash_code", 3))
         emit("progress", step=step, total_steps=steps, loss=1.0 / step)
+        if spec.get("joins_at_step") == step:
+            generation = int(spec["joins_generation"])
+            emit("joined", pid=os.getpid())
         if stop_requested:
             emit("log", message=f"stopping after step {step}")
             return STOPPED_EXIT_CODE

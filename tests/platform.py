@@ -67,7 +67,9 @@ class Platform:
 
 
 @contextmanager
-def running_platform(tmp: Path, agents: dict[str, int]) -> Iterator[Platform]:
+def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None) -> Iterator[Platform]:
+    """The platform with an agent of `agents[name]` simulated devices per name; `extra_env` goes
+    to every process (workers inherit their agent's)."""
     run_id = uuid.uuid4().hex[:10]
     database = f"bungee_it_{run_id}"
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
@@ -85,6 +87,7 @@ def running_platform(tmp: Path, agents: dict[str, int]) -> Iterator[Platform]:
         "BUNGEE_SCHEDULE_TICK_S": "2",
         "BUNGEE_MASTER_PORT_BASE": str(20000 + (port % 20000)),
         "LOG_LEVEL": "INFO",
+        **(extra_env or {}),
     }
     group = ProcessGroup(log_dir=tmp / "logs", env=env)
     try:

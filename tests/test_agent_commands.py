@@ -155,6 +155,7 @@ def test_the_dispatcher_hands_each_command_to_its_handler(tmp_path: Path) -> Non
                 workers=[WorkerAssignment(rank=0, device_index=0)],
                 spec={},
                 run_dir=str(tmp_path),
+                coordination_key="bungee-agent-test:job:2",
             )
         )
         events: list[WorkerEvent] = []

@@ -220,6 +220,7 @@ def worker_launch(**spec: Any) -> LaunchCommand:
         workers=[WorkerAssignment(rank=0, device_index=0)],
         spec=spec,
         run_dir="/tmp/bungee-agent-test",
+        coordination_key="bungee-agent-test:job:11",
     )
 
 

@@ -1,6 +1,7 @@
 """The worker supervisor with real worker processes: tests/agent_fake_worker.py (no torch, told
-by its spec how to behave) for the lifecycle and the generation rules, and the real
-`python -m elastic.worker` once, end to end on one CPU slot."""
+by its spec how to behave) for the lifecycle and the generation rules (a newer generation starts
+only its joiners; survivors are never stopped; a leaver that stays is killed after its grace),
+and the real `python -m elastic.worker` once, end to end on one CPU slot."""
 
 from __future__ import annotations
 
@@ -23,10 +24,19 @@ from agent.supervisor import (
     exit_reason,
     parse_worker_line,
 )
-from elastic.wire import WORKER_EVENT_PREFIX, LaunchCommand, StopCommand, WorkerAssignment, WorkerEvent
+from elastic.wire import (
+    WORKER_EVENT_PREFIX,
+    LaunchCommand,
+    Member,
+    Membership,
+    StopCommand,
+    WorkerAssignment,
+    WorkerEvent,
+)
 
 FAKE_WORKER = "tests.agent_fake_worker"
 KEY = {"job_id": 5, "generation": 2, "rank": 1}
+REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 
 
 class Recorder:
@@ -69,16 +79,22 @@ def supervisor() -> Iterator[WorkerSupervisor]:
     supervisor.shutdown(grace_s=1.0)
 
 
-def launch(generation: int = 1, ranks: int = 1, job_id: int = 1, **spec: Any) -> LaunchCommand:
+def launch(
+    generation: int = 1, ranks: int = 1, job_id: int = 1, start: list[int] | None = None, **spec: Any
+) -> LaunchCommand:
+    """A launch of `ranks` workers on devices 0.., starting those in `start` (default: all)."""
+    starting = list(range(ranks)) if start is None else start
     return LaunchCommand(
         job_id=job_id,
         generation=generation,
         world_size=ranks,
         master_addr="127.0.0.1",
         master_port=29500,
-        workers=[WorkerAssignment(rank=rank, device_index=rank) for rank in range(ranks)],
+        workers=[WorkerAssignment(rank=rank, device_index=rank) for rank in starting],
+        members=list(range(ranks)),
         spec=spec,
         run_dir="/tmp/bungee-agent-test",
+        coordination_key=f"bungee-agent-test:job:{job_id}",
     )
 
 
@@ -86,7 +102,7 @@ def test_launch_starts_each_worker_and_reports_what_it_does(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    assert supervisor.launch(launch(ranks=2, steps=3), backend)
+    assert supervisor.launch(launch(ranks=2, steps=3), backend, REDIS_URL)
     recorder.wait_for(recorder.exits(2))
     for rank in (0, 1):
         mine = [e for e in recorder.events if e.rank == rank]
@@ -107,7 +123,7 @@ def test_launch_starts_each_worker_and_reports_what_it_does(
 
 def test_running_lists_live_workers(supervisor: WorkerSupervisor, backend: SimulatedBackend) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(ranks=2, job_id=3, generation=4), backend)
+    supervisor.launch(launch(ranks=2, job_id=3, generation=4), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
     running = sorted(supervisor.running(), key=lambda w: w.rank)
     assert [(w.job_id, w.generation, w.rank, w.device_index) for w in running] == [(3, 4, 0, 0), (3, 4, 1, 1)]
@@ -119,34 +135,94 @@ def test_the_same_generation_twice_starts_nothing_more(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    assert supervisor.launch(launch(generation=2), backend)
-    assert not supervisor.launch(launch(generation=2), backend)
+    assert supervisor.launch(launch(generation=2), backend, REDIS_URL)
+    assert not supervisor.launch(launch(generation=2), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("progress")) >= 3)
     assert len(recorder.of("started")) == 1 and len(supervisor.running()) == 1
 
 
-def test_a_newer_generation_stops_the_older_workers_first(
+def test_a_newer_generation_starts_only_its_joiners_and_keeps_the_survivors(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(generation=1), backend)
+    supervisor.launch(launch(generation=1), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("progress", 1)) >= 1)
-    assert supervisor.launch(launch(generation=2, ranks=2), backend)
-    recorder.wait_for(lambda _: len(recorder.of("started", 2)) == 2)
-    [old_exit] = recorder.of("exited", 1)
-    assert (old_exit.exit_code, old_exit.reason) == (75, "stopped")
-    assert "replaced by generation 2" in (old_exit.message or "")
-    assert recorder.events.index(old_exit) < recorder.events.index(recorder.of("started", 2)[0])
-    assert {w.generation for w in supervisor.running()} == {2}
+    [survivor] = recorder.of("started", 1)
+    assert supervisor.launch(launch(generation=2, ranks=2, start=[1]), backend, REDIS_URL)
+    recorder.wait_for(lambda _: len(recorder.of("started", 2)) == 1)
+    [joiner] = recorder.of("started", 2)
+    assert joiner.rank == 1 and joiner.device_index == 1
+    assert recorder.of("exited") == [], "the survivor was not touched"
+    assert sorted(w.pid for w in supervisor.running()) == sorted([survivor.pid, joiner.pid])
+
+
+def test_a_survivor_that_joins_a_generation_is_reported_under_it_with_its_pid(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(
+        launch(generation=1, ranks=2, steps=3, joins_at_step=2, joins_generation=4), backend, REDIS_URL
+    )
+    recorder.wait_for(recorder.exits(2))
+    joined = recorder.of("joined", 4)
+    assert sorted((e.rank, e.device_index) for e in joined) == [(0, 0), (1, 1)]
+    started = {e.rank: e.pid for e in recorder.of("started", 1)}
+    assert {e.rank: e.pid for e in joined} == started
+    assert {(e.generation, e.rank, e.pid) for e in recorder.of("exited")} == {
+        (4, r, p) for r, p in started.items()
+    }
+
+
+def test_a_device_a_newer_generation_keeps_gets_no_second_worker(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(generation=1), backend, REDIS_URL)
+    recorder.wait_for(lambda _: len(recorder.of("started")) == 1)
+    assert supervisor.launch(launch(generation=2), backend, REDIS_URL)  # lists device 0 again
+    time.sleep(0.3)
+    recorder.wait_for(lambda _: True)
+    assert len(recorder.of("started")) == 1 and len(supervisor.running()) == 1
+
+
+def test_a_leaver_that_does_not_leave_is_killed_after_its_grace(backend: SimulatedBackend) -> None:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, leave_grace_s=0.5))
+    recorder = Recorder(supervisor)
+    try:
+        supervisor.launch(launch(generation=1, ranks=2), backend, REDIS_URL)
+        recorder.wait_for(lambda _: len(recorder.of("progress", 1)) >= 2)
+        supervisor.launch(launch(generation=2, ranks=1, start=[]), backend, REDIS_URL)
+        recorder.wait_for(recorder.exits(1))
+        [exited] = recorder.of("exited")
+        assert (exited.rank, exited.exit_code, exited.reason) == (1, -9, "failed")
+        assert exited.message == "killed by SIGKILL after did not leave within 0.5 s of generation 2"
+        assert [w.rank for w in supervisor.running()] == [0]
+    finally:
+        supervisor.shutdown(grace_s=0.5)
+
+
+def test_a_leaver_taken_back_by_a_newer_generation_is_spared(backend: SimulatedBackend) -> None:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, leave_grace_s=0.5))
+    recorder = Recorder(supervisor)
+    try:
+        supervisor.launch(launch(generation=1, ranks=2), backend, REDIS_URL)
+        recorder.wait_for(lambda _: len(recorder.of("started", 1)) == 2)
+        supervisor.launch(launch(generation=2, ranks=1, start=[]), backend, REDIS_URL)
+        supervisor.launch(launch(generation=3, ranks=2, start=[]), backend, REDIS_URL)
+        time.sleep(1.0)
+        recorder.wait_for(lambda _: True)
+        assert recorder.of("exited") == [] and len(supervisor.running()) == 2
+    finally:
+        supervisor.shutdown(grace_s=0.5)
 
 
 def test_an_older_generation_arriving_late_is_ignored(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(generation=3), backend)
+    supervisor.launch(launch(generation=3), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("started")) == 1)
-    assert not supervisor.launch(launch(generation=2), backend)
+    assert not supervisor.launch(launch(generation=2), backend, REDIS_URL)
     time.sleep(0.3)
     recorder.wait_for(lambda _: True)
     assert [e.generation for e in recorder.of("started")] == [3]
@@ -155,8 +231,8 @@ def test_an_older_generation_arriving_late_is_ignored(
 
 def test_generations_are_tracked_per_job(supervisor: WorkerSupervisor, backend: SimulatedBackend) -> None:
     recorder = Recorder(supervisor)
-    assert supervisor.launch(launch(job_id=1, generation=5), backend)
-    assert supervisor.launch(launch(job_id=2, generation=1), backend)
+    assert supervisor.launch(launch(job_id=1, generation=5), backend, REDIS_URL)
+    assert supervisor.launch(launch(job_id=2, generation=1), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
     assert {e.job_id for e in recorder.of("started")} == {1, 2}
 
@@ -165,7 +241,7 @@ def test_stop_ends_the_older_workers_and_a_late_launch_below_it_is_ignored(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(generation=1, ranks=2), backend)
+    supervisor.launch(launch(generation=1, ranks=2), backend, REDIS_URL)
     recorder.wait_for(lambda _: {e.rank for e in recorder.of("progress")} == {0, 1})
     assert supervisor.stop(StopCommand(job_id=1, before_generation=3, reason="cancel")) == 2
     recorder.wait_for(recorder.exits(2))
@@ -173,8 +249,8 @@ def test_stop_ends_the_older_workers_and_a_late_launch_below_it_is_ignored(
         assert (exited.exit_code, exited.reason) == (75, "stopped")
         assert exited.step is not None and exited.step >= 1
         assert exited.message == "exit code 75 (stopped) after stop (cancel)"
-    assert not supervisor.launch(launch(generation=2), backend)
-    assert supervisor.launch(launch(generation=3), backend)
+    assert not supervisor.launch(launch(generation=2), backend, REDIS_URL)
+    assert supervisor.launch(launch(generation=3), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("started", 3)) == 1)
 
 
@@ -182,8 +258,8 @@ def test_stop_leaves_newer_generations_and_other_jobs_alone(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(job_id=1, generation=2), backend)
-    supervisor.launch(launch(job_id=2, generation=1), backend)
+    supervisor.launch(launch(job_id=1, generation=2), backend, REDIS_URL)
+    supervisor.launch(launch(job_id=2, generation=1), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
     assert supervisor.stop(StopCommand(job_id=1, before_generation=2)) == 0
     assert supervisor.stop(StopCommand(job_id=3, before_generation=9)) == 0
@@ -194,7 +270,7 @@ def test_a_crash_is_a_failure_with_its_exit_code(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(steps=10, crash_at_step=3, crash_code=3), backend)
+    supervisor.launch(launch(steps=10, crash_at_step=3, crash_code=3), backend, REDIS_URL)
     recorder.wait_for(recorder.exits(1))
     [exited] = recorder.of("exited")
     assert (exited.exit_code, exited.reason, exited.step) == (3, "failed", 2)
@@ -203,7 +279,7 @@ def test_a_crash_is_a_failure_with_its_exit_code(
 
 def test_a_worker_killed_by_a_signal_failed(supervisor: WorkerSupervisor, backend: SimulatedBackend) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(), backend)
+    supervisor.launch(launch(), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("started")) == 1)
     os.kill(recorder.of("started")[0].pid or 0, 9)
     recorder.wait_for(recorder.exits(1))
@@ -215,7 +291,7 @@ def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(backend:
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=0.5))
     recorder = Recorder(supervisor)
     try:
-        supervisor.launch(launch(sigterm="ignore"), backend)
+        supervisor.launch(launch(sigterm="ignore"), backend, REDIS_URL)
         recorder.wait_for(lambda _: len(recorder.of("progress")) >= 1)
         supervisor.stop(StopCommand(job_id=1, before_generation=2))
         recorder.wait_for(recorder.exits(1))
@@ -230,7 +306,7 @@ def test_a_worker_that_dies_of_the_sigterm_it_was_sent_stopped(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(sigterm="die"), backend)
+    supervisor.launch(launch(sigterm="die"), backend, REDIS_URL)
     recorder.wait_for(lambda _: len(recorder.of("progress")) >= 1)
     supervisor.stop(StopCommand(job_id=1, before_generation=2))
     recorder.wait_for(recorder.exits(1))
@@ -243,7 +319,7 @@ def test_children_a_worker_leaves_behind_are_ended(
     supervisor: WorkerSupervisor, backend: SimulatedBackend
 ) -> None:
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(steps=2, child=True), backend)
+    supervisor.launch(launch(steps=2, child=True), backend, REDIS_URL)
     recorder.wait_for(recorder.exits(1))
     [line] = [e.message or "" for e in recorder.of("log") if (e.message or "").startswith("child pid=")]
     child_pid = int(line.removeprefix("child pid="))
@@ -259,7 +335,7 @@ def test_a_device_the_node_lacks_fails_that_worker_without_starting_it(
 ) -> None:
     recorder = Recorder(supervisor)
     command = launch(ranks=3, steps=1)  # device 2 is not on a two-slot node
-    supervisor.launch(command, backend)
+    supervisor.launch(command, backend, REDIS_URL)
     recorder.wait_for(recorder.exits(3))
     failed = [e for e in recorder.of("exited") if e.reason == "failed"]
     assert [(e.rank, e.device_index, e.exit_code) for e in failed] == [(2, 2, None)]
@@ -270,7 +346,7 @@ def test_a_device_the_node_lacks_fails_that_worker_without_starting_it(
 def test_a_worker_module_that_does_not_exist_fails(backend: SimulatedBackend) -> None:
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module="tests.no_such_worker"))
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(), backend)
+    supervisor.launch(launch(), backend, REDIS_URL)
     recorder.wait_for(recorder.exits(1))
     [exited] = recorder.of("exited")
     assert (exited.exit_code, exited.reason) == (1, "failed")
@@ -281,8 +357,8 @@ def test_a_worker_module_that_does_not_exist_fails(backend: SimulatedBackend) ->
 def test_shutdown_stops_every_worker_and_refuses_new_launches(backend: SimulatedBackend) -> None:
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0))
     recorder = Recorder(supervisor)
-    supervisor.launch(launch(job_id=1, ranks=2), backend)
-    supervisor.launch(launch(job_id=2), backend)
+    supervisor.launch(launch(job_id=1, ranks=2), backend, REDIS_URL)
+    supervisor.launch(launch(job_id=2), backend, REDIS_URL)
     recorder.wait_for(
         lambda _: {(e.job_id, e.rank) for e in recorder.of("progress")} == {(1, 0), (1, 1), (2, 0)}
     )
@@ -290,7 +366,7 @@ def test_shutdown_stops_every_worker_and_refuses_new_launches(backend: Simulated
     assert supervisor.running() == []
     recorder.wait_for(recorder.exits(3))
     assert {(e.exit_code, e.reason) for e in recorder.of("exited")} == {(75, "stopped")}
-    assert not supervisor.launch(launch(job_id=3), backend)
+    assert not supervisor.launch(launch(job_id=3), backend, REDIS_URL)
 
 
 # --- output lines and exit codes -------------------------------------------------------------
@@ -356,9 +432,12 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
-    supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0))
+    from elastic.worker.membership import MembershipBoard
+
+    supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0, node_name="node-t"))
     recorder = Recorder(supervisor)
     spec = {"name": "agent-test", "workload": "digits-mlp", "steps": 100_000, "seed": 1}
+    key = f"bungee-agent-test-{os.getpid()}:job:9"
     command = LaunchCommand(
         job_id=9,
         generation=1,
@@ -366,13 +445,28 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
         master_addr="127.0.0.1",
         master_port=_free_port(),
         workers=[WorkerAssignment(rank=0, device_index=0)],
+        members=[0],
         spec=spec,
         run_dir=str(tmp_path),
+        coordination_key=key,
+    )
+    board = MembershipBoard.connect(REDIS_URL, key)
+    board.publish(
+        Membership(
+            job_id=9,
+            generation=1,
+            master_addr="127.0.0.1",
+            master_port=command.master_port,
+            has_state=False,
+            members=[Member(node="node-t", device_index=0, address="127.0.0.1", joiner=True)],
+        )
     )
     try:
-        assert supervisor.launch(command, make_backend("simulated", slots=1))
+        assert supervisor.launch(command, make_backend("simulated", slots=1), REDIS_URL)
         recorder.wait_for(lambda _: bool(recorder.of("progress")) or bool(recorder.of("exited")), 120)
         assert recorder.of("exited") == [], [e.message for e in recorder.of("log")]
+        [joined] = recorder.of("joined")
+        assert (joined.generation, joined.rank, joined.pid) == (1, 0, recorder.of("started")[0].pid)
         progress = recorder.of("progress")[0]
         assert (progress.job_id, progress.generation, progress.rank, progress.total_steps) == (
             9,
@@ -387,3 +481,6 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
         assert exited.step is not None and exited.step >= 1
     finally:
         supervisor.shutdown(grace_s=5.0)
+        for stale in board.client.scan_iter(f"{key}:*"):
+            board.client.delete(stale)
+        board.close()

@@ -1,6 +1,7 @@
 """The backbone end to end, every part real: submit through the API, the Celery scheduler puts
 the job on devices a real agent reports, two real torch workers train it, it is resized 2 -> 1
--> 2 without losing a finished step, it finishes, and a WebSocket client saw it all live."""
+-> 2 in place (rank 0 is the same process throughout) without losing a finished step, it
+finishes, and a WebSocket client saw it all live."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
         [d for n in alice.get("/api/cluster").json()["nodes"] for d in n["devices"]]) == 2)
 
     spec = {"name": "backbone", "workload": "digits-mlp", "min_workers": 1, "max_workers": 2,
-            "steps": 4000, "hyperparameters": {"batch_size": 32, "hidden": 256}}
+            "steps": 15000, "hyperparameters": {"batch_size": 32, "hidden": 256}}
     reply = alice.post("/api/jobs", json=spec)
     assert reply.status_code == 201, reply.text
     job_id = reply.json()["id"]
@@ -62,16 +63,18 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
     done = platform.wait_for(
         "the job to finish", lambda: (j := job_detail(platform, job_id))["state"] == "succeeded" and j, timeout_s=240
     )
-    assert done["steps_done"] == 4000 and done["allocations"] == []
+    assert done["steps_done"] == 15000 and done["allocations"] == []
     sizes = [(r["workers_before"], r["workers_after"]) for r in done["resizes"]]
     assert sizes[:3] == [(0, 2), (2, 1), (1, 2)], sizes
-    assert all(r["pause_s"] is not None and r["pause_s"] > 0 for r in done["resizes"][1:3])
+    assert all(r["pause_s"] is not None and r["pause_s"] >= 0 for r in done["resizes"][1:3])
 
-    # No finished step lost: every generation resumed where the one before it stopped.
+    # In place: rank 0 is one process in every generation, each switch picked up where the last
+    # step ended, and nothing was restored from disk.
+    leader = {w["pid"] for w in done["workers_history"] if w["rank"] == 0}
+    assert len(leader) == 1, done["workers_history"]
     logs = [entry["line"] for entry in alice.get(f"/api/jobs/{job_id}/logs").json()]
-    stopped = [line for line in logs if "stopping" in line.lower()]
-    resumed = [line for line in logs if "resum" in line.lower()]
-    assert len(stopped) >= 2 and len(resumed) >= 2, logs
+    switched = [line for line in logs if line.startswith("generation ") and " -> " in line]
+    assert len(switched) >= 2 and not [line for line in logs if "resumed" in line], logs
     metrics = alice.get(f"/api/jobs/{job_id}/metrics").json()
     steps = [m["step"] for m in metrics]
     assert steps == sorted(steps), "steps went backwards: a finished step was lost"

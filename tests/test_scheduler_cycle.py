@@ -1,5 +1,7 @@
-"""The scheduling cycle against the real database and Redis: plans become generations and
-commands on the nodes' streams; a cycle run twice (a redelivered task) changes nothing."""
+"""The scheduling cycle against the real database and Redis: plans become generations, each
+published as a membership record on the job's board and launches of its joiners on the nodes'
+streams; a resize leaves the running workers alone (in place); a cycle run twice (a redelivered
+task) changes nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from elastic.wire import AgentReport, WorkerEvent, parse_command
 from portal.cluster.ingest import ingest_report
 from portal.jobs.models import Job, ResizeEvent
 from portal.scheduling.cycle import run_cycle
-from portal.scheduling.dispatch import stream_for
+from portal.scheduling.dispatch import board, stream_for
 from tests.conftest import VALID_SPEC
 
 pytestmark = pytest.mark.django_db
@@ -31,6 +33,15 @@ def report(node: Any, *events: WorkerEvent) -> None:
     ingest_report(node, AgentReport(node=node.name, events=list(events)))
 
 
+def form(node: Any, job: Job, ranks: int, generation: int | None = None, pid_base: int = 1000,
+         **resized: Any) -> None:
+    """Report what the workers of a generation say once its group formed."""
+    generation = generation or job.generation
+    report(node, *(event(job, "joined", rank=rank, generation=generation, pid=pid_base + rank, device_index=rank)
+                   for rank in range(ranks)),
+           event(job, "resized", generation=generation, **resized))
+
+
 def submit(api: dict, **change: Any) -> Job:
     reply = api["alice"].post("/api/jobs", {**VALID_SPEC, **change})
     assert reply.status_code == 201, reply.content
@@ -45,7 +56,11 @@ def test_cycle_allocates_launches_and_is_idempotent(api: dict, cluster: Any, red
     assert job.state == "running" and job.generation == 1 and job.allocations.count() == 2
     launch = commands(redis_client)[-1]
     assert launch.kind == "launch" and launch.generation == 1 and launch.world_size == 2
-    assert [w.rank for w in launch.workers] == [0, 1]
+    assert [w.rank for w in launch.workers] == [0, 1] and launch.members == [0, 1]
+    record = board(job.pk).latest()
+    assert record is not None and launch.coordination_key == board(job.pk).key
+    assert (record.generation, record.keys(), record.has_state) == (1, ["node-a/0", "node-a/1"], False)
+    assert all(member.joiner for member in record.members)
     sent = len(commands(redis_client))
     again = run_cycle()
     assert again.changed_jobs == [] and again.launched_jobs == []
@@ -54,32 +69,116 @@ def test_cycle_allocates_launches_and_is_idempotent(api: dict, cluster: Any, red
     assert job.generation == 1
 
 
-def test_resize_stops_old_generation_then_launches_new(api: dict, cluster: Any, redis_client: Any) -> None:
+def test_resize_happens_in_place(api: dict, cluster: Any, redis_client: Any) -> None:
     job = submit(api)
     run_cycle()
     job.refresh_from_db()
     for rank in (0, 1):
         report(cluster, event(job, "started", rank=rank, pid=1000 + rank, device_index=rank))
+    form(cluster, job, 2)
     report(cluster, event(job, "progress", step=5, loss=2.0, samples_per_s=100.0))
+    job.refresh_from_db()
+    assert (job.state, job.active_generation, job.steps_done) == ("running", 1, 5)
+    sent = len(commands(redis_client))
+
     api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 1})
     run_cycle()
     job.refresh_from_db()
     assert job.state == "resizing" and job.generation == 2 and job.allocations.count() == 1
-    stop = commands(redis_client)[-1]
-    assert stop.kind == "stop" and stop.before_generation == 2
-    # Not launched while the old workers still run.
-    assert run_cycle().launched_jobs == []
-    report(cluster, event(job, "exited", rank=1, generation=1, exit_code=75, reason="stopped"))
-    assert commands(redis_client)[-1].kind == "stop"
-    report(cluster, event(job, "exited", rank=0, generation=1, exit_code=75, reason="stopped"))
-    launch = commands(redis_client)[-1]
-    assert launch.kind == "launch" and launch.generation == 2 and launch.world_size == 1
-    report(cluster, event(job, "progress", generation=2, step=6, loss=1.9, samples_per_s=90.0))
+    # Nothing is stopped: one launch tells the node which of its devices stay, and starts nobody.
+    [launch] = commands(redis_client)[sent:]
+    assert (launch.kind, launch.generation, launch.workers, launch.members) == ("launch", 2, [], [0])
+    record = board(job.pk).latest()
+    assert record is not None and record.generation == 2 and record.has_state
+    assert record.keys() == ["node-a/0"] and not record.members[0].joiner and record.donor is None
+    # The survivors train on under generation 1 meanwhile; their progress counts.
+    report(cluster, event(job, "progress", generation=1, step=9, loss=1.95, samples_per_s=100.0))
     job.refresh_from_db()
-    assert job.state == "running"
+    assert job.steps_done == 9
+
+    # The switch: the survivor joins generation 2 with its pid, the leaver leaves.
+    report(cluster, event(job, "joined", rank=0, generation=2, pid=1000, device_index=0),
+           event(job, "exited", rank=1, generation=1, exit_code=76, reason="left", device_index=1),
+           event(job, "resized", generation=2, step=10, pause_s=0.08, bytes_moved=0,
+                 members_before=["node-a/0", "node-a/1"], members_after=["node-a/0"],
+                 phases={"rendezvous": 0.02, "first_step": 0.05}))
+    job.refresh_from_db()
+    assert job.state == "running" and job.active_generation == 2
     resize = ResizeEvent.objects.get(job=job, generation=2)
-    assert (resize.workers_before, resize.workers_after) == (2, 1)
-    assert resize.pause_s is not None and resize.pause_s >= 0
+    assert (resize.workers_before, resize.workers_after, resize.pause_s, resize.step) == (2, 1, 0.08, 10)
+    assert resize.members_after == ["node-a/0"] and resize.phases["rendezvous"] == 0.02
+    rows = {(w.generation, w.rank): (w.pid, w.state, w.reason) for w in job.workers.all()}
+    assert rows == {(1, 0): (1000, "switched", ""), (1, 1): (1001, "exited", "left"), (2, 0): (1000, "running", "")}
+    assert run_cycle().changed_jobs == [], "the job already has what it was pinned to"
+
+    # Growing again starts one joiner; the survivor keeps rank 0.
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 2})
+    run_cycle()
+    launch = commands(redis_client)[-1]
+    assert [(w.rank, w.device_index) for w in launch.workers] == [(1, 1)] and launch.members == [0, 1]
+    record = board(job.pk).latest()
+    assert record is not None and [(m.key, m.joiner) for m in record.members] == [
+        ("node-a/0", False), ("node-a/1", True)]
+
+
+def test_a_resize_waits_for_the_one_in_flight(api: dict, cluster: Any, redis_client: Any) -> None:
+    job = submit(api)
+    run_cycle()
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 1})
+    assert run_cycle().changed_jobs == [], "generation 1 has not formed yet"
+    job.refresh_from_db()
+    form(cluster, job, 2)
+    assert run_cycle().changed_jobs == [job.pk]
+
+
+def test_a_dead_worker_is_planned_out(api: dict, cluster: Any, redis_client: Any) -> None:
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    for rank in (0, 1):
+        report(cluster, event(job, "started", rank=rank, pid=1000 + rank, device_index=rank))
+    form(cluster, job, 2)
+    report(cluster, event(job, "exited", rank=1, exit_code=-9, reason="failed", device_index=1))
+    job.refresh_from_db()
+    assert job.restart_requested and job.restarts == 1 and len(job.failed_devices) == 1
+    run_cycle()
+    job.refresh_from_db()
+    assert (job.state, job.generation, job.allocations.count(), job.failed_devices) == ("resizing", 2, 1, [])
+    record = board(job.pk).latest()
+    assert record is not None and record.keys() == ["node-a/0"] and record.has_state
+    # Once the survivor runs generation 2, the scheduler grows the job again: a new joiner.
+    form(cluster, job, 1, generation=2)
+    run_cycle()
+    job.refresh_from_db()
+    assert job.generation == 3 and job.allocations.count() == 2
+    assert [w.device_index for w in commands(redis_client)[-1].workers] == [1]
+
+
+def test_joiners_that_never_get_ready_are_stopped_and_planned_out(
+    api: dict, cluster: Any, redis_client: Any, settings: Any
+) -> None:
+    from portal.scheduling.cycle import expire_stuck_resizes
+
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    for rank in (0, 1):
+        report(cluster, event(job, "started", rank=rank, pid=1000 + rank, device_index=rank))
+    form(cluster, job, 2)
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 3})
+    run_cycle()
+    job.refresh_from_db()
+    report(cluster, event(job, "started", rank=2, pid=1002, device_index=2))
+    assert expire_stuck_resizes() == [], "not stuck yet"
+    settings.BUNGEE = {**settings.BUNGEE, "JOINER_TIMEOUT_S": 0.0}
+    assert expire_stuck_resizes() == [job.pk]
+    stop = commands(redis_client)[-1]
+    assert (stop.kind, stop.devices) == ("stop", [2]), "only the joiner that hangs"
+    job.refresh_from_db()
+    assert job.restart_requested and len(job.failed_devices) == 1
+    run_cycle()
+    job.refresh_from_db()
+    assert job.allocations.count() == 2 and board(job.pk).latest().keys() == ["node-a/0", "node-a/1"]
 
 
 def test_owner_return_shrinks_the_job(api: dict, cluster: Any, redis_client: Any) -> None:
@@ -115,12 +214,14 @@ def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, sett
     done.refresh_from_db()
     assert done.state == "succeeded" and done.allocations.count() == 0 and done.steps_done == 50
     settings.BUNGEE = {**settings.BUNGEE, "MAX_RESTARTS": 1}
-    report(cluster, event(flaky, "exited", exit_code=1, reason="failed"))
+    report(cluster, event(flaky, "started", pid=2000, device_index=1), event(flaky, "exited", exit_code=1, reason="failed"))
     run_cycle()
     flaky.refresh_from_db()
     assert flaky.state == "resizing" and flaky.generation == 2 and flaky.restarts == 1
-    assert commands(redis_client)[-1].generation == 2, "relaunched from its checkpoint"
-    report(cluster, event(flaky, "exited", exit_code=1, reason="failed"))
+    assert commands(redis_client)[-1].generation == 2, "relaunched (from its checkpoint: nobody holds the state)"
+    record = board(flaky.pk).latest()
+    assert record is not None and record.generation == 2 and not record.has_state
+    report(cluster, event(flaky, "started", pid=2001, device_index=1), event(flaky, "exited", exit_code=1, reason="failed"))
     flaky.refresh_from_db()
     assert flaky.state == "failed" and "gave up" in flaky.message
 

@@ -1,20 +1,20 @@
-"""Across a stop and a resume on another world size, every step trains on exactly its global
+"""Across an in-place scale-in to another world size, every step trains on exactly its global
 batch and every sample of the epoch is seen exactly once. The batch of 5 divides evenly on
-neither world size: shares of 2, 2 and 1 before the stop, 3 and 2 after it. (Shares of a world
+neither world size: shares of 2, 2 and 1 before the switch, 3 and 2 after it. (Shares of a world
 larger than the batch are covered in test_worker_trainer.)"""
 
 from __future__ import annotations
 
 import json
-import signal
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
-from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE
+from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE
 from elastic.worker.data import SampleStream
-from elastic.worker.local import LocalWorkers
+from elastic.worker.local import LocalJob
+from tests.worker_support import REDIS_URL, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -24,30 +24,25 @@ SEED = 11
 SPEC = {
     "name": "order",
     "workload": "digits-mlp",
-    "epochs": 1,
+    "epochs": 2,
     "seed": SEED,
     "hyperparameters": {"batch_size": BATCH},
 }
-STEPS = -(-SAMPLES // BATCH)  # the last batch ends with samples of epoch 1
+STEPS = -(-2 * SAMPLES // BATCH)  # the last batch ends with samples of epoch 2
 FIRST_WORLD, SECOND_WORLD = 3, 2
 
 
-def test_every_sample_of_the_epoch_once_across_a_resize(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_every_sample_of_the_epoch_once_across_a_resize(tmp_path: Path) -> None:
     record = tmp_path / "samples.jsonl"
-    monkeypatch.setenv("BUNGEE_RECORD_SAMPLES", str(record))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run_dir = tmp_path / "run"
-    with LocalWorkers(SPEC, world_size=FIRST_WORLD, run_dir=run_dir, generation=1) as workers:
-        workers.wait_for(0, lambda event: event.kind == "progress")
-        workers.send_signal(0, signal.SIGTERM)
-        assert [o.returncode for o in workers.wait()] == [STOPPED_EXIT_CODE] * FIRST_WORLD
-    with LocalWorkers(SPEC, world_size=SECOND_WORLD, run_dir=run_dir, generation=2) as workers:
-        outputs = workers.wait()
-        assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE] * SECOND_WORLD, [
-            o.stderr for o in outputs
-        ]
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
+    with LocalJob(SPEC, tmp_path / "run", REDIS_URL, env=env, heal=False) as job:
+        job.start(list(range(FIRST_WORLD)))
+        job.wait_for(lambda _, event: event.kind == "progress")
+        job.resize(list(range(SECOND_WORLD)))
+        outputs = job.wait()
+    assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE] * SECOND_WORLD + [LEFT_EXIT_CODE], [
+        o.stderr for o in outputs
+    ]
 
     shares: dict[int, dict[int, list[int]]] = defaultdict(dict)
     generations: dict[int, set[tuple[int, int]]] = defaultdict(set)
@@ -70,6 +65,6 @@ def test_every_sample_of_the_epoch_once_across_a_resize(
         batch = [index for rank in range(world_size) for index in shares[step][rank]]
         assert batch == stream.global_batch(step, BATCH).tolist()
         seen.extend(batch)
-    epoch_zero, epoch_one = seen[:SAMPLES], seen[SAMPLES:]
-    assert Counter(epoch_zero) == Counter(range(SAMPLES))
-    assert epoch_one == stream.positions(SAMPLES, STEPS * BATCH).tolist()
+    epoch_zero, epoch_one, epoch_two = seen[:SAMPLES], seen[SAMPLES : 2 * SAMPLES], seen[2 * SAMPLES :]
+    assert Counter(epoch_zero) == Counter(range(SAMPLES)) == Counter(epoch_one)
+    assert epoch_two == stream.positions(2 * SAMPLES, STEPS * BATCH).tolist()

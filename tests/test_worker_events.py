@@ -18,6 +18,10 @@ CONFIG = WorkerConfig(
     device="cpu",
     spec={},
     run_dir="/tmp/run",
+    node="node-a",
+    device_index=0,
+    redis_url="redis://127.0.0.1:6379/13",
+    coordination_key="bungee-test:job:7",
 )
 
 

@@ -12,7 +12,12 @@ from elastic.worker.settings import WorkerSettings, WorkerSettingsError
 
 def test_defaults_need_no_environment() -> None:
     assert WorkerSettings.from_env({}) == WorkerSettings(
-        threads=1, pg_timeout_s=60.0, checkpoint_every_s=30.0, progress_every_s=0.5
+        threads=1,
+        pg_timeout_s=30.0,
+        checkpoint_every_s=30.0,
+        progress_every_s=0.5,
+        rendezvous_timeout_s=10.0,
+        membership_poll_s=0.05,
     )
 
 
@@ -24,9 +29,11 @@ def test_values_are_read() -> None:
             "BUNGEE_CHECKPOINT_EVERY_S": "0.25",
             "BUNGEE_PROGRESS_EVERY_S": "2",
             "BUNGEE_RECORD_SAMPLES": "/tmp/samples.jsonl",
+            "BUNGEE_RENDEZVOUS_TIMEOUT_S": "3",
+            "BUNGEE_MEMBERSHIP_POLL_S": "0.1",
         }
     )
-    assert settings == WorkerSettings(4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"))
+    assert settings == WorkerSettings(4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"), 3.0, 0.1)
 
 
 @pytest.mark.parametrize(

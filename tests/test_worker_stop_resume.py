@@ -1,6 +1,7 @@
-"""Real worker processes on CPU: a fixed two-worker run completes and learns; a SIGTERM to one
-rank stops every rank after the same step with that step saved; a single worker resumes from it,
-completes, and ends with the parameters of the fixed run."""
+"""Real worker processes on CPU: a fixed two-worker run completes and learns; a scale-in from two
+workers to one, in place, ends with the parameters of the fixed run; a SIGTERM to one rank stops
+every rank after the same step with that step saved, and a new job on one worker resumes from it
+and ends with the fixed run's parameters too."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE
+from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE
 from elastic.worker.checkpoint import checkpoint_path, load_checkpoint
-from elastic.worker.local import LocalWorkers, WorkerOutput
+from elastic.worker.local import LocalJob, WorkerOutput
+from tests.worker_support import REDIS_URL, worker_env
 
 pytestmark = pytest.mark.slow
 
-TOTAL_STEPS = 400
+TOTAL_STEPS = 1500
 # No dropout: its masks depend on each rank's share, so only then is a 2-then-1 run the same
 # computation as a 2-worker run.
 SPEC = {
@@ -25,25 +27,26 @@ SPEC = {
     "steps": TOTAL_STEPS,
     "hyperparameters": {"dropout": 0.0},
 }
-ENV = {"OMP_NUM_THREADS": "1", "BUNGEE_PG_TIMEOUT_S": "30"}
-
-
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in ENV.items():
-        monkeypatch.setenv(name, value)
 
 
 def _describe(outputs: list[WorkerOutput]) -> str:
-    return "\n".join(f"rank {o.rank} exit {o.returncode}: {o.lines} {o.stderr}" for o in outputs)
+    return "\n".join(f"slot {o.slot} exit {o.returncode}: {o.log_messages()} {o.stderr}" for o in outputs)
+
+
+def _assert_same_parameters(run_dir: Path, fixed_dir: Path) -> None:
+    final = load_checkpoint(checkpoint_path(run_dir))
+    fixed = load_checkpoint(checkpoint_path(fixed_dir))
+    assert final is not None and fixed is not None and final.step == fixed.step == TOTAL_STEPS
+    for name, tensor in fixed.model.items():
+        assert torch.allclose(final.model[name], tensor, rtol=1e-5, atol=1e-5), name
 
 
 @pytest.fixture(scope="module")
 def fixed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[WorkerOutput]]:
     run_dir = tmp_path_factory.mktemp("fixed")
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        _env(monkeypatch)
-        with LocalWorkers(SPEC, world_size=2, run_dir=run_dir) as workers:
-            return run_dir, workers.wait()
+    with LocalJob(SPEC, run_dir, REDIS_URL, env=worker_env(), heal=False) as job:
+        job.start([0, 1])
+        return run_dir, job.wait(180)
 
 
 def test_fixed_run_completes_and_learns(fixed_run: tuple[Path, list[WorkerOutput]]) -> None:
@@ -63,29 +66,43 @@ def test_fixed_run_completes_and_learns(fixed_run: tuple[Path, list[WorkerOutput
     assert state is not None and state.step == TOTAL_STEPS
 
 
-def test_stop_then_resume_on_fewer_workers_matches_the_fixed_run(
-    fixed_run: tuple[Path, list[WorkerOutput]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_scale_in_in_place_matches_the_fixed_run(
+    fixed_run: tuple[Path, list[WorkerOutput]], tmp_path: Path
 ) -> None:
-    _env(monkeypatch)
-    with LocalWorkers(SPEC, world_size=2, run_dir=tmp_path) as workers:
-        workers.wait_for(0, lambda event: event.kind == "progress")
-        workers.send_signal(1, signal.SIGTERM)
-        stopped = workers.wait()
+    with LocalJob(SPEC, tmp_path, REDIS_URL, env=worker_env(), heal=False) as job:
+        job.start([0, 1])
+        job.wait_for(lambda _, e: e.kind == "progress" and e.generation == 1)
+        job.resize([0])
+        outputs = job.wait(180)
+    assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE, LEFT_EXIT_CODE], _describe(outputs)
+    [switch] = outputs[0].of_kind("resized")[1:]
+    assert switch.generation == 2 and 0 < (switch.step or 0) < TOTAL_STEPS
+    assert load_checkpoint(checkpoint_path(tmp_path)) is not None
+    _assert_same_parameters(tmp_path, fixed_run[0])
+
+
+def test_stop_then_resume_on_fewer_workers_matches_the_fixed_run(
+    fixed_run: tuple[Path, list[WorkerOutput]], tmp_path: Path
+) -> None:
+    with LocalJob(SPEC, tmp_path, REDIS_URL, env=worker_env(), heal=False) as job:
+        job.start([0, 1])
+        job.wait_for(lambda _, e: e.kind == "progress")
+        job.send_signal(1, signal.SIGTERM)
+        stopped = job.wait()
     assert [o.returncode for o in stopped] == [STOPPED_EXIT_CODE] * 2, _describe(stopped)
     saved = load_checkpoint(checkpoint_path(tmp_path))
     assert saved is not None and 0 < saved.step < TOTAL_STEPS
     assert stopped[0].log_messages()[-1] == f"stopping at step {saved.step}"
     assert stopped[0].of_kind("progress")[-1].step == saved.step
 
-    with LocalWorkers(SPEC, world_size=1, run_dir=tmp_path, generation=2) as workers:
-        [resumed] = workers.wait()
+    with LocalJob(SPEC, tmp_path, REDIS_URL, env=worker_env(), heal=False) as job:
+        job.start([0])
+        [resumed] = job.wait(180)
     assert resumed.returncode == COMPLETED_EXIT_CODE, _describe([resumed])
-    assert resumed.log_messages()[0] == f"resumed from step {saved.step} of {TOTAL_STEPS}, world size 1"
+    assert resumed.log_messages()[0] == (
+        f"resumed from the periodic checkpoint at step {saved.step} of {TOTAL_STEPS}, world size 1: "
+        "no running worker held the training state"
+    )
     progress = resumed.of_kind("progress")
     assert progress[0].step == saved.step + 1 and progress[-1].step == TOTAL_STEPS
-
-    final = load_checkpoint(checkpoint_path(tmp_path))
-    fixed = load_checkpoint(checkpoint_path(fixed_run[0]))
-    assert final is not None and fixed is not None and final.step == fixed.step == TOTAL_STEPS
-    for name, tensor in fixed.model.items():
-        assert torch.allclose(final.model[name], tensor, rtol=1e-5, atol=1e-5), name
+    _assert_same_parameters(tmp_path, fixed_run[0])

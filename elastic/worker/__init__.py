@@ -15,6 +15,16 @@ COMPLETED_EXIT_CODE = 0
 FAILED_EXIT_CODE = 1
 """Something went wrong; the traceback is on stderr. Steps since the last checkpoint are lost."""
 STOPPED_EXIT_CODE = 75
-"""Stopped by SIGTERM or SIGINT: all ranks finished the same step and rank 0 saved it."""
+"""Stopped by SIGTERM or SIGINT: all ranks finished the same step and rank 0 saved it. (A worker
+that held no training state yet, a joiner warming up, just goes.)"""
+LEFT_EXIT_CODE = 76
+"""Left the job at a resize: the newest membership record does not name it. Its state, if it had
+any, lives on in the survivors; its device is free."""
 
-__all__ = ["COMPLETED_EXIT_CODE", "FAILED_EXIT_CODE", "STOPPED_EXIT_CODE", "WORKER_CONFIG_ENV"]
+__all__ = [
+    "COMPLETED_EXIT_CODE",
+    "FAILED_EXIT_CODE",
+    "LEFT_EXIT_CODE",
+    "STOPPED_EXIT_CODE",
+    "WORKER_CONFIG_ENV",
+]

@@ -1,6 +1,8 @@
-"""The job's checkpoint: the training state after a completed step, in one file in the run
-directory. Only rank 0 reads or writes it; it hands what it read to the other ranks over the
-process group, so that nodes share no disk. A write goes to a temporary file that then replaces
+"""The job's periodic checkpoint: the training state after a completed step, in one file in the
+run directory. It is kept for one case only, every worker of the job lost at once: resizes and
+single deaths move the state between workers' memories (elastic.worker.transfer). Only rank 0
+reads or writes it; what it read reaches the other ranks over the process group, so that nodes
+share no disk. A write goes to a temporary file that then replaces
 the checkpoint, so a crash mid-write leaves the previous checkpoint intact.
 
 The state holds no RNG state: the worker reseeds torch's generator at every step from (job seed,
@@ -14,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT_VERSION = 1
@@ -102,10 +103,3 @@ def load_checkpoint(path: Path) -> TrainingState | None:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not a checkpoint")
     return TrainingState.from_dict(data)
-
-
-def broadcast_state(state: TrainingState | None, source_rank: int = 0) -> TrainingState | None:
-    """Return the state that `source_rank` passed in, on every rank (a collective call)."""
-    box: list[TrainingState | None] = [state]
-    dist.broadcast_object_list(box, src=source_rank)
-    return box[0]

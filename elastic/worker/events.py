@@ -12,19 +12,27 @@ from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
 
 
 class EventWriter:
-    """Writes the events of one worker, stamped with its job, generation and rank."""
+    """Writes the events of one worker, stamped with its job and its current generation and
+    rank (those it was launched with until it joins a generation)."""
 
     def __init__(self, config: WorkerConfig, stream: TextIO | None = None) -> None:
-        self._config = config
+        self._job_id = config.job_id
+        self.generation = config.generation
+        self.rank = config.rank
         self._stream = stream if stream is not None else sys.stdout
 
-    def emit(self, kind: Literal["progress", "log"], **fields: Any) -> WorkerEvent:
+    def rebind(self, generation: int, rank: int) -> None:
+        """Stamp later events with `generation` and `rank`."""
+        self.generation = generation
+        self.rank = rank
+
+    def emit(self, kind: Literal["joined", "resized", "progress", "log"], **fields: Any) -> WorkerEvent:
         """Write one event and flush; return it. Raises pydantic.ValidationError if a field
         does not belong to WorkerEvent."""
         event = WorkerEvent(
-            job_id=self._config.job_id,
-            generation=self._config.generation,
-            rank=self._config.rank,
+            job_id=self._job_id,
+            generation=self.generation,
+            rank=self.rank,
             kind=kind,
             at=time.time(),
             **fields,

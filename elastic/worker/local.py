@@ -1,6 +1,14 @@
-"""Run one generation of a job's workers on this machine, the way an agent would: one
-`python -m elastic.worker` process per rank on CPU, rendezvous on a free localhost port, events
-parsed from their stdout. For tests and benchmarks; the agent has its own supervision."""
+"""Run a job's workers on this machine, coordinated the way the portal and the agents do it: one
+`python -m elastic.worker` process per slot on CPU (or one GPU per slot), membership records on the job's board in
+Redis, a free localhost port per generation, events parsed from the workers' stdout. For tests
+and benchmarks; the platform has its own scheduler and supervision.
+
+`LocalJob.start` publishes the first generation; `resize` publishes the next one, starting
+processes only for slots that have none (joiners); survivors and leavers read the record. With
+`heal` on, a worker that dies makes the job publish a generation without it, as the portal does
+when an agent reports the death; if no worker holding the state is left, the whole target is
+started again, from the periodic checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +19,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
-from elastic.worker import WORKER_CONFIG_ENV
+from elastic.wire import WORKER_EVENT_PREFIX, Member, Membership, WorkerConfig, WorkerEvent, member_key
+from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
+from elastic.worker.membership import MembershipBoard
 
 LOCALHOST = "127.0.0.1"
+NODE = "local"
+_CLEAN_EXITS = (COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, LEFT_EXIT_CODE)
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -34,12 +46,16 @@ def free_port(host: str = LOCALHOST) -> int:
 class WorkerOutput:
     """What one worker process wrote, collected as it runs."""
 
-    rank: int
+    slot: int
+    pid: int
+    launched_generation: int
     events: list[WorkerEvent] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     """stdout lines that are not events."""
     stderr: str = ""
     returncode: int | None = None
+    holds_state: bool = False
+    """It joined a generation (it sent a "joined" event)."""
 
     def of_kind(self, kind: str) -> list[WorkerEvent]:
         """Return the events of `kind`, in the order written."""
@@ -50,96 +66,210 @@ class WorkerOutput:
         return [event.message or "" for event in self.of_kind("log")]
 
 
-class LocalWorkers:
-    """The `world_size` worker processes of one generation of a job, on CPU, on this machine."""
+class LocalJob:
+    """One job's workers on CPU on this machine; slots play the devices of one node."""
 
     def __init__(
         self,
         spec: Mapping[str, Any],
-        world_size: int,
         run_dir: str | Path,
+        redis_url: str,
         job_id: int = 1,
-        generation: int = 1,
         env: Mapping[str, str] | None = None,
+        heal: bool = True,
+        board_key: str | None = None,
+        device: str = "cpu",
     ) -> None:
         self.spec = dict(spec)
-        self.world_size = world_size
         self.run_dir = Path(run_dir)
+        self.redis_url = redis_url
         self.job_id = job_id
-        self.generation = generation
         self.env = dict(os.environ if env is None else env)
-        self.outputs = [WorkerOutput(rank) for rank in range(world_size)]
-        self._processes: list[subprocess.Popen[str]] = []
+        self.heal = heal
+        self.device = device
+        """"cpu", or "cuda": slot i is then GPU i."""
+        self.key = board_key or f"bungee-local-{uuid.uuid4().hex[:10]}:job:{job_id}"
+        self.board = MembershipBoard.connect(redis_url, self.key)
+        self.outputs: list[WorkerOutput] = []
+        """Every process started, in start order."""
+        self.records: list[Membership] = []
+        self.target: list[int] = []
+        self._processes: dict[int, subprocess.Popen[str]] = {}
         self._readers: list[threading.Thread] = []
         self._changed = threading.Condition()
+        self._lock = threading.RLock()
+        self._closing = False
 
-    def config(self, rank: int, port: int) -> WorkerConfig:
-        """Return the WorkerConfig of `rank` for a rendezvous on `port`."""
+    # --- membership --------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self.records[-1].generation if self.records else 0
+
+    def start(self, slots: Sequence[int]) -> LocalJob:
+        """Publish generation 1 on `slots` and start a worker on each; return self."""
+        return self.resize(slots)
+
+    def resize(self, slots: Sequence[int], leavers_timeout_s: float = 60.0) -> Membership:
+        """Publish the next generation on `slots` (in this order, survivors moved first) and
+        start a worker on each slot that has none running; return the record. Like the portal,
+        it first lets the leavers of the last switch finish leaving (up to `leavers_timeout_s`),
+        so that none is taken for a survivor."""
+        latest = set(self.records[-1].keys()) if self.records else set()
+        self.wait_until(
+            lambda: not [o for o in self.live() if member_key(NODE, o.slot) not in latest], leavers_timeout_s
+        )
+        with self._lock:
+            self.target = list(slots)
+            return self._publish(list(slots))
+
+    def _publish(self, slots: list[int]) -> Membership:
+        live = {output.slot: output for output in self.outputs if output.returncode is None}
+        previous = {key: rank for rank, key in enumerate(self.records[-1].keys())} if self.records else {}
+        holders = [slot for slot in slots if slot in live and live[slot].holds_state]
+        holders.sort(key=lambda slot: previous.get(member_key(NODE, slot), len(previous)))
+        ordered = holders + [slot for slot in slots if slot not in holders]
+        any_holder = sorted(
+            (output for output in live.values() if output.holds_state),
+            key=lambda output: previous.get(member_key(NODE, output.slot), len(previous)),
+        )
+        donor = None
+        if any_holder and not holders:
+            donor = Member(node=NODE, device_index=any_holder[0].slot, address=LOCALHOST, joiner=False)
+        record = Membership(
+            job_id=self.job_id,
+            generation=self.generation + 1,
+            master_addr=LOCALHOST,
+            master_port=free_port(),
+            members=[
+                Member(node=NODE, device_index=slot, address=LOCALHOST, joiner=slot not in holders)
+                for slot in ordered
+            ],
+            has_state=bool(any_holder),
+            donor=donor,
+        )
+        self.board.publish(record)
+        self.records.append(record)
+        for rank, slot in enumerate(ordered):
+            if slot not in live:
+                self._spawn(record, rank, slot)
+        return record
+
+    def _config(self, record: Membership, rank: int, slot: int) -> WorkerConfig:
         return WorkerConfig(
             job_id=self.job_id,
-            generation=self.generation,
+            generation=record.generation,
             rank=rank,
-            world_size=self.world_size,
-            master_addr=LOCALHOST,
-            master_port=port,
-            device="cpu",
+            world_size=record.world_size,
+            master_addr=record.master_addr,
+            master_port=record.master_port,
+            device="cpu" if self.device == "cpu" else f"cuda:{slot}",
             spec=self.spec,
             run_dir=str(self.run_dir),
+            node=NODE,
+            device_index=slot,
+            redis_url=self.redis_url,
+            coordination_key=self.key,
         )
 
-    def start(self) -> LocalWorkers:
-        """Start every rank's process; return self. Raises OSError if one cannot start."""
-        port = free_port()
-        for rank in range(self.world_size):
-            env = {**self.env, WORKER_CONFIG_ENV: self.config(rank, port).model_dump_json()}
-            process = subprocess.Popen(
-                [sys.executable, "-m", "elastic.worker"],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            self._processes.append(process)
-            assert process.stdout is not None and process.stderr is not None
-            self._read_in_background(process.stdout, self._stdout_reader(self.outputs[rank]))
-            self._read_in_background(process.stderr, self._stderr_reader(self.outputs[rank]))
-        return self
+    def _spawn(self, record: Membership, rank: int, slot: int) -> None:
+        env = {**self.env, WORKER_CONFIG_ENV: self._config(record, rank, slot).model_dump_json()}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "elastic.worker"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        output = WorkerOutput(slot=slot, pid=process.pid, launched_generation=record.generation)
+        self.outputs.append(output)
+        self._processes[process.pid] = process
+        assert process.stdout is not None and process.stderr is not None
+        stdout = self._read_in_background(process.stdout, self._stdout_reader(output))
+        self._read_in_background(process.stderr, self._stderr_reader(output))
+        threading.Thread(target=self._watch, args=(process, output, stdout), daemon=True).start()
+
+    def _watch(self, process: subprocess.Popen[str], output: WorkerOutput, stdout: threading.Thread) -> None:
+        code = process.wait()
+        stdout.join(timeout=10)
+        # One step, so that nobody waiting sees every worker gone between a death and its heal.
+        with self._lock, self._changed:
+            output.returncode = code
+            if not self._closing and self.records:
+                named = member_key(NODE, output.slot) in self.records[-1].keys()
+                if self.heal and code not in _CLEAN_EXITS:
+                    self._replace(output)
+                elif code == LEFT_EXIT_CODE and named:
+                    # It left at a switch just before a newer generation took its slot back.
+                    self._publish(self.target)
+            self._changed.notify_all()
+
+    def _replace(self, dead: WorkerOutput) -> None:
+        """What the portal does when an agent reports a death: a generation without it."""
+        live = {output.slot for output in self.outputs if output.returncode is None}
+        holders = [output for output in self.outputs if output.returncode is None and output.holds_state]
+        if not holders:
+            self._publish(self.target)
+            return
+        latest = self.records[-1].keys()
+        remaining = [slot for slot in self.target if member_key(NODE, slot) in latest and slot in live]
+        self._publish(remaining or [holder.slot for holder in holders])
+
+    # --- processes ---------------------------------------------------------------------------
+
+    def live(self) -> list[WorkerOutput]:
+        """The workers still running."""
+        return [output for output in self.outputs if output.returncode is None]
+
+    def worker_on(self, slot: int) -> WorkerOutput:
+        """The newest worker started on `slot`. Raises KeyError if none was."""
+        for output in reversed(self.outputs):
+            if output.slot == slot:
+                return output
+        raise KeyError(f"no worker was started on slot {slot}")
+
+    def send_signal(self, slot: int, signal_number: int = signal.SIGTERM) -> None:
+        """Send `signal_number` to the running worker on `slot`."""
+        output = self.worker_on(slot)
+        self._processes[output.pid].send_signal(signal_number)
 
     def wait_for(
-        self, rank: int, predicate: Callable[[WorkerEvent], bool], timeout_s: float = 60.0
-    ) -> WorkerEvent:
-        """Return the first event of `rank` that satisfies `predicate`, waiting for it.
-
-        Raises TimeoutError if none comes within `timeout_s`, or if the process ends first.
-        """
+        self, predicate: Callable[[WorkerOutput, WorkerEvent], bool], timeout_s: float = 60.0
+    ) -> tuple[WorkerOutput, WorkerEvent]:
+        """Return the first (worker, event) that satisfies `predicate`, waiting for it. Raises
+        TimeoutError if none comes within `timeout_s`, or every worker has exited first."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
-                for event in self.outputs[rank].events:
-                    if predicate(event):
-                        return event
-                if self._processes[rank].poll() is not None and not self._readers_alive():
-                    raise TimeoutError(f"rank {rank} exited before the event came")
+                for output in self.outputs:
+                    for event in output.events:
+                        if predicate(output, event):
+                            return output, event
+                if self.outputs and all(o.returncode is not None for o in self.outputs):
+                    raise TimeoutError(f"every worker exited before the event came: {self.describe()}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"no such event from rank {rank} in {timeout_s} s")
+                    raise TimeoutError(f"no such event in {timeout_s} s: {self.describe()}")
                 self._changed.wait(min(remaining, 0.1))
 
-    def send_signal(self, rank: int, signal_number: int = signal.SIGTERM) -> None:
-        """Send `signal_number` to `rank`'s process."""
-        self._processes[rank].send_signal(signal_number)
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Wait until `condition()` holds (checked whenever a worker writes). Raises
+        TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not condition():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"condition not met in {timeout_s} s: {self.describe()}")
+                self._changed.wait(min(remaining, 0.1))
 
     def wait(self, timeout_s: float = 120.0) -> list[WorkerOutput]:
-        """Wait for every process to exit and its output to be read; return the outputs.
-
-        Raises subprocess.TimeoutExpired, after killing every process, if they do not all exit
-        within `timeout_s`.
-        """
-        deadline = time.monotonic() + timeout_s
+        """Wait for every process to exit and its output to be read; return every worker's
+        output. Raises TimeoutError, after killing every process, if they do not all exit in
+        time."""
         try:
-            for process, output in zip(self._processes, self.outputs, strict=True):
-                output.returncode = process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+            self.wait_until(lambda: all(output.returncode is not None for output in self.outputs), timeout_s)
+        except TimeoutError:
             self.kill()
             raise
         for reader in self._readers:
@@ -147,23 +277,33 @@ class LocalWorkers:
         return self.outputs
 
     def kill(self) -> None:
-        """Kill every process still running."""
-        for process in self._processes:
+        """Kill every process still running, without healing."""
+        with self._lock:
+            self._closing = True
+        for process in self._processes.values():
             if process.poll() is None:
                 process.kill()
-        for process in self._processes:
+        for process in self._processes.values():
             process.wait()
 
-    def __enter__(self) -> LocalWorkers:
-        return self.start()
+    def describe(self) -> str:
+        """Every worker's slot, pid, exit code, last log lines and stderr tail, for failures."""
+        return "\n".join(
+            f"slot {o.slot} pid {o.pid} exit {o.returncode}: {o.log_messages()[-5:]} {o.lines[-5:]} "
+            f"{o.stderr[-2000:]}"
+            for o in self.outputs
+        )
+
+    def __enter__(self) -> LocalJob:
+        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.kill()
+        for key in self.board.client.scan_iter(f"{self.key}:*"):
+            self.board.client.delete(key)
+        self.board.close()
 
-    def _readers_alive(self) -> bool:
-        return any(reader.is_alive() for reader in self._readers)
-
-    def _read_in_background(self, pipe: IO[str], handle: Callable[[str], None]) -> None:
+    def _read_in_background(self, pipe: IO[str], handle: Callable[[str], None]) -> threading.Thread:
         def read() -> None:
             for line in pipe:
                 with self._changed:
@@ -175,12 +315,16 @@ class LocalWorkers:
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         self._readers.append(reader)
+        return reader
 
     @staticmethod
     def _stdout_reader(output: WorkerOutput) -> Callable[[str], None]:
         def handle(line: str) -> None:
             if line.startswith(WORKER_EVENT_PREFIX):
-                output.events.append(WorkerEvent.model_validate_json(line.removeprefix(WORKER_EVENT_PREFIX)))
+                event = WorkerEvent.model_validate_json(line.removeprefix(WORKER_EVENT_PREFIX))
+                output.events.append(event)
+                if event.kind == "joined":
+                    output.holds_state = True
             else:
                 output.lines.append(line)
 

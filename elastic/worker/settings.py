@@ -9,6 +9,8 @@ from pathlib import Path
 
 THREADS_ENV = "OMP_NUM_THREADS"
 PG_TIMEOUT_ENV = "BUNGEE_PG_TIMEOUT_S"
+RENDEZVOUS_TIMEOUT_ENV = "BUNGEE_RENDEZVOUS_TIMEOUT_S"
+MEMBERSHIP_POLL_ENV = "BUNGEE_MEMBERSHIP_POLL_S"
 CHECKPOINT_EVERY_ENV = "BUNGEE_CHECKPOINT_EVERY_S"
 PROGRESS_EVERY_ENV = "BUNGEE_PROGRESS_EVERY_S"
 RECORD_SAMPLES_ENV = "BUNGEE_RECORD_SAMPLES"
@@ -48,8 +50,9 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
 class WorkerSettings:
     threads: int = 1
     """Intra-op threads of torch (OMP_NUM_THREADS)."""
-    pg_timeout_s: float = 60.0
-    """How long a collective, or joining the process group, waits for the other ranks."""
+    pg_timeout_s: float = 30.0
+    """How long a collective waits for the other ranks before the step fails (a peer that hangs
+    rather than dies), and how long members with no running group wait for each other."""
     checkpoint_every_s: float = 30.0
     """Rank 0 saves a checkpoint at the first step boundary after this many seconds."""
     progress_every_s: float = 0.5
@@ -57,6 +60,11 @@ class WorkerSettings:
     record_samples: Path | None = None
     """If set, every rank appends the sample indices of each step it completes to this file,
     one JSON object a line; for tests of the data order."""
+    rendezvous_timeout_s: float = 10.0
+    """How long forming a new generation's group at a switch may take; its members all arrive
+    within a step of each other, so anything longer means one of them is gone."""
+    membership_poll_s: float = 0.05
+    """How often rank 0 reads the membership board (from a thread beside the training loop)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -65,6 +73,8 @@ class WorkerSettings:
         return cls(
             threads=_positive_int(env, THREADS_ENV, cls.threads),
             pg_timeout_s=_positive_float(env, PG_TIMEOUT_ENV, cls.pg_timeout_s),
+            rendezvous_timeout_s=_positive_float(env, RENDEZVOUS_TIMEOUT_ENV, cls.rendezvous_timeout_s),
+            membership_poll_s=_positive_float(env, MEMBERSHIP_POLL_ENV, cls.membership_poll_s),
             checkpoint_every_s=_positive_float(env, CHECKPOINT_EVERY_ENV, cls.checkpoint_every_s),
             progress_every_s=_positive_float(env, PROGRESS_EVERY_ENV, cls.progress_every_s),
             record_samples=Path(record) if record else None,

@@ -3,8 +3,12 @@
 Every rank holds the whole model. At step s each rank trains on its share of the global batch
 (elastic.worker.data), scales its gradient by its share of the batch, and one all-reduce (SUM)
 yields on every rank the gradient of the mean loss over the global batch. The same all-reduce
-carries the step's loss sum, sample count and stop flag, so the stop decision costs nothing
-extra and all ranks reach it at the same step.
+carries the step's loss sum, sample count, stop flag and the generation to switch to (only rank
+0 sets it, see elastic.worker.membership), so these decisions cost nothing extra and all ranks
+reach them after the same step.
+
+The optimiser steps only after the all-reduce succeeded: when a peer dies mid-step the step
+raises CollectiveError and every survivor still holds the state of the last completed step.
 """
 
 from __future__ import annotations
@@ -21,9 +25,16 @@ import torch.distributed as dist
 from elastic.worker.data import SampleStream, derive_seed
 from elastic.workloads.api import TrainingProblem
 
-# The buffer of the per-step all-reduce ends with three statistics after the gradients.
-_LOSS_SUM, _COUNT, _STOP_VOTES = -3, -2, -1
-_STATS = 3
+# The buffer of the per-step all-reduce ends with four statistics after the gradients. The
+# generation to switch to is summed with zeros from the other ranks; float32 holds it exactly
+# up to 2**24.
+_LOSS_SUM, _COUNT, _STOP_VOTES, _SWITCH_TO = -4, -3, -2, -1
+_STATS = 4
+
+
+class CollectiveError(RuntimeError):
+    """The step's all-reduce failed: a peer died, or did not answer within the group's timeout.
+    Nothing of the step was applied."""
 
 
 def all_reduce_sum(buffer: torch.Tensor) -> None:
@@ -52,15 +63,27 @@ class StepOutcome:
     """Samples in the global batch."""
     stop: bool
     """Some rank was asked to stop; every rank stops after this step."""
+    switch_to: int = 0
+    """The generation every rank switches to after this step, or 0."""
 
 
 class SampleRecorder:
     """Appends, for each completed step, the sample indices this rank trained on to a file
     shared by all ranks and generations (one JSON object a line, one write per line)."""
 
-    def __init__(self, path: Path, generation: int, rank: int, world_size: int) -> None:
+    def __init__(self, path: Path, job_id: int, generation: int, rank: int, world_size: int) -> None:
         self._path = path
-        self._fields = {"generation": generation, "rank": rank, "world_size": world_size}
+        self._job_id = job_id
+        self.rebind(generation, rank, world_size)
+
+    def rebind(self, generation: int, rank: int, world_size: int) -> None:
+        """Record later steps as `rank` of `world_size` in `generation`."""
+        self._fields = {
+            "job_id": self._job_id,
+            "generation": generation,
+            "rank": rank,
+            "world_size": world_size,
+        }
 
     def record(self, step: int, indices: torch.Tensor) -> None:
         """Record that 0-based step `step` trained on `indices`. Raises OSError."""
@@ -105,28 +128,36 @@ class Trainer:
         first = self._parameters[0]
         self._dtype = first.dtype
         self._device = first.device
+        self._buffer: torch.Tensor | None = None
 
-    def step(self, step: int, stop_requested: bool) -> StepOutcome:
+    def rebind(self, rank: int, world_size: int) -> None:
+        """Train later steps as `rank` of `world_size` (after a resize)."""
+        self.rank = rank
+        self.world_size = world_size
+
+    def step(self, step: int, stop_requested: bool, switch_to: int = 0) -> StepOutcome:
         """Train 0-based step `step` and return what all ranks agree on. A collective call:
-        every rank must call it with the same `step`. Raises what torch.distributed raises if a
-        peer fails or times out."""
+        every rank must call it with the same `step`; `switch_to` is the generation this rank
+        asks to switch to (0: none). Raises CollectiveError if a peer fails or times out."""
         torch.manual_seed(step_seed(self.seed, step, self.rank))
         indices = self.stream.local_batch(step, self.batch_size, self.world_size, self.rank)
-        self.optimizer.zero_grad(set_to_none=True)
-        buffer = torch.zeros(self._gradient_size + _STATS, dtype=self._dtype, device=self._device)
+        buffer = self._gradients_in_buffer()
         count = len(indices)
         if count:
             device_indices = indices.to(self.problem.inputs.device)
             loss = self.problem.loss(
                 self.problem.inputs[device_indices], self.problem.targets[device_indices]
             )
-            loss.backward()
-            self._pack_gradients(buffer, count / self.batch_size)
+            loss.backward()  # accumulates into the zeroed views, that is into the buffer
+            buffer[: self._gradient_size].mul_(count / self.batch_size)
             buffer[_LOSS_SUM] = loss.detach() * count
         buffer[_COUNT] = count
         buffer[_STOP_VOTES] = 1.0 if stop_requested else 0.0
-        self.reduce(buffer)
-        self._unpack_gradients(buffer)
+        buffer[_SWITCH_TO] = switch_to
+        try:
+            self.reduce(buffer)
+        except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
+            raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
         self.optimizer.step()
         stats = buffer[-_STATS:].tolist()  # one device-to-host copy; the indices work on both
         if self.recorder is not None:
@@ -136,22 +167,39 @@ class Trainer:
             loss=stats[_LOSS_SUM] / stats[_COUNT],
             samples=round(stats[_COUNT]),
             stop=stats[_STOP_VOTES] > 0,
+            switch_to=round(stats[_SWITCH_TO]),
         )
 
-    def _pack_gradients(self, buffer: torch.Tensor, weight: float) -> None:
-        """Write each parameter's gradient times `weight` into its slice of `buffer`; a
-        parameter without a gradient (unused by this batch) keeps its zeros."""
-        offset = 0
-        for parameter in self._parameters:
-            size = parameter.numel()
-            if parameter.grad is not None:
-                torch.mul(parameter.grad.reshape(-1), weight, out=buffer[offset : offset + size])
-            offset += size
+    def warm_up(self, rows: int) -> None:
+        """Runs one forward and backward pass on `rows` samples, in eval mode (no running
+        statistics move, no dropout) and without an optimiser step, then zeroes the gradients:
+        a joiner does this while it warms up, so that its first real step, inside the resize's
+        pause, does not also pay for first-touch memory and kernel set-up."""
+        self._gradients_in_buffer()
+        if rows:
+            model = self.problem.model
+            training = model.training
+            model.eval()
+            try:
+                self.problem.loss(self.problem.inputs[:rows], self.problem.targets[:rows]).backward()
+            finally:
+                model.train(training)
+        self._gradients_in_buffer()
 
-    def _unpack_gradients(self, buffer: torch.Tensor) -> None:
-        """Make each parameter's gradient its slice of the reduced `buffer`."""
+    def _gradients_in_buffer(self) -> torch.Tensor:
+        """Returns the step's all-reduce buffer, zeroed, with every parameter's gradient a view of
+        its slice: backward writes into it and the optimiser reads the reduced sum from it. One
+        buffer for the worker's life, so a step allocates (and faults in) no gradient memory; a
+        parameter the batch does not use keeps a zero gradient."""
+        if self._buffer is None:
+            self._buffer = torch.zeros(self._gradient_size + _STATS, dtype=self._dtype, device=self._device)
+        buffer = self._buffer
+        buffer.zero_()
         offset = 0
         for parameter in self._parameters:
             size = parameter.numel()
-            parameter.grad = buffer[offset : offset + size].view_as(parameter)
+            view = buffer[offset : offset + size].view_as(parameter)
+            if parameter.grad is None or parameter.grad.data_ptr() != view.data_ptr():
+                parameter.grad = view
             offset += size
+        return buffer

@@ -37,14 +37,20 @@ def _sgd(model: nn.Module, lr: float, momentum: float) -> torch.optim.Optimizer:
 
 
 def build_mlp(hyperparameters: DigitsMLPHyperparameters, seed: int) -> ClassificationProblem:
-    """Return the digits MLP problem; the model's initial weights depend only on `seed`."""
+    """Return the digits MLP problem; the model's initial weights depend only on `seed`. With
+    more than one layer it is a deep MLP, sized for the resize benchmarks (bench/)."""
     images, labels = _train_split()
     torch.manual_seed(seed)
+    width = hyperparameters.hidden
+    deeper = [
+        module for _ in range(hyperparameters.layers - 1) for module in (nn.Linear(width, width), nn.ReLU())
+    ]
     model = nn.Sequential(
-        nn.Linear(images.shape[1], hyperparameters.hidden),
+        nn.Linear(images.shape[1], width),
         nn.ReLU(),
+        *deeper,
         nn.Dropout(hyperparameters.dropout),
-        nn.Linear(hyperparameters.hidden, DIGITS_CLASSES),
+        nn.Linear(width, DIGITS_CLASSES),
     )
     return ClassificationProblem(
         model=model,

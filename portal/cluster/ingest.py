@@ -10,7 +10,6 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
 from django.utils import timezone
 
 from elastic.wire import AgentReport, DeviceSample, NodeRegistration, RegistrationReply, WorkerEvent
@@ -21,7 +20,7 @@ from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
 from portal.redis import client
-from portal.scheduling.dispatch import launch_if_ready, stop_job_workers, stream_for
+from portal.scheduling.dispatch import publish_generation, stop_job_workers, stream_for
 from portal.scheduling.trigger import request_schedule
 
 log = logging.getLogger(__name__)
@@ -157,17 +156,68 @@ def _on_started(node: Node, job: Job, event: WorkerEvent) -> None:
     )
 
 
+def _on_joined(node: Node, job: Job, event: WorkerEvent) -> None:
+    """A worker formed generation `event.generation` as rank `event.rank`: a joiner that got the
+    state, or a survivor that switched (its older row becomes `switched`, same pid)."""
+    at = _at(event.at)
+    earlier = Worker.objects.filter(
+        job=job, node=node, pid=event.pid, state=Worker.State.RUNNING, generation__lt=event.generation
+    )
+    first = earlier.order_by("generation").first()
+    earlier.update(state=Worker.State.SWITCHED)
+    Worker.objects.update_or_create(
+        job=job,
+        generation=event.generation,
+        rank=event.rank,
+        defaults={
+            "node": node,
+            "device_index": event.device_index or 0,
+            "pid": event.pid,
+            "state": Worker.State.RUNNING,
+            "started_at": first.started_at if first is not None else at,
+            "joined_at": at,
+        },
+    )
+    Job.objects.filter(pk=job.pk, active_generation__lt=event.generation).update(
+        active_generation=event.generation
+    )
+
+
+def _on_resized(node: Node, job: Job, event: WorkerEvent) -> None:
+    """Rank 0's account of a generation taking over: the resize is complete."""
+    at = _at(event.at)
+    ResizeEvent.objects.filter(job=job, generation=event.generation).update(
+        completed_at=at,
+        pause_s=event.pause_s,
+        step=event.step,
+        members_before=event.members_before or [],
+        members_after=event.members_after or [],
+        bytes_moved=event.bytes_moved,
+        phases=event.phases or {},
+    )
+    job.refresh_from_db()
+    if event.generation != job.generation:
+        return  # a newer generation is under way
+    message = f"running on {job.allocations.count()} workers"
+    if job.state == JobState.RESIZING:
+        job.claim(JobState.RUNNING, message=message)
+    elif job.state == JobState.RUNNING:
+        Job.objects.filter(pk=job.pk).update(message=message)
+    broadcast.job_changed(job)
+
+
 def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
     at = _at(event.at)
-    previous_progress_at = job.last_progress_at
-    updated = Job.objects.filter(pk=job.pk, generation__lte=event.generation).update(
+    # Survivors report under the generation they train in, which lags the newest one while
+    # joiners warm up; a report of a generation older than the one that formed is late.
+    updated = Job.objects.filter(pk=job.pk, active_generation__lte=event.generation).update(
         steps_done=event.step or 0,
         last_loss=event.loss,
         samples_per_s=event.samples_per_s,
         last_progress_at=at,
     )
     if updated != 1:
-        return  # a late report from a generation that has been replaced
+        return
     JobMetric.objects.create(
         job=job,
         generation=event.generation,
@@ -177,21 +227,6 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
         samples_per_s=event.samples_per_s,
         at=at,
     )
-    job.refresh_from_db()
-    if job.state == JobState.RESIZING and event.generation == job.generation:
-        if job.claim(JobState.RUNNING, message=f"running on {job.allocations.count()} workers"):
-            pause = (at - previous_progress_at).total_seconds() if previous_progress_at else None
-            ResizeEvent.objects.filter(job=job, generation=job.generation).update(
-                completed_at=at, pause_s=pause
-            )
-            broadcast.job_changed(job)
-    elif job.state == JobState.RUNNING and event.generation == job.generation:
-        first_step = ResizeEvent.objects.filter(
-            job=job, generation=job.generation, completed_at=None
-        ).update(completed_at=at)
-        if first_step:
-            Job.objects.filter(pk=job.pk).update(message=f"running on {job.allocations.count()} workers")
-            broadcast.job_changed(job)
     broadcast.send(
         broadcast.job_group(job.pk),
         {
@@ -224,6 +259,8 @@ def _on_log(node: Node, job: Job, event: WorkerEvent) -> None:
 
 def _on_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     now = timezone.now()
+    row = Worker.objects.filter(job=job, generation=event.generation, rank=event.rank).first()
+    was_running = row is not None and row.state == Worker.State.RUNNING
     Worker.objects.update_or_create(
         job=job,
         generation=event.generation,
@@ -239,9 +276,15 @@ def _on_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     )
     if job.state in ACTIVE_STATES and event.reason == "completed":
         _finish(job, now)
-    elif job.state in ACTIVE_STATES and event.reason == "failed" and event.generation == job.generation:
-        _worker_failed(job, event)
-    launch_if_ready(job.pk)
+    elif job.state in ACTIVE_STATES and was_running and event.reason == "failed":
+        _worker_failed(job, event, node)
+    elif job.state in (JobState.RUNNING, JobState.RESIZING) and was_running:
+        # A worker that left or stopped although its device is still the job's: plan again,
+        # so that a generation puts a worker there (a leaver that a newer plan took back).
+        if job.allocations.filter(device__node=node, device__index=event.device_index).exists():
+            Job.objects.filter(pk=job.pk).update(restart_requested=True)
+            request_schedule(f"job {job.pk}: worker on {node.name}/{event.device_index} {event.reason}")
+    publish_generation(job.pk)
 
 
 def _finish(job: Job, now: datetime) -> None:
@@ -258,32 +301,40 @@ def _finish(job: Job, now: datetime) -> None:
     broadcast.allocation_changed()
 
 
-def _worker_failed(job: Job, event: WorkerEvent) -> None:
+def _worker_failed(job: Job, event: WorkerEvent, node: Node) -> None:
+    """A worker of the job died: plan a generation without its device (its peers hold the
+    state of the last completed step and wait for it). Every replan a failure causes counts
+    once towards MAX_RESTARTS."""
     what = f"worker rank {event.rank} of generation {event.generation} failed (exit code {event.exit_code})"
-    claimed = Job.objects.filter(pk=job.pk, generation=event.generation, restart_requested=False).update(
-        restart_requested=True, restarts=F("restarts") + 1
-    )
-    if claimed != 1:
-        return  # its peers failing with it: already handled
-    job.refresh_from_db()
-    if job.restarts > settings.BUNGEE["MAX_RESTARTS"]:
-        with transaction.atomic():
-            failed = job.claim(JobState.FAILED, finished_at=timezone.now(), restart_requested=False,
-                               message=f"{what}; gave up after {job.restarts - 1} restarts")
+    device = Device.objects.filter(node=node, index=event.device_index).values_list("pk", flat=True).first()
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.state not in ACTIVE_STATES:
+            return
+        first = not locked.restart_requested
+        locked.failed_devices = sorted({*locked.failed_devices, *([device] if device is not None else [])})
+        locked.restart_requested = True
+        locked.restarts += 1 if first else 0
+        locked.message = f"{what}; replanning without it"
+        locked.save(update_fields=["failed_devices", "restart_requested", "restarts", "message"])
+        give_up = locked.restarts > settings.BUNGEE["MAX_RESTARTS"]
+        failed = False
+        if give_up:
+            failed = locked.claim(JobState.FAILED, finished_at=timezone.now(), restart_requested=False,
+                                  message=f"{what}; gave up after {locked.restarts - 1} restarts")
             if failed:
-                job.allocations.all().delete()
-            request_schedule(f"job {job.pk} failed")
-        if failed:
-            stop_job_workers(job.pk, job.generation + 1, "finished")
+                locked.allocations.all().delete()
+        request_schedule(f"job {job.pk} lost a worker")
+    if failed:
+        stop_job_workers(job.pk, locked.generation + 1, "finished")
         broadcast.allocation_changed()
-    else:
-        Job.objects.filter(pk=job.pk).update(message=f"{what}; restarting from the last checkpoint")
-        request_schedule(f"job {job.pk} restart")
-    broadcast.job_changed(job)
+    broadcast.job_changed(locked)
 
 
 _EVENT_HANDLERS = {
     "started": _on_started,
+    "joined": _on_joined,
+    "resized": _on_resized,
     "progress": _on_progress,
     "log": _on_log,
     "exited": _on_exited,

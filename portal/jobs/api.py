@@ -62,7 +62,8 @@ def detail(job: Job) -> dict[str, Any]:
         ],
         "resizes": list(job.resizes.values(
             "generation", "reason", "workers_before", "workers_after", "devices_before",
-            "devices_after", "requested_at", "completed_at", "pause_s",
+            "devices_after", "requested_at", "completed_at", "pause_s", "step", "members_before",
+            "members_after", "bytes_moved", "phases",
         )),
         "workers_history": [
             {"generation": w.generation, "rank": w.rank, "node": w.node.name, "device_index": w.device_index,

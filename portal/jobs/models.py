@@ -34,12 +34,20 @@ class Job(models.Model):
     state = models.CharField(max_length=12, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
     message = models.TextField(blank=True, help_text="why it is in its state, for people")
     generation = models.PositiveIntegerField(default=0, help_text="membership generation")
-    launched_generation = models.PositiveIntegerField(default=0)
+    launched_generation = models.PositiveIntegerField(default=0, help_text="the newest generation published")
+    active_generation = models.PositiveIntegerField(
+        default=0, help_text="the newest generation whose group formed: its workers hold the state"
+    )
     master_port = models.PositiveIntegerField(null=True, blank=True)
     pinned_workers = models.PositiveIntegerField(null=True, blank=True, help_text="manual resize")
     pin_problem = models.CharField(max_length=300, blank=True, help_text="why the pin is not met")
-    restart_requested = models.BooleanField(default=False)
-    restarts = models.PositiveIntegerField(default=0)
+    restart_requested = models.BooleanField(
+        default=False, help_text="plan a new generation even if the devices do not change"
+    )
+    failed_devices = models.JSONField(
+        default=list, blank=True, help_text="ids of devices whose worker died; the next plan leaves them out if it can"
+    )
+    restarts = models.PositiveIntegerField(default=0, help_text="generations that lost a worker")
 
     steps_done = models.PositiveIntegerField(default=0)
     last_loss = models.FloatField(null=True, blank=True)
@@ -87,10 +95,13 @@ class Allocation(models.Model):
 
 
 class Worker(models.Model):
-    """One worker process, as its agent reported it."""
+    """One worker process in one generation, as its agent reported it. A survivor of a resize
+    has a row per generation, all with its one pid: the older ones are `switched`."""
 
     class State(models.TextChoices):
         RUNNING = "running"
+        SWITCHED = "switched"
+        """The process went on into a newer generation (it has a newer row)."""
         EXITED = "exited"
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="workers")
@@ -103,6 +114,9 @@ class Worker(models.Model):
     exit_code = models.IntegerField(null=True, blank=True)
     reason = models.CharField(max_length=20, blank=True)
     started_at = models.DateTimeField(default=timezone.now)
+    joined_at = models.DateTimeField(
+        null=True, blank=True, help_text="when its generation's group formed; null while it warms up"
+    )
     exited_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -124,7 +138,14 @@ class ResizeEvent(models.Model):
     devices_after = models.JSONField(default=list)
     requested_at = models.DateTimeField(default=timezone.now)
     completed_at = models.DateTimeField(null=True, blank=True)
-    pause_s = models.FloatField(null=True, blank=True, help_text="last step before to first step after")
+    pause_s = models.FloatField(
+        null=True, blank=True, help_text="last step end before to first step end after, less a normal step"
+    )
+    step = models.PositiveIntegerField(null=True, blank=True, help_text="completed steps at the switch")
+    members_before = models.JSONField(default=list, help_text="the workers' own view: node/device_index")
+    members_after = models.JSONField(default=list)
+    bytes_moved = models.BigIntegerField(null=True, blank=True, help_text="state bytes the joiners received")
+    phases = models.JSONField(default=dict, help_text="seconds per phase of the switch")
 
     class Meta:
         ordering = ["job", "generation"]

@@ -42,6 +42,11 @@ class ResizeOut(Schema):
     requested_at: datetime
     completed_at: datetime | None
     pause_s: float | None
+    step: int | None
+    members_before: list[str]
+    members_after: list[str]
+    bytes_moved: int | None
+    phases: dict[str, float]
 
 
 class WorkerOut(Schema):

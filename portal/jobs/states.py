@@ -2,12 +2,14 @@
 
     queued     -> running      the scheduler gave it devices and its workers were launched
     queued     -> cancelled    its owner cancelled it before it ran
-    running    -> resizing     its devices changed; the old generation's workers are stopping
+    running    -> resizing     its devices changed: a new generation is published, its joiners
+                               warm up while the running workers go on training
     running    -> queued       it lost every device (owner came back, node lost) and waits
     running    -> succeeded    its workers trained every step
     running    -> failed       its workers failed more often than MAX_RESTARTS
     running    -> cancelled
-    resizing   -> running      the new generation's workers trained their first step
+    resizing   -> running      rank 0 reported that the newest generation took over (its resize
+                               event, with the pause it cost)
     resizing   -> queued       it lost every device while resizing
     resizing   -> succeeded    the last step finished while the resize was under way
     resizing   -> failed

@@ -1,6 +1,12 @@
 """One scheduling cycle: read the cluster from the database, ask the policy for a plan, write
-what changed as new generations, then send the commands. Running it twice on the same state
-changes nothing the second time."""
+what changed as new generations, then publish them (dispatch.publish_generation). Running it
+twice on the same state changes nothing the second time.
+
+A job changes one generation at a time: while its joiners warm up (or its leavers are still on
+their way out), the plan waits, unless a worker of the job died (then the survivors wait for a
+new generation, which leaves the dead worker's device out if the job can do without it) or a
+device it holds was taken away. The workers that hold the training state keep the lowest ranks,
+so that rank 0, which leads the switch, is a survivor."""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from portal.cluster.models import Device, Node
 from portal.jobs.models import Allocation, Job, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
-from portal.scheduling.dispatch import launch_if_ready, stop_job_workers
+from portal.scheduling.dispatch import publish_generation, stop_job_workers, stop_workers_on
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +79,54 @@ def _device_labels(device_ids: tuple[int, ...], names: dict[int, str]) -> list[s
     return [names[d] for d in device_ids]
 
 
+def resize_in_flight(job: Job) -> bool:
+    """Whether the job's newest generation is published but its group has not formed yet, or
+    formed but a leaver is still on its way out (so that no newer plan takes it for a survivor)."""
+    if job.launched_generation == job.generation > job.active_generation:
+        return True
+    allocated = job.allocations.values_list("device__node_id", "device__index")
+    running = Worker.objects.filter(job=job, state=Worker.State.RUNNING).values_list("node_id", "device_index")
+    return bool(set(running) - set(allocated))
+
+
+def _holder_ranks(job_ids: list[int]) -> dict[int, dict[int, int]]:
+    """Per job, the devices whose worker holds the training state, with its rank."""
+    devices = {(d.node_id, d.index): d.pk for d in Device.objects.all()}
+    holders: dict[int, dict[int, int]] = {job_id: {} for job_id in job_ids}
+    rows = Worker.objects.filter(job_id__in=job_ids, state=Worker.State.RUNNING, joined_at__isnull=False)
+    for row in rows.order_by("generation"):
+        device_id = devices.get((row.node_id, row.device_index))
+        if device_id is not None:
+            holders[row.job_id][device_id] = row.rank
+    return holders
+
+
+def _target(job: Job, planned: tuple[int, ...], holders: dict[int, int]) -> tuple[int, ...]:
+    """The devices the job gets: the plan, without the devices whose worker died if the job
+    can run without them, the holders of the state first in their current rank order."""
+    kept = tuple(d for d in planned if d not in set(job.failed_devices))
+    target = kept if len(kept) >= job.min_workers else planned
+    order = {device: index for index, device in enumerate(target)}
+    return tuple(sorted(target, key=lambda d: (0, holders[d]) if d in holders else (1, order[d])))
+
+
 def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> list[int]:
     """Write the plan: a new generation for every job whose devices change. Returns their ids."""
     current = {view.id: view.current for view in snapshot.jobs}
+    holders = _holder_ranks(list(plan.assignments))
+    targets = {
+        job_id: _target(jobs[job_id], planned, holders[job_id]) for job_id, planned in plan.assignments.items()
+    }
+    usable = {device.id for device in snapshot.devices if device.usable}
     changing = [
         job_id
-        for job_id, target in plan.assignments.items()
-        if target != current[job_id] or jobs[job_id].restart_requested
+        for job_id, target in targets.items()
+        if (target != current[job_id] or jobs[job_id].restart_requested)
+        and (
+            jobs[job_id].restart_requested
+            or not resize_in_flight(jobs[job_id])
+            or not set(current[job_id]) <= usable  # a device it holds is gone: no waiting
+        )
     ]
     for job_id in jobs:
         problem = plan.pin_problems.get(job_id, "")
@@ -88,7 +135,7 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
     if not changing:
         return []
     names = {d.pk: str(d) for d in Device.objects.select_related("node").filter(
-        pk__in={d for job_id in changing for d in (*current[job_id], *plan.assignments[job_id])}
+        pk__in={d for job_id in changing for d in (*current[job_id], *targets[job_id])}
     )}
     changed: list[int] = []
     with transaction.atomic():
@@ -104,14 +151,14 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
         Allocation.objects.filter(job_id__in=fresh).delete()
         for job_id in fresh:
             job = locked[job_id]
-            target = plan.assignments[job_id]
+            target = targets[job_id]
             generation = job.generation + 1
             Allocation.objects.bulk_create(
                 Allocation(job=job, device_id=device_id, rank=rank, generation=generation)
                 for rank, device_id in enumerate(target)
             )
             has_workers = Worker.objects.filter(job=job, state=Worker.State.RUNNING).exists()
-            reason = "restart after a failure" if job.restart_requested else (
+            reason = "a worker exited" if job.restart_requested else (
                 "manual resize" if job.pinned_workers is not None else "scheduler"
             )
             ResizeEvent.objects.create(
@@ -126,6 +173,7 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
             fields: dict[str, object] = {
                 "generation": generation,
                 "restart_requested": False,
+                "failed_devices": [],
                 "master_port": _free_port(job, generation) if target else None,
             }
             if not target:
@@ -134,19 +182,22 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
                     job.claim(JobState.QUEUED, **fields)
                 else:
                     Job.objects.filter(pk=job_id).update(**fields)
-            elif job.state == JobState.RUNNING or (job.state == JobState.QUEUED and has_workers):
+            elif job.state in (JobState.RUNNING, JobState.RESIZING):
                 fields["message"] = f"resizing to {len(target)} workers ({reason})"
                 if job.state == JobState.RUNNING:
                     job.claim(JobState.RESIZING, **fields)
                 else:
                     Job.objects.filter(pk=job_id).update(**fields)
             else:
-                fields["message"] = f"starting {len(target)} workers"
+                waiting = " once its stopping workers are gone" if has_workers else ""
+                fields["message"] = f"starting {len(target)} workers{waiting}"
                 Job.objects.filter(pk=job_id).update(**fields)
             changed.append(job_id)
-    # After the commit: an agent that acts at once must find the new generation stored.
+    # After the commit, so that an agent that acts at once finds the generation stored; the
+    # cycle publishes the others (publish_generation).
     for job_id in changed:
-        stop_job_workers(job_id, jobs[job_id].generation + 1, "resize")
+        if not targets[job_id]:
+            stop_job_workers(job_id, jobs[job_id].generation + 1, "resize")
     return changed
 
 
@@ -156,7 +207,7 @@ def run_cycle() -> CycleResult:
     plan = fair_share(snapshot)
     result = CycleResult(changed_jobs=apply_plan(plan, jobs, snapshot))
     for job_id in Job.objects.filter(state__in=ACTIVE_STATES).values_list("pk", flat=True):
-        if launch_if_ready(job_id):
+        if publish_generation(job_id):
             result.launched_jobs.append(job_id)
     if result.changed_jobs:
         log.info("scheduler: new generations for jobs %s", result.changed_jobs)
@@ -177,8 +228,45 @@ def mark_lost_nodes() -> list[str]:
     lost = list(Node.objects.filter(state=Node.State.ONLINE, last_seen_at__lt=deadline))
     for node in lost:
         if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.LOST) == 1:
-            Worker.objects.filter(node=node, state=Worker.State.RUNNING).update(
-                state=Worker.State.EXITED, reason="node lost", exited_at=timezone.now()
+            running = Worker.objects.filter(node=node, state=Worker.State.RUNNING)
+            # Their peers elsewhere wait for a generation without them.
+            Job.objects.filter(pk__in=running.values("job_id"), state__in=ACTIVE_STATES).update(
+                restart_requested=True
             )
+            running.update(state=Worker.State.EXITED, reason="node lost", exited_at=timezone.now())
             log.warning("node %s lost: no report for %ss", node.name, settings.BUNGEE["NODE_TIMEOUT_S"])
     return [n.name for n in lost]
+
+
+def expire_stuck_resizes() -> list[int]:
+    """Gives up on joiners that have not become ready JOINER_TIMEOUT_S after their generation
+    was written: they are stopped and the job is planned again without their devices. Returns
+    the ids of the jobs concerned."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    deadline = timezone.now() - timedelta(seconds=settings.BUNGEE["JOINER_TIMEOUT_S"])
+    expired = []
+    for job in Job.objects.filter(state__in=ACTIVE_STATES, restart_requested=False):
+        if not resize_in_flight(job):
+            continue
+        if not ResizeEvent.objects.filter(job=job, generation=job.generation, requested_at__lt=deadline).exists():
+            continue
+        stuck = list(
+            Worker.objects.filter(job=job, state=Worker.State.RUNNING, joined_at__isnull=True).select_related("node")
+        )
+        devices = list(
+            Device.objects.filter(node__in=[w.node for w in stuck], index__in=[w.device_index for w in stuck])
+            .values_list("pk", flat=True)
+        )
+        claimed = Job.objects.filter(pk=job.pk, generation=job.generation, restart_requested=False).update(
+            restart_requested=True,
+            failed_devices=devices,
+            message=f"{len(stuck)} joiner(s) not ready after {settings.BUNGEE['JOINER_TIMEOUT_S']:.0f} s; replanning",
+        )
+        if claimed == 1:
+            log.warning("job %s: joiners %s never became ready; replanning without them", job.pk, devices)
+            stop_workers_on(job.pk, stuck, "resize")
+            expired.append(job.pk)
+    return expired

@@ -98,7 +98,10 @@
       row.append(el("td", String(r.generation)), el("td", new Date(r.requested_at).toLocaleTimeString()),
         el("td", r.reason), el("td", r.workers_before + " → " + r.workers_after),
         el("td", r.pause_s === null || r.pause_s === undefined ? "–" : r.pause_s.toFixed(2) + " s"),
-        el("td", (r.devices_after || []).join(", ")));
+        el("td", (r.devices_after || []).join(", ")),
+        el("td", (r.members_before || []).join(", ") + " → " + (r.members_after || []).join(", ")),
+        el("td", r.bytes_moved === null || r.bytes_moved === undefined ? "–" : (r.bytes_moved / 1e6).toFixed(1) + " MB"),
+        el("td", Object.entries(r.phases || {}).map(([name, s]) => name + " " + (s * 1000).toFixed(0) + " ms").join(", ")));
       body.appendChild(row);
     });
   }

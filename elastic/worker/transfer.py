@@ -1,0 +1,232 @@
+"""Moving the training state from the workers that hold it to the ones that join, through the
+new process group's memory, never through disk.
+
+The state is the model's state_dict (parameters and buffers) and the optimiser's state; the
+step counter, the learning rates and every small value travel in a `StateOutline` that the
+sources send with the group's first collective. Everything else, the bulk, goes point to point:
+
+- Every tensor is seen as its bytes. The byte stream is cut into chunks of at most
+  `chunk_bytes`: a large tensor becomes several slices, small tensors are packed together.
+- Chunks are dealt to the sources so that each sends about the same number of bytes, and each
+  source sends its chunks to every receiver at once (asynchronous sends and receives), so the
+  sources send concurrently.
+- A receiver receives a slice straight into its own, already built tensor; only packed small
+  tensors pass through a temporary buffer. Memory therefore does not double on either side.
+
+Sources and receivers call `move_state` with the same tensor list (same model, same optimiser
+built the same way), so both cut the same chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+"""Chunks this big keep a few sends in flight per source without large temporary buffers."""
+OUTLINE_MAX_ELEMENTS = 64
+"""Optimiser tensors this small (a step count, say) travel in the outline, by value."""
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Stands for a large optimiser tensor in a StateOutline: it comes point to point."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class StateOutline:
+    """What a joiner needs before the bulk arrives: the step, and the optimiser's state_dict
+    with each large tensor replaced by a TensorSlot. Picklable, small."""
+
+    step: int
+    optimizer: dict[str, Any]
+
+
+def _is_bulk(value: Any, device: torch.device) -> bool:
+    return isinstance(value, torch.Tensor) and value.device == device and value.numel() > OUTLINE_MAX_ELEMENTS
+
+
+def outline(step: int, optimizer: torch.optim.Optimizer, device: torch.device) -> StateOutline:
+    """Returns the outline of `optimizer`'s state after `step` completed steps."""
+    state_dict = optimizer.state_dict()
+    state: dict[Any, dict[str, Any]] = {}
+    for index, entries in state_dict["state"].items():
+        state[index] = {
+            name: TensorSlot(tuple(value.shape), value.dtype)
+            if _is_bulk(value, device)
+            else (value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value)
+            for name, value in entries.items()
+        }
+    return StateOutline(step=step, optimizer={"state": state, "param_groups": state_dict["param_groups"]})
+
+
+def apply_outline(optimizer: torch.optim.Optimizer, state: StateOutline, device: torch.device) -> None:
+    """Gives `optimizer` the outline's learning rates, small values, and empty tensors of the
+    right shape where the bulk will arrive (see state_tensors)."""
+    entries = {
+        index: {
+            name: torch.empty(value.shape, dtype=value.dtype, device=device)
+            if isinstance(value, TensorSlot)
+            else value
+            for name, value in values.items()
+        }
+        for index, values in state.optimizer["state"].items()
+    }
+    optimizer.load_state_dict({"state": entries, "param_groups": state.optimizer["param_groups"]})
+
+
+def state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> list[torch.Tensor]:
+    """Returns the tensors that make up the bulk of the training state, in an order that every
+    worker of the job computes alike: the model's state_dict, then each parameter's large
+    optimiser tensors by name. Writing into them writes into the model and the optimiser."""
+    tensors = list(model.state_dict().values())
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            entries = optimizer.state.get(parameter, {})
+            tensors.extend(entries[name] for name in sorted(entries) if _is_bulk(entries[name], device))
+    return tensors
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [start, stop) of tensor number `tensor`."""
+
+    tensor: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class Chunk:
+    """What one message carries: a slice of one tensor, or several small tensors packed."""
+
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return sum(piece.size for piece in self.pieces)
+
+
+def plan_chunks(sizes: list[int], chunk_bytes: int) -> list[Chunk]:
+    """Cuts tensors of `sizes` bytes, in order, into chunks of at most `chunk_bytes`: a tensor
+    larger than that is sliced, consecutive smaller ones are packed. Empty tensors are left out.
+    Raises ValueError if chunk_bytes is not positive."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes ({chunk_bytes}) must be at least 1")
+    chunks: list[Chunk] = []
+    packing = Chunk()
+    for index, size in enumerate(sizes):
+        if size == 0:
+            continue
+        if size >= chunk_bytes:
+            for start in range(0, size, chunk_bytes):
+                chunks.append(Chunk([Piece(index, start, min(size, start + chunk_bytes))]))
+            continue
+        if packing.size + size > chunk_bytes:
+            chunks.append(packing)
+            packing = Chunk()
+        packing.pieces.append(Piece(index, 0, size))
+    if packing.pieces:
+        chunks.append(packing)
+    return chunks
+
+
+def assign_sources(chunks: list[Chunk], sources: list[int]) -> list[int]:
+    """Returns, for each chunk, the rank that sends it: each goes to the source with the fewest
+    bytes so far (the lowest rank on a tie), so the sources share the bytes evenly. Raises
+    ValueError if there is no source."""
+    if not sources:
+        raise ValueError("no source holds the training state")
+    load = dict.fromkeys(sorted(sources), 0)
+    owners = []
+    for chunk in chunks:
+        source = min(load, key=lambda rank: (load[rank], rank))
+        load[source] += chunk.size
+        owners.append(source)
+    return owners
+
+
+# --- moving ----------------------------------------------------------------------------------
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """Returns a flat uint8 view of `tensor`'s memory. Raises ValueError if it is not contiguous."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"a state tensor of shape {tuple(tensor.shape)} is not contiguous")
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    bytes_moved: int
+    """Bytes that crossed the group: the state once per receiver."""
+    state_bytes: int
+
+
+def move_state(
+    tensors: list[torch.Tensor],
+    sources: list[int],
+    receivers: list[int],
+    rank: int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> TransferResult:
+    """Copies `tensors` from the ranks in `sources` (which hold them) into the same tensors on
+    the ranks in `receivers`, over the default process group. Every rank in either list calls it
+    with the same list layout; others need not call it. Raises what torch.distributed raises if
+    a peer fails."""
+    views = [_bytes_of(tensor) for tensor in tensors]
+    chunks = plan_chunks([view.numel() for view in views], chunk_bytes)
+    state_bytes = sum(chunk.size for chunk in chunks)
+    result = TransferResult(bytes_moved=state_bytes * len(receivers), state_bytes=state_bytes)
+    if not receivers or not chunks or (rank not in sources and rank not in receivers):
+        return result
+    owners = assign_sources(chunks, sources)
+    operations: list[dist.P2POp] = []
+    unpack: list[tuple[torch.Tensor, Chunk]] = []
+    device = views[0].device
+    for tag, (chunk, owner) in enumerate(zip(chunks, owners, strict=True)):
+        if rank == owner:
+            if len(chunk.pieces) == 1:
+                piece = chunk.pieces[0]
+                buffer = views[piece.tensor][piece.start : piece.stop]
+            else:
+                buffer = torch.cat([views[p.tensor][p.start : p.stop] for p in chunk.pieces])
+            operations.extend(dist.P2POp(dist.isend, buffer, peer, tag=tag) for peer in receivers)
+        elif rank in receivers:
+            if len(chunk.pieces) == 1:
+                piece = chunk.pieces[0]
+                buffer = views[piece.tensor][piece.start : piece.stop]
+            else:
+                buffer = torch.empty(chunk.size, dtype=torch.uint8, device=device)
+                unpack.append((buffer, chunk))
+            operations.append(dist.P2POp(dist.irecv, buffer, owner, tag=tag))
+    if operations:
+        for request in dist.batch_isend_irecv(operations):
+            request.wait()
+    for buffer, chunk in unpack:
+        offset = 0
+        for piece in chunk.pieces:
+            views[piece.tensor][piece.start : piece.stop].copy_(buffer[offset : offset + piece.size])
+            offset += piece.size
+    return result
+
+
+def gigabytes_per_second(byte_count: int, seconds: float) -> float:
+    """Returns byte_count / seconds in GB/s (10^9), or NaN for a zero duration."""
+    return byte_count / seconds / 1e9 if seconds > 0 else math.nan

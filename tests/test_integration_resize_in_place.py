@@ -1,0 +1,246 @@
+"""In-place resizing through the whole platform (API, Celery scheduler, two real agents, real torch
+workers): 2 -> 3 -> 1 -> 2 workers during a run, with the survivors' pids unchanged; a joiner
+killed while warming up; a survivor SIGKILLed mid-step; every worker killed at once. Each ends
+with the loss falling, every step trained once on exactly its batch (the workers record their
+samples), and the API showing the allocation the workers really have."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic.worker.data import SampleStream
+from tests.platform import Platform, running_platform
+from tests.worker_support import DIGITS_SAMPLES, Ledger
+
+pytestmark = pytest.mark.slow
+
+BATCH = 32
+SEED = 4
+SPEC = {
+    "name": "in-place",
+    "workload": "digits-mlp",
+    "min_workers": 1,
+    "max_workers": 3,
+    "seed": SEED,
+    "hyperparameters": {"batch_size": BATCH, "hidden": 128},
+}
+ENDLESS = 10_000_000
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("samples") / "samples.jsonl"
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory, record: Path) -> Any:
+    env = {
+        "BUNGEE_RECORD_SAMPLES": str(record),
+        "BUNGEE_CHECKPOINT_EVERY_S": "0.5",
+        "BUNGEE_PROGRESS_EVERY_S": "0.2",
+        "BUNGEE_PG_TIMEOUT_S": "20",
+    }
+    with running_platform(tmp_path_factory.mktemp("platform"), {"node-a": 2, "node-b": 1}, env) as running:
+        alice = running.api("alice")
+        running.wait_for(
+            "three devices",
+            lambda: sum(len(n["devices"]) for n in alice.get("/api/cluster").json()["nodes"]) == 3,
+        )
+        yield running
+
+
+def detail(platform: Platform, job_id: int) -> dict[str, Any]:
+    return platform.api("alice").get(f"/api/jobs/{job_id}").json()
+
+
+def live_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
+    return [w for w in job["workers_history"] if w["state"] == "running"]
+
+
+def settled(platform: Platform, job_id: int, workers: int, after_generation: int = 0) -> dict[str, Any]:
+    """Waits until the job runs on `workers` workers of a generation newer than `after_generation`
+    that formed, with no resize pending and no leaver left; returns the job."""
+
+    def check() -> dict[str, Any] | None:
+        job = detail(platform, job_id)
+        rows = live_rows(job)
+        done = (
+            job["state"] == "running"
+            and job["workers"] == workers
+            and job["generation"] > after_generation
+            and job["resizes"][-1]["completed_at"] is not None
+            and len(rows) == workers
+            and all(row["generation"] == job["generation"] for row in rows)
+        )
+        return job if done else None
+
+    return platform.wait_for(f"job {job_id} settled on {workers} workers", check, timeout_s=120)
+
+
+def assert_true_allocation(job: dict[str, Any]) -> None:
+    """The devices the API says the job holds are those its running workers are on."""
+    held = sorted((a["node"], a["device_index"], a["rank"]) for a in job["allocations"])
+    running = sorted((w["node"], w["device_index"], w["rank"]) for w in live_rows(job))
+    assert held == running, (held, running)
+
+
+def submit(platform: Platform, workers: int) -> int:
+    alice = platform.api("alice")
+    reply = alice.post("/api/jobs", json={**SPEC, "steps": ENDLESS})
+    assert reply.status_code == 201, reply.text
+    job_id: int = reply.json()["id"]
+    assert alice.post(f"/api/jobs/{job_id}/resize", json={"workers": workers}).status_code == 200
+    return job_id
+
+
+def pin(platform: Platform, job_id: int, workers: int) -> None:
+    reply = platform.api("alice").post(f"/api/jobs/{job_id}/resize", json={"workers": workers})
+    assert reply.status_code == 200, reply.text
+
+
+def steps_past(platform: Platform, job_id: int, step: int) -> dict[str, Any]:
+    return platform.wait_for(
+        f"job {job_id} past step {step}",
+        lambda: (j := detail(platform, job_id))["steps_done"] > step and j,
+        timeout_s=60,
+    )
+
+
+def cancel(platform: Platform, job_id: int) -> dict[str, Any]:
+    assert platform.api("alice").post(f"/api/jobs/{job_id}/cancel").status_code == 200
+    return platform.wait_for(
+        "the workers to stop", lambda: not live_rows(j := detail(platform, job_id)) and j
+    )
+
+
+def logs(platform: Platform, job_id: int) -> list[str]:
+    return [entry["line"] for entry in platform.api("alice").get(f"/api/jobs/{job_id}/logs").json()]
+
+
+def loss_fell(platform: Platform, job_id: int) -> bool:
+    metrics = platform.api("alice").get(f"/api/jobs/{job_id}/metrics").json()
+    return bool(metrics) and metrics[-1]["loss"] < metrics[0]["loss"] / 2
+
+
+def pids_by_generation(job: dict[str, Any]) -> dict[int, set[int]]:
+    pids: dict[int, set[int]] = {}
+    for row in job["workers_history"]:
+        if row["state"] != "exited" or row["reason"] != "failed":
+            pids.setdefault(row["generation"], set()).add(row["pid"])
+    return pids
+
+
+def test_2_3_1_2_with_survivors_never_restarted(platform: Platform, record: Path) -> None:
+    job_id = submit(platform, 2)
+    job = settled(platform, job_id, 2)
+    sizes = []
+    for workers in (3, 1, 2):
+        steps_past(platform, job_id, job["steps_done"])
+        before = job
+        pin(platform, job_id, workers)
+        job = settled(platform, job_id, workers, before["generation"])
+        assert_true_allocation(job)
+        sizes.append((before["workers"], workers))
+        # The survivors are the same processes: their pids carry over into the new generation.
+        survivors = pids_by_generation(job)[before["generation"]] & pids_by_generation(job)[job["generation"]]
+        assert len(survivors) == min(before["workers"], workers), job["workers_history"]
+    steps_past(platform, job_id, job["steps_done"] + 100)
+    done = cancel(platform, job_id)
+    assert done["allocations"] == []
+    resizes = done["resizes"]
+    assert (
+        [(r["workers_before"], r["workers_after"]) for r in resizes[-3:]] == sizes == [(2, 3), (3, 1), (1, 2)]
+    )
+    for resize in resizes[-3:]:
+        assert resize["pause_s"] is not None and resize["pause_s"] >= 0 and resize["phases"]
+        assert len(resize["members_after"]) == resize["workers_after"]
+    assert (
+        resizes[-3]["bytes_moved"] > 0 and resizes[-2]["bytes_moved"] == 0 and resizes[-1]["bytes_moved"] > 0
+    )
+    assert not [line for line in logs(platform, job_id) if "checkpoint" in line], "nothing went through disk"
+    # Every step once, up to the one all stopped after, whose count the portal shows.
+    steps = Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH)
+    assert steps == done["steps_done"] and f"stopping at step {steps}" in logs(platform, job_id)
+    assert loss_fell(platform, job_id)
+    platform.wait_for(
+        "devices freed",
+        lambda: all(
+            d["holder"] == "free"
+            for n in platform.api("alice").get("/api/cluster").json()["nodes"]
+            for d in n["devices"]
+        ),
+    )
+
+
+def test_a_joiner_killed_while_warming_up(platform: Platform, record: Path) -> None:
+    job_id = submit(platform, 2)
+    job = settled(platform, job_id, 2)
+    survivors = {row["pid"] for row in live_rows(job)}
+    pin(platform, job_id, 3)
+
+    def joiner() -> dict[str, Any] | None:
+        rows = [row for row in live_rows(detail(platform, job_id)) if row["pid"] not in survivors]
+        return rows[0] if rows else None
+
+    warming = platform.wait_for("the joiner to start", joiner, every_s=0.05)
+    os.kill(warming["pid"], signal.SIGKILL)
+    killed_at = detail(platform, job_id)
+    assert killed_at["state"] == "resizing", "the joiner had not joined yet"
+    # The job trains on meanwhile, and the scheduler plans again: first without the device, then
+    # (the device is fine) with a new joiner on it.
+    steps_past(platform, job_id, killed_at["steps_done"] + 50)
+    job = settled(platform, job_id, 3, killed_at["generation"])
+    assert job["restarts"] == 1 and survivors <= {row["pid"] for row in live_rows(job)}
+    assert warming["pid"] not in {row["pid"] for row in live_rows(job)}
+    assert_true_allocation(job)
+    steps_past(platform, job_id, job["steps_done"])
+    cancel(platform, job_id)
+    Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH)
+    assert loss_fell(platform, job_id)
+
+
+def test_a_survivor_killed_mid_step(platform: Platform, record: Path) -> None:
+    job_id = submit(platform, 3)
+    job = settled(platform, job_id, 3)
+    job = steps_past(platform, job_id, job["steps_done"] + 100)
+    victim = next(row for row in live_rows(job) if row["rank"] == 1)
+    others = {row["pid"] for row in live_rows(job)} - {victim["pid"]}
+    os.kill(victim["pid"], signal.SIGKILL)
+    # The others notice at once, go on without it, and the scheduler gives the device back.
+    job = settled(platform, job_id, 3, job["generation"] + 1)
+    assert job["restarts"] == 1 and others <= {row["pid"] for row in live_rows(job)}
+    assert_true_allocation(job)
+    assert any(line.startswith("lost a peer") for line in logs(platform, job_id))
+    steps_past(platform, job_id, job["steps_done"])
+    stopped = cancel(platform, job_id)
+    steps = Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1)
+    assert steps >= stopped["steps_done"]
+    assert loss_fell(platform, job_id)
+
+
+def test_every_worker_killed_resumes_from_the_checkpoint(platform: Platform, record: Path) -> None:
+    job_id = submit(platform, 2)
+    job = settled(platform, job_id, 2)
+    job = steps_past(platform, job_id, job["steps_done"] + 1000)
+    for row in live_rows(job):
+        os.kill(row["pid"], signal.SIGKILL)
+    platform.wait_for(
+        "the resume",
+        lambda: [
+            line for line in logs(platform, job_id) if line.startswith("resumed from the periodic checkpoint")
+        ],
+    )
+    job = settled(platform, job_id, 2, job["generation"])
+    assert_true_allocation(job)
+    steps_past(platform, job_id, job["steps_done"] + 200)
+    cancel(platform, job_id)
+    ledger = Ledger.read_all(record, job_id)
+    again = Ledger({step: records[-1] for step, records in ledger.items()})
+    again.check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1)
+    assert any(len(records) == 2 for records in ledger.values()), "the steps after the checkpoint ran twice"
+    assert loss_fell(platform, job_id)

@@ -1,0 +1,77 @@
+"""The state transfer's plan, without processes: tensors cut into chunks (large ones sliced, small
+ones packed, every byte once, in order), chunks dealt evenly to the sources, and the optimiser's
+outline carrying the small values while large tensors wait for the bulk. The transfer itself runs
+in the tests with real workers (test_worker_resize_in_place, test_worker_failure)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic.worker.transfer import (
+    TensorSlot,
+    apply_outline,
+    assign_sources,
+    outline,
+    plan_chunks,
+    state_tensors,
+)
+
+
+def test_large_tensors_are_sliced_small_ones_packed_every_byte_once() -> None:
+    sizes = [10, 30, 0, 100, 5, 5, 41]
+    chunks = plan_chunks(sizes, chunk_bytes=40)
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for chunk in chunks:
+        assert 0 < chunk.size <= 40
+        for piece in chunk.pieces:
+            covered.setdefault(piece.tensor, []).append((piece.start, piece.stop))
+    for index, size in enumerate(sizes):
+        spans = sorted(covered.get(index, []))
+        assert sum(stop - start for start, stop in spans) == size
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+    # Tensors of at least a chunk travel alone, in slices; smaller ones share chunks.
+    alone = {c.pieces[0].tensor for c in chunks if len(c.pieces) == 1}
+    packed = {p.tensor for c in chunks if len(c.pieces) > 1 for p in c.pieces}
+    assert {3, 6} <= alone and len([c for c in chunks if c.pieces[0].tensor == 3]) == 3
+    assert packed <= {0, 1, 4, 5} and packed
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        plan_chunks(sizes, 0)
+
+
+def test_sources_share_the_bytes_evenly() -> None:
+    chunks = plan_chunks([64] * 9, chunk_bytes=16)
+    owners = assign_sources(chunks, [3, 1, 2])
+    load = {rank: sum(c.size for c, o in zip(chunks, owners, strict=True) if o == rank) for rank in (1, 2, 3)}
+    assert max(load.values()) - min(load.values()) <= 16
+    with pytest.raises(ValueError, match="no source"):
+        assign_sources(chunks, [])
+
+
+def test_the_outline_gives_a_fresh_optimiser_the_same_layout() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    device = torch.device("cpu")
+    sent = outline(7, optimizer, device)
+    kinds = [type(entries["momentum_buffer"]) for _, entries in sorted(sent.optimizer["state"].items())]
+    # Only the 16x16 weight is large enough to travel point to point; the rest rides along.
+    assert kinds == [TensorSlot, torch.Tensor, torch.Tensor, torch.Tensor]
+    assert sent.step == 7 and sent.optimizer["param_groups"][0]["lr"] == 0.1
+
+    twin = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+    fresh = torch.optim.SGD(twin.parameters(), lr=0.5, momentum=0.9)
+    apply_outline(fresh, sent, device)
+    assert fresh.param_groups[0]["lr"] == 0.1
+    mine, theirs = state_tensors(model, optimizer, device), state_tensors(twin, fresh, device)
+    assert [t.shape for t in mine] == [t.shape for t in theirs]
+    assert [t.dtype for t in mine] == [t.dtype for t in theirs]
+    # Writing into the listed tensors writes into the model and the optimiser.
+    for source, target in zip(mine, theirs, strict=True):
+        target.copy_(source)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        if optimizer.state[a]["momentum_buffer"].numel() > 64:
+            assert torch.equal(optimizer.state[a]["momentum_buffer"], fresh.state[b]["momentum_buffer"])
