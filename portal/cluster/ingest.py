@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from elastic.wire import AgentReport, DeviceSample, NodeRegistration, RegistrationReply, WorkerEvent
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 LATEST_SAMPLE_TTL_S = 60
 LOG_LINE_LIMIT = 2000
+SERVICE_GAP_CAP_S = 10.0
 
 
 def _at(timestamp: float) -> datetime:
@@ -206,6 +208,18 @@ def _on_resized(node: Node, job: Job, event: WorkerEvent) -> None:
     broadcast.job_changed(job)
 
 
+def _service_since_last_report(job: Job, generation: int, at: datetime) -> float:
+    """Device-seconds the job trained since its previous progress report: the generation's
+    world size times the time between (capped, so that a queued stretch does not count)."""
+    if job.last_progress_at is None:
+        return 0.0
+    seconds = min(max((at - job.last_progress_at).total_seconds(), 0.0), SERVICE_GAP_CAP_S)
+    workers = (
+        ResizeEvent.objects.filter(job=job, generation=generation).values_list("workers_after", flat=True).first()
+    )
+    return seconds * (workers or 0)
+
+
 def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
     at = _at(event.at)
     # Survivors report under the generation they train in, which lags the newest one while
@@ -215,6 +229,7 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
         last_loss=event.loss,
         samples_per_s=event.samples_per_s,
         last_progress_at=at,
+        attained_service_s=F("attained_service_s") + _service_since_last_report(job, event.generation, at),
     )
     if updated != 1:
         return

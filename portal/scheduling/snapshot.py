@@ -1,0 +1,104 @@
+"""The cluster as the policy sees it (elastic.scheduling.ClusterSnapshot), read from the database.
+
+Each job's throughput curve is learned from what its workers report: rank 0's progress events
+give samples per second in each generation, the generation's resize record gives its world size
+and nodes, so each generation is one measured step time at one configuration. Until a job has
+any, its curve is the generic prior (elastic.scheduling.ThroughputModel.prior). Attained service
+is accumulated as progress arrives (portal.cluster.ingest); remaining work is the steps left."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.db.models import Avg, Count
+
+from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, ThroughputLearner, ThroughputModel
+from portal.cluster.models import Device, Node
+from portal.jobs.models import Allocation, Job, JobMetric, ResizeEvent
+from portal.jobs.states import ACTIVE_STATES
+
+PRIOR_STEP_S = 0.1
+"""The single-worker step time assumed for a job nobody has measured yet."""
+
+
+def global_batch(job: Job) -> int | None:
+    """The job's global batch size: the one the scheduler chose (hybrid), else its spec's."""
+    if job.batch_size:
+        return int(job.batch_size)
+    value: Any = (job.spec.get("hyperparameters") or {}).get("batch_size")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def measured_throughput(jobs: dict[int, Job]) -> dict[int, ThroughputModel]:
+    """Per job with a known batch size, its curve: the prior, fitted to the mean step time of
+    every generation that reported progress."""
+    rates = (
+        JobMetric.objects.filter(job_id__in=jobs, samples_per_s__gt=0)
+        .values("job_id", "generation")
+        .annotate(rate=Avg("samples_per_s"), reports=Count("id"))
+    )
+    shapes = {
+        (row.job_id, row.generation): row
+        for row in ResizeEvent.objects.filter(job_id__in=jobs).only(
+            "job_id", "generation", "workers_after", "devices_after"
+        )
+    }
+    observed: dict[int, list[tuple[int, int, float, int]]] = {}
+    for row in rates:
+        shape = shapes.get((row["job_id"], row["generation"]))
+        if shape is None or shape.workers_after < 1:
+            continue
+        nodes = len({str(label).split("/")[0] for label in shape.devices_after}) or 1
+        observed.setdefault(row["job_id"], []).append(
+            (shape.workers_after, nodes, float(row["rate"]), int(row["reports"]))
+        )
+    models: dict[int, ThroughputModel] = {}
+    for job_id, job in jobs.items():
+        batch = global_batch(job)
+        if batch is None:
+            continue
+        learner = ThroughputLearner(ThroughputModel.prior(PRIOR_STEP_S, batch))
+        for workers, nodes, rate, reports in observed.get(job_id, []):
+            # One observation per report, so that a long-measured generation weighs more.
+            for _ in range(min(reports, 20)):
+                learner.observe(workers, nodes, batch / workers, batch / rate)
+        models[job_id] = learner.model()
+    return models
+
+
+def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
+    """Returns the snapshot and the active jobs it names, by id."""
+    devices = tuple(
+        DeviceView(
+            id=d.pk,
+            node=d.node.name,
+            usable=d.present and d.node.state == Node.State.ONLINE,
+            owner=d.owner or None,
+            owner_present=d.owner_present,
+        )
+        for d in Device.objects.select_related("node")
+    )
+    jobs = {j.pk: j for j in Job.objects.filter(state__in=ACTIVE_STATES)}
+    current: dict[int, list[int]] = {job_id: [] for job_id in jobs}
+    for allocation in Allocation.objects.filter(job_id__in=jobs).order_by("rank"):
+        current[allocation.job_id].append(allocation.device_id)
+    throughput = measured_throughput(jobs)
+    views = tuple(
+        JobView(
+            id=job.pk,
+            min_workers=job.min_workers,
+            max_workers=job.max_workers,
+            priority=job.priority,  # type: ignore[arg-type]
+            submitted_at=job.created_at.timestamp(),
+            current=tuple(current[job.pk]),
+            pinned_workers=job.pinned_workers,
+            consistency=job.consistency,  # type: ignore[arg-type]
+            throughput=throughput.get(job.pk),
+            batch_size=global_batch(job),
+            attained_service_s=job.attained_service_s,
+            remaining_work=float(max(job.total_steps - job.steps_done, 0)),
+        )
+        for job in jobs.values()
+    )
+    return ClusterSnapshot(devices=devices, jobs=views, now=time.time()), jobs
