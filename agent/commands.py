@@ -106,15 +106,28 @@ class CommandDispatcher:
     owner to the device backend. A handler's failure is logged, never raised. `redis_url` is
     the Redis the commands come from; the workers' membership board lives there too."""
 
-    def __init__(self, supervisor: WorkerSupervisor, backend: DeviceBackend, redis_url: str = "") -> None:
+    def __init__(
+        self,
+        supervisor: WorkerSupervisor,
+        backend: DeviceBackend,
+        redis_url: str = "",
+        on_owner_change: Callable[[], None] | None = None,
+    ) -> None:
         self.redis_url = redis_url
+        self._backend = backend
+        self._on_owner_change = on_owner_change
         self._handlers: Mapping[type[Any], Callable[[Any], object]] = {
             LaunchCommand: lambda command: supervisor.launch(command, backend, self.redis_url),
             StopCommand: supervisor.stop,
-            SimulateOwnerCommand: lambda command: backend.set_owner_present(
-                command.device_index, command.present
-            ),
+            SimulateOwnerCommand: self._play_owner,
         }
+
+    def _play_owner(self, command: SimulateOwnerCommand) -> None:
+        """Plays the owner, then has the agent report at once: the portal takes a device back
+        on the report, and the borrowing worker has seconds to leave."""
+        self._backend.set_owner_present(command.device_index, command.present)
+        if self._on_owner_change is not None:
+            self._on_owner_change()
 
     def dispatch(self, command: AgentCommand) -> None:
         handler = self._handlers[type(command)]

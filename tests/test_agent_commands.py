@@ -206,3 +206,15 @@ def test_simulate_owner_needs_present_or_absent() -> None:
     with pytest.raises(SystemExit) as caught:
         simulate_main(["owner", "--node", "n", "--device", "0"])
     assert caught.value.code == 2
+
+
+def test_a_played_owner_makes_the_agent_report_at_once() -> None:
+    backend = SimulatedBackend(slots=2)
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module="tests.agent_fake_worker", stop_grace_s=5))
+    report_now = threading.Event()
+    dispatcher = CommandDispatcher(supervisor, backend, on_owner_change=report_now.set)
+    dispatcher.dispatch(SimulateOwnerCommand(device_index=0, present=True))
+    assert report_now.is_set() and [s.owner_present for s in backend.sample({})] == [True, False]
+    report_now.clear()
+    dispatcher.dispatch(SimulateOwnerCommand(device_index=5, present=True))  # no such device
+    assert not report_now.is_set()
