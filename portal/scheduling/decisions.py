@@ -39,7 +39,7 @@ def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> str:
         if reason == Reason.PINNED:
             parts.append(f"pinned to {job.pinned_workers} workers by a manual resize")
         elif reason == Reason.PIN_UNMET:
-            parts.append(plan.pin_problems.get(job.id, "its pin cannot be met"))
+            parts.append(f"pinned to {job.pinned_workers} workers, which cannot be met now")
         elif reason == Reason.MINIMUM:
             parts.append(f"its minimum of {job.min_workers} workers")
         elif reason == Reason.FAIR_SHARE:
