@@ -22,7 +22,13 @@ from pydantic import ValidationError
 
 from agent.devices import DeviceBackend, DeviceError
 from agent.supervisor import WorkerSupervisor
-from elastic.wire import LaunchCommand, SimulateOwnerCommand, StopCommand, parse_command
+from elastic.wire import (
+    LaunchCommand,
+    SimulateOwnerCommand,
+    SimulateSlowdownCommand,
+    StopCommand,
+    parse_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ CLOCK_MARGIN_S = 0.1
 """Read this much further back than the registration began, when the position had to be
 worked out from Redis's clock: a command is idempotent, a missed one is lost."""
 
-AgentCommand = LaunchCommand | StopCommand | SimulateOwnerCommand
+AgentCommand = LaunchCommand | StopCommand | SimulateOwnerCommand | SimulateSlowdownCommand
 StreamReplies = list[tuple[str, list[tuple[str, dict[str, str]]]]] | None
 """What XREAD answers on a client that decodes responses."""
 
@@ -120,6 +126,7 @@ class CommandDispatcher:
             LaunchCommand: lambda command: supervisor.launch(command, backend, self.redis_url),
             StopCommand: supervisor.stop,
             SimulateOwnerCommand: self._play_owner,
+            SimulateSlowdownCommand: lambda command: backend.set_slowdown(command.device_index, command.factor),
         }
 
     def _play_owner(self, command: SimulateOwnerCommand) -> None:

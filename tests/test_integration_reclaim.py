@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.platform import REDIS_URL, Platform, running_platform
+from tests.platform import REDIS_URL, Platform, one_node_platform
 from tests.test_integration_resize_in_place import (
     ENDLESS,
     SPEC,
@@ -37,13 +37,7 @@ LEAVE_WITHIN_S = 2.0
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    env = {"BUNGEE_PROGRESS_EVERY_S": "0.2", "BUNGEE_PG_TIMEOUT_S": "20"}
-    with running_platform(tmp_path_factory.mktemp("platform"), {"node-a": 3}, env) as running:
-        alice = running.api("alice")
-        running.wait_for(
-            "three devices",
-            lambda: sum(len(n["devices"]) for n in alice.get("/api/cluster").json()["nodes"]) == 3,
-        )
+    with one_node_platform(tmp_path_factory.mktemp("platform"), 3) as running:
         running.group.run("manage.py", "device_owner", "node-a", "2", "--owner", "carol")
         yield running
 

@@ -20,7 +20,7 @@ from portal.cluster.state import latest_key
 from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
-from portal.redis import client
+from portal.redis import client, key
 from portal.scheduling.dispatch import publish_generation, stop_job_workers, stream_for
 from portal.scheduling.trigger import request_schedule
 
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 LATEST_SAMPLE_TTL_S = 60
 LOG_LINE_LIMIT = 2000
 SERVICE_GAP_CAP_S = 10.0
+STEP_TIMES_TTL_S = 30
 
 
 def _at(timestamp: float) -> datetime:
@@ -262,6 +263,21 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
     )
 
 
+def step_times_key(job_id: int, generation: int, rank: int) -> str:
+    """Redis key of a rank's latest compute times per step (portal.scheduling.snapshot reads it)."""
+    return key("job", job_id, "step-times", generation, rank)
+
+
+def _on_step_times(node: Node, job: Job, event: WorkerEvent) -> None:
+    """A rank's latest compute times per step: kept in Redis (live data, not history) for the
+    scheduler's straggler check."""
+    client().set(
+        step_times_key(job.pk, event.generation, event.rank),
+        json.dumps(event.step_times or []),
+        ex=STEP_TIMES_TTL_S,
+    )
+
+
 def _on_log(node: Node, job: Job, event: WorkerEvent) -> None:
     line = (event.message or "")[:LOG_LINE_LIMIT]
     row = JobLog.objects.create(job=job, generation=event.generation, rank=event.rank, at=_at(event.at), line=line)
@@ -352,5 +368,6 @@ _EVENT_HANDLERS = {
     "resized": _on_resized,
     "progress": _on_progress,
     "log": _on_log,
+    "step_times": _on_step_times,
     "exited": _on_exited,
 }

@@ -8,15 +8,18 @@ is accumulated as progress arrives (portal.cluster.ingest); remaining work is th
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from django.db.models import Avg, Count
 
 from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, ThroughputLearner, ThroughputModel
+from portal.cluster.ingest import step_times_key
 from portal.cluster.models import Device, Node
 from portal.jobs.models import Allocation, Job, JobMetric, ResizeEvent
 from portal.jobs.states import ACTIVE_STATES
+from portal.redis import client
 
 PRIOR_STEP_S = 0.1
 """The single-worker step time assumed for a job nobody has measured yet."""
@@ -67,6 +70,23 @@ def measured_throughput(jobs: dict[int, Job]) -> dict[int, ThroughputModel]:
     return models
 
 
+def worker_step_times(
+    jobs: dict[int, Job], current: dict[int, list[int]]
+) -> dict[int, tuple[tuple[float, ...], ...]]:
+    """Per job whose current generation formed, each rank's latest compute times per step in
+    rank order (aligned with its devices), once every rank has reported; the straggler check
+    of the policy reads them."""
+    settled = [j for j in jobs.values() if j.generation == j.active_generation and len(current[j.pk]) > 1]
+    keys = [step_times_key(j.pk, j.generation, rank) for j in settled for rank in range(len(current[j.pk]))]
+    values = iter(client().mget(keys) if keys else [])
+    found: dict[int, tuple[tuple[float, ...], ...]] = {}
+    for job in settled:
+        ranks = [next(values) for _ in current[job.pk]]
+        if all(ranks):
+            found[job.pk] = tuple(tuple(float(t) for t in json.loads(raw)) for raw in ranks)
+    return found
+
+
 def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
     """Returns the snapshot and the active jobs it names, by id."""
     devices = tuple(
@@ -84,6 +104,7 @@ def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
     for allocation in Allocation.objects.filter(job_id__in=jobs).order_by("rank"):
         current[allocation.job_id].append(allocation.device_id)
     throughput = measured_throughput(jobs)
+    step_times = worker_step_times(jobs, current)
     views = tuple(
         JobView(
             id=job.pk,
@@ -98,6 +119,7 @@ def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
             batch_size=global_batch(job),
             attained_service_s=job.attained_service_s,
             remaining_work=float(max(job.total_steps - job.steps_done, 0)),
+            worker_step_times=step_times.get(job.pk, ()),
         )
         for job in jobs.values()
     )
