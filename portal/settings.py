@@ -139,7 +139,7 @@ BUNGEE = {
     # stops every process at start (portal.scheduling.policy).
     "POLICY": env_str("BUNGEE_POLICY", "bungee"),
     # What one resize costs a job, in seconds of its progress: the policy weighs every move
-    # against it. ~1 s is the pause our in-place resize costs (bench/resize.py).
+    # against it. 1 s is the order of our in-place resize's pause; bench/resize.py measures it.
     "RESIZE_COST_S": env_float("BUNGEE_RESIZE_COST_S", 1.0),
     # How many scheduling decisions the admin page keeps.
     "DECISIONS_KEPT": env_int("BUNGEE_DECISIONS_KEPT", 50),
