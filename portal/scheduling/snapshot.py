@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import lru_cache
 from typing import Any
 
 from django.db.models import Avg, Count
@@ -54,20 +55,26 @@ def measured_throughput(jobs: dict[int, Job]) -> dict[int, ThroughputModel]:
             continue
         nodes = len({str(label).split("/")[0] for label in shape.devices_after}) or 1
         observed.setdefault(row["job_id"], []).append(
-            (shape.workers_after, nodes, float(row["rate"]), int(row["reports"]))
+            (shape.workers_after, nodes, float(f"{row['rate']:.3g}"), min(int(row["reports"]), 20))
         )
     models: dict[int, ThroughputModel] = {}
     for job_id, job in jobs.items():
         batch = global_batch(job)
-        if batch is None:
-            continue
-        learner = ThroughputLearner(ThroughputModel.prior(PRIOR_STEP_S, batch))
-        for workers, nodes, rate, reports in observed.get(job_id, []):
-            # One observation per report, so that a long-measured generation weighs more.
-            for _ in range(min(reports, 20)):
-                learner.observe(workers, nodes, batch / workers, batch / rate)
-        models[job_id] = learner.model()
+        if batch is not None:
+            models[job_id] = fitted_curve(batch, tuple(sorted(observed.get(job_id, []))))
     return models
+
+
+@lru_cache(maxsize=4096)
+def fitted_curve(batch: int, observed: tuple[tuple[int, int, float, int], ...]) -> ThroughputModel:
+    """The prior fitted to `observed` (workers, nodes, samples/s, reports), each generation
+    weighing as many reports as it had, up to 20. Cached: the Celery worker fits a job again
+    only when what it measured moved (rates are compared to three significant digits)."""
+    learner = ThroughputLearner(ThroughputModel.prior(PRIOR_STEP_S, batch))
+    for workers, nodes, rate, reports in observed:
+        for _ in range(reports):
+            learner.observe(workers, nodes, batch / workers, batch / rate)
+    return learner.model()
 
 
 def worker_step_times(
