@@ -22,7 +22,13 @@ from pydantic import ValidationError
 
 from agent.devices import DeviceBackend, DeviceError
 from agent.supervisor import WorkerSupervisor
-from elastic.wire import LaunchCommand, SimulateOwnerCommand, StopCommand, parse_command
+from elastic.wire import (
+    LaunchCommand,
+    SimulateOwnerCommand,
+    SimulateSlowdownCommand,
+    StopCommand,
+    parse_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ CLOCK_MARGIN_S = 0.1
 """Read this much further back than the registration began, when the position had to be
 worked out from Redis's clock: a command is idempotent, a missed one is lost."""
 
-AgentCommand = LaunchCommand | StopCommand | SimulateOwnerCommand
+AgentCommand = LaunchCommand | StopCommand | SimulateOwnerCommand | SimulateSlowdownCommand
 StreamReplies = list[tuple[str, list[tuple[str, dict[str, str]]]]] | None
 """What XREAD answers on a client that decodes responses."""
 
@@ -106,15 +112,29 @@ class CommandDispatcher:
     owner to the device backend. A handler's failure is logged, never raised. `redis_url` is
     the Redis the commands come from; the workers' membership board lives there too."""
 
-    def __init__(self, supervisor: WorkerSupervisor, backend: DeviceBackend, redis_url: str = "") -> None:
+    def __init__(
+        self,
+        supervisor: WorkerSupervisor,
+        backend: DeviceBackend,
+        redis_url: str = "",
+        on_owner_change: Callable[[], None] | None = None,
+    ) -> None:
         self.redis_url = redis_url
+        self._backend = backend
+        self._on_owner_change = on_owner_change
         self._handlers: Mapping[type[Any], Callable[[Any], object]] = {
             LaunchCommand: lambda command: supervisor.launch(command, backend, self.redis_url),
             StopCommand: supervisor.stop,
-            SimulateOwnerCommand: lambda command: backend.set_owner_present(
-                command.device_index, command.present
-            ),
+            SimulateOwnerCommand: self._play_owner,
+            SimulateSlowdownCommand: lambda command: backend.set_slowdown(command.device_index, command.factor),
         }
+
+    def _play_owner(self, command: SimulateOwnerCommand) -> None:
+        """Plays the owner, then has the agent report at once: the portal takes a device back
+        on the report, and the borrowing worker has seconds to leave."""
+        self._backend.set_owner_present(command.device_index, command.present)
+        if self._on_owner_change is not None:
+            self._on_owner_change()
 
     def dispatch(self, command: AgentCommand) -> None:
         handler = self._handlers[type(command)]

@@ -18,6 +18,7 @@ _LOG, _PROGRESS, _LIFECYCLE = 0, 1, 2
 _CLASS = {
     "log": _LOG,
     "progress": _PROGRESS,
+    "step_times": _PROGRESS,
     "started": _LIFECYCLE,
     "joined": _LIFECYCLE,
     "resized": _LIFECYCLE,

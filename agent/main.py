@@ -236,9 +236,10 @@ class Agent:
         self.client = client
         self.supervisor = supervisor
         self.stopping = stopping
-        self._dispatcher = CommandDispatcher(supervisor, backend)
         self.report_now = report_now or threading.Event()
-        """Set (by the supervisor, on a worker's exit) to send the next report without waiting."""
+        """Set (by the supervisor, on a worker's exit; by the dispatcher, when a played owner
+        comes or goes) to send the next report without waiting."""
+        self._dispatcher = CommandDispatcher(supervisor, backend, on_owner_change=self.report_now.set)
         self._registration = NodeRegistration(
             name=config.node_name,
             address=config.address,

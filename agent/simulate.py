@@ -2,9 +2,11 @@
 
     python -m agent.simulate owner --redis-url URL --node NAME --device N --present
     python -m agent.simulate owner --redis-url URL --node NAME --device N --absent
+    python -m agent.simulate slow --redis-url URL --node NAME --device N --factor 3
 
-It XADDs a SimulateOwnerCommand onto the node's command stream, which the node's agent reads
-like any other command; on a node with real GPUs the agent logs that it cannot play an owner.
+It XADDs a SimulateOwnerCommand (or a SimulateSlowdownCommand: workers started on the device
+from then on run `factor` times slower) onto the node's command stream, which the node's agent
+reads like any other command; on a node with real GPUs the agent logs that it cannot play them.
 """
 
 from __future__ import annotations
@@ -17,28 +19,31 @@ from collections.abc import Sequence
 import redis
 
 from agent.commands import COMMAND_FIELD
-from elastic.wire import SimulateOwnerCommand, command_stream
+from elastic.wire import SimulateOwnerCommand, SimulateSlowdownCommand, command_stream
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m agent.simulate")
     actions = parser.add_subparsers(dest="action", required=True)
     owner = actions.add_parser("owner", help="play the owner of a device arriving or leaving")
-    owner.add_argument(
-        "--redis-url",
-        default=os.environ.get("BUNGEE_AGENT_REDIS_URL") or "redis://127.0.0.1:6379/0",
-        help="the Redis that carries the command streams (env BUNGEE_AGENT_REDIS_URL)",
-    )
-    owner.add_argument("--node", required=True, help="the node's name")
-    owner.add_argument("--device", required=True, type=int, help="the device index")
-    owner.add_argument(
-        "--prefix",
-        default=os.environ.get("BUNGEE_REDIS_PREFIX") or "bungee",
-        help="the portal's Redis key prefix (env BUNGEE_REDIS_PREFIX; default bungee)",
-    )
+    slow = actions.add_parser("slow", help="play a slow device (for the workers started on it from now on)")
+    for sub in (owner, slow):
+        sub.add_argument(
+            "--redis-url",
+            default=os.environ.get("BUNGEE_AGENT_REDIS_URL") or "redis://127.0.0.1:6379/0",
+            help="the Redis that carries the command streams (env BUNGEE_AGENT_REDIS_URL)",
+        )
+        sub.add_argument("--node", required=True, help="the node's name")
+        sub.add_argument("--device", required=True, type=int, help="the device index")
+        sub.add_argument(
+            "--prefix",
+            default=os.environ.get("BUNGEE_REDIS_PREFIX") or "bungee",
+            help="the portal's Redis key prefix (env BUNGEE_REDIS_PREFIX; default bungee)",
+        )
     presence = owner.add_mutually_exclusive_group(required=True)
     presence.add_argument("--present", dest="present", action="store_true", help="the owner arrives")
     presence.add_argument("--absent", dest="present", action="store_false", help="the owner leaves")
+    slow.add_argument("--factor", required=True, type=float, help="how many times slower (1: normal speed)")
     return parser
 
 
@@ -48,7 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device < 0:
         parser.error(f"--device must be at least 0, got {args.device}")
-    command = SimulateOwnerCommand(device_index=args.device, present=args.present)
+    command: SimulateOwnerCommand | SimulateSlowdownCommand
+    if args.action == "owner":
+        command = SimulateOwnerCommand(device_index=args.device, present=args.present)
+        what = f"owner of device {args.device} {'present' if args.present else 'absent'}"
+    else:
+        if not 1.0 <= args.factor <= 100.0:
+            parser.error(f"--factor must be between 1 and 100, got {args.factor}")
+        command = SimulateSlowdownCommand(device_index=args.device, factor=args.factor)
+        what = f"device {args.device} {args.factor:g} times slower"
     stream = command_stream(args.node, args.prefix)
     try:
         with redis.Redis.from_url(args.redis_url, socket_connect_timeout=5) as client:
@@ -57,8 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cannot send to {stream} at {args.redis_url}: {err}", file=sys.stderr)
         return 1
     entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    state = "present" if args.present else "absent"
-    print(f"{stream} {entry}: owner of device {args.device} {state}")
+    print(f"{stream} {entry}: {what}")
     return 0
 
 

@@ -102,9 +102,11 @@ class WorkerEvent(WorkerKey):
     - progress: step, total_steps, epoch, loss, samples_per_s
     - log: message
     - exited: exit_code, reason (completed, stopped, left, failed), step (last completed step)
+    - step_times (every rank): step_times, its compute seconds (step start to all-reduce) of
+      its latest steps, oldest first: the portal finds stragglers from them
     """
 
-    kind: Literal["started", "joined", "resized", "progress", "log", "exited"]
+    kind: Literal["started", "joined", "resized", "progress", "log", "exited", "step_times"]
     at: float
     pid: int | None = None
     device_index: int | None = None
@@ -123,6 +125,7 @@ class WorkerEvent(WorkerKey):
     )
     bytes_moved: int | None = Field(None, ge=0, description="training state bytes the joiners received")
     phases: dict[str, float] | None = None
+    step_times: list[float] | None = None
 
 
 class RunningWorker(WorkerKey):
@@ -189,13 +192,24 @@ class SimulateOwnerCommand(_Message):
     present: bool
 
 
+class SimulateSlowdownCommand(_Message):
+    """Simulated backend only: make a device `factor` times slower (1 is normal speed) for the
+    workers started on it from now on."""
+
+    kind: Literal["simulate_slowdown"] = "simulate_slowdown"
+    device_index: int = Field(ge=0)
+    factor: float = Field(ge=1.0, le=100.0)
+
+
 AgentCommand = Annotated[
-    LaunchCommand | StopCommand | SimulateOwnerCommand, Field(discriminator="kind")
+    LaunchCommand | StopCommand | SimulateOwnerCommand | SimulateSlowdownCommand, Field(discriminator="kind")
 ]
 agent_command_adapter: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
 
 
-def parse_command(raw: str | bytes) -> LaunchCommand | StopCommand | SimulateOwnerCommand:
+def parse_command(
+    raw: str | bytes,
+) -> LaunchCommand | StopCommand | SimulateOwnerCommand | SimulateSlowdownCommand:
     """Parse one command from its JSON text; raises pydantic.ValidationError if it is not one."""
     return agent_command_adapter.validate_json(raw)
 

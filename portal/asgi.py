@@ -14,6 +14,9 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from portal.live.auth import TokenOrSessionAuthMiddleware  # noqa: E402
 from portal.live.routing import websocket_urlpatterns  # noqa: E402
+from portal.scheduling.policy import configured_policy  # noqa: E402
+
+configured_policy()  # a bad BUNGEE_POLICY stops the portal here, with the value quoted
 
 application = ProtocolTypeRouter(
     {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from celery import Celery
+from celery import Celery, signals
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
@@ -21,3 +21,18 @@ def _beat_schedule(sender: Celery, **_: object) -> None:
         settings.BUNGEE["SCHEDULE_TICK_S"], sender.signature("portal.scheduling.tasks.tick"),
         name="scheduler tick",
     )
+
+
+@signals.worker_init.connect
+@signals.beat_init.connect
+def _check_policy(**_: object) -> None:
+    """A policy setting that names no policy stops the worker and beat at start. SystemExit,
+    because Celery logs and swallows any Exception a signal handler raises."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from portal.scheduling.policy import configured_policy
+
+    try:
+        configured_policy()
+    except ImproperlyConfigured as err:
+        raise SystemExit(f"bungee: {err}") from None

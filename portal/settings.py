@@ -31,6 +31,7 @@ INSTALLED_APPS = [
     "portal.cluster",
     "portal.jobs",
     "portal.live",
+    "portal.scheduling",
 ]
 
 MIDDLEWARE = [
@@ -134,6 +135,14 @@ BUNGEE = {
     "MASTER_PORT_BASE": env_int("BUNGEE_MASTER_PORT_BASE", 29600),
     # Redis key prefix, so that several deployments (or test runs) can share one Redis.
     "REDIS_PREFIX": env_str("BUNGEE_REDIS_PREFIX", "bungee"),
+    # The scheduling policy, by name (elastic.scheduling.registry); a name it does not know
+    # stops every process at start (portal.scheduling.policy).
+    "POLICY": env_str("BUNGEE_POLICY", "bungee"),
+    # What one resize costs a job, in seconds of its progress: the policy weighs every move
+    # against it. 1 s is the order of our in-place resize's pause; bench/resize.py measures it.
+    "RESIZE_COST_S": env_float("BUNGEE_RESIZE_COST_S", 1.0),
+    # How many scheduling decisions the admin page keeps.
+    "DECISIONS_KEPT": env_int("BUNGEE_DECISIONS_KEPT", 50),
 }
 
 LOGGING = {

@@ -4,6 +4,7 @@ from django.urls import path
 
 from portal.api import api
 from portal.jobs import views
+from portal.scheduling.views import scheduler_page
 
 urlpatterns = [
     path("", views.board, name="board"),
@@ -12,6 +13,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/", views.job_page, name="job-page"),
     path("login/", auth_views.LoginView.as_view(template_name="login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/scheduler/", scheduler_page, name="scheduler"),
     path("admin/", admin.site.urls),
     path("api/", api.urls),
 ]

@@ -159,3 +159,19 @@ class SocketRecorder:
         self._stop.set()
         if self._thread:
             self._thread.join(5)
+
+
+FAST_PROGRESS_ENV = {"BUNGEE_PROGRESS_EVERY_S": "0.2", "BUNGEE_PG_TIMEOUT_S": "20"}
+"""Progress (and step times) five times a second, and a collective that waits 20 s for a peer."""
+
+
+@contextmanager
+def one_node_platform(tmp: Path, devices: int, extra_env: dict[str, str] | None = None) -> Iterator[Platform]:
+    """`running_platform` with one agent, node-a, once its `devices` simulated devices are registered."""
+    with running_platform(tmp, {"node-a": devices}, {**FAST_PROGRESS_ENV, **(extra_env or {})}) as platform:
+        alice = platform.api("alice")
+        platform.wait_for(
+            f"{devices} devices",
+            lambda: sum(len(n["devices"]) for n in alice.get("/api/cluster").json()["nodes"]) == devices,
+        )
+        yield platform

@@ -25,12 +25,14 @@ from agent.commands import (
     entry_id_at,
     last_entry_id,
 )
+from agent.devices.api import DeviceError
 from agent.devices.simulated import SimulatedBackend
 from agent.simulate import main as simulate_main
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
 from elastic.wire import (
     LaunchCommand,
     SimulateOwnerCommand,
+    SimulateSlowdownCommand,
     StopCommand,
     WorkerAssignment,
     WorkerEvent,
@@ -206,3 +208,37 @@ def test_simulate_owner_needs_present_or_absent() -> None:
     with pytest.raises(SystemExit) as caught:
         simulate_main(["owner", "--node", "n", "--device", "0"])
     assert caught.value.code == 2
+
+
+def test_a_played_owner_makes_the_agent_report_at_once() -> None:
+    backend = SimulatedBackend(slots=2)
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module="tests.agent_fake_worker", stop_grace_s=5))
+    report_now = threading.Event()
+    dispatcher = CommandDispatcher(supervisor, backend, on_owner_change=report_now.set)
+    dispatcher.dispatch(SimulateOwnerCommand(device_index=0, present=True))
+    assert report_now.is_set() and [s.owner_present for s in backend.sample({})] == [True, False]
+    report_now.clear()
+    dispatcher.dispatch(SimulateOwnerCommand(device_index=5, present=True))  # no such device
+    assert not report_now.is_set()
+
+
+def test_a_slow_device_is_played_for_the_workers_started_on_it(client: redis.Redis, stream: str) -> None:
+    node = stream.split(":")[2]
+    assert (
+        simulate_main(["slow", "--redis-url", REDIS_URL, "--node", node, "--device", "1", "--factor", "3"])
+        == 0
+    )
+    [command] = [parse_command(fields[COMMAND_FIELD]) for _, fields in entries(client, stream)]
+    assert command == SimulateSlowdownCommand(device_index=1, factor=3.0)
+    backend = SimulatedBackend(slots=2)
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module="tests.agent_fake_worker", stop_grace_s=5))
+    CommandDispatcher(supervisor, backend).dispatch(command)
+    assert backend.placement(1).env == {"BUNGEE_SIM_SLOWDOWN": "3.0"} and backend.placement(0).env == {}
+    with pytest.raises(DeviceError, match="at least 1, got 0.5"):
+        backend.set_slowdown(0, 0.5)
+
+
+def test_a_slowdown_factor_below_one_is_refused_by_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        simulate_main(["slow", "--node", "n", "--device", "0", "--factor", "0.5"])
+    assert "--factor must be between 1 and 100, got 0.5" in capsys.readouterr().err

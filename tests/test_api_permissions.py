@@ -25,6 +25,7 @@ def alices_job(api: dict, cluster: Any) -> int:
         ("get", "/api/jobs/{id}/logs", None),
         ("get", "/api/jobs/{id}/metrics", None),
         ("post", "/api/jobs/{id}/resize", {"workers": 1}),
+        ("post", "/api/jobs/{id}/unpin", None),
         ("post", "/api/jobs/{id}/cancel", None),
     ],
 )
@@ -99,6 +100,7 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
         "/api/jobs",
         "/api/jobs/{job_id}",
         "/api/jobs/{job_id}/resize",
+        "/api/jobs/{job_id}/unpin",
         "/api/jobs/{job_id}/cancel",
         "/api/jobs/{job_id}/metrics",
         "/api/jobs/{job_id}/logs",
@@ -106,6 +108,7 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
         "/api/cluster/history",
         "/api/devices/{device_id}/samples",
         "/api/workloads",
+        "/api/scheduler/decisions/latest",
         "/api/agent/register",
         "/api/agent/report",
     }

@@ -76,6 +76,12 @@ class DeviceBackend(abc.ABC):
         """Plays the owner of device `index` arriving or leaving. Raises NotSupportedError on
         real hardware, UnknownDeviceError for an index the node does not have."""
 
+    def set_slowdown(self, index: int, factor: float) -> None:
+        """Plays device `index` being `factor` times slower than normal for the workers started
+        on it from now on. Raises NotSupportedError on real hardware, UnknownDeviceError for an
+        index the node does not have."""
+        raise NotSupportedError(f"the {self.name} backend cannot play a slow device")
+
     def close(self) -> None:
         """Releases what the backend holds (driver handles); the default holds nothing."""
         return None

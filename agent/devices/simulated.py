@@ -10,7 +10,9 @@ CPU has nothing to measure:
 - temperature and power: SIMULATED from utilisation by a linear model, an idle slot at
   35 °C and 10 W rising to 80 °C and 100 W at full load;
 - owner: a test or a demo plays a device's owner coming back with `set_owner_present`; the
-  slot then lists a process named "owner" (pid 0) that the agent did not start.
+  slot then lists a process named "owner" (pid 0) that the agent did not start;
+- speed: `set_slowdown` plays a slow device (a throttled or weaker card): a worker started on
+  it gets SLOWDOWN_ENV and stretches each step's compute by that factor.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ TEMPERATURE_C_PER_PCT = 0.45
 IDLE_POWER_W = 10.0
 POWER_W_PER_PCT = 0.9
 
+SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
+"""Read by the worker (elastic.worker.settings); the same name on both sides."""
 OWNER_PROCESS = DeviceProcess(pid=0, name="owner", memory_bytes=0, ours=False)
 
 
@@ -75,6 +79,7 @@ class SimulatedBackend(DeviceBackend):
         ]
         self._cores = sorted(os.sched_getaffinity(0))
         self._owners: set[int] = set()
+        self._slowdown: dict[int, float] = {}
         # psutil measures CPU percent between two calls on the same Process object, so the
         # objects live from one sample to the next.
         self._tracked: dict[int, psutil.Process] = {}
@@ -86,7 +91,17 @@ class SimulatedBackend(DeviceBackend):
     def placement(self, index: int) -> WorkerPlacement:
         self._check(index)
         affinity = frozenset({self._cores[index]}) if index < len(self._cores) else None
-        return WorkerPlacement(device="cpu", cpu_affinity=affinity)
+        with self._lock:
+            factor = self._slowdown.get(index, 1.0)
+        env = {SLOWDOWN_ENV: repr(factor)} if factor > 1.0 else {}
+        return WorkerPlacement(device="cpu", env=env, cpu_affinity=affinity)
+
+    def set_slowdown(self, index: int, factor: float) -> None:
+        self._check(index)
+        if not factor >= 1.0:
+            raise DeviceError(f"a slowdown factor is at least 1, got {factor!r}")
+        with self._lock:
+            self._slowdown[index] = factor
 
     def set_owner_present(self, index: int, present: bool) -> None:
         self._check(index)

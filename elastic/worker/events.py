@@ -26,7 +26,9 @@ class EventWriter:
         self.generation = generation
         self.rank = rank
 
-    def emit(self, kind: Literal["joined", "resized", "progress", "log"], **fields: Any) -> WorkerEvent:
+    def emit(
+        self, kind: Literal["joined", "resized", "progress", "log", "step_times"], **fields: Any
+    ) -> WorkerEvent:
         """Write one event and flush; return it. Raises pydantic.ValidationError if a field
         does not belong to WorkerEvent."""
         event = WorkerEvent(

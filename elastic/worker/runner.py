@@ -42,6 +42,7 @@ from elastic.worker.data import SampleStream, share_bounds
 from elastic.worker.events import EventWriter, ProgressReporter
 from elastic.worker.membership import MembershipBoard
 from elastic.worker.settings import WorkerSettings
+from elastic.worker.step_clock import StepClock
 from elastic.worker.stop import StopRequest
 from elastic.worker.trainer import CollectiveError, SampleRecorder, Trainer
 from elastic.worker.transfer import StateOutline, apply_outline, move_state, outline, state_tensors
@@ -294,6 +295,7 @@ class WorkerRun:
             if self.settings.record_samples is not None
             else None
         )
+        self.clock = StepClock(self.events, self.settings.progress_every_s, self.settings.simulated_slowdown)
         self.trainer = Trainer(
             problem,
             self.optimizer,
@@ -303,6 +305,7 @@ class WorkerRun:
             rank=self.rank,
             world_size=self.config.world_size,
             recorder=self.recorder,
+            reduce=self.clock.reduce,
         )
         start, stop = share_bounds(self.hyperparameters.batch_size, self.config.world_size, self.config.rank)
         self.trainer.warm_up(stop - start)
@@ -599,7 +602,9 @@ class WorkerRun:
         while self.step < self.total_steps:
             switch_to = self._watcher.pending if self._watcher is not None else 0
             began = time.perf_counter()
+            self.clock.start()
             outcome = self.trainer.step(self.step, self.stop.requested, switch_to)
+            self.clock.report(generation_changed=bool(outcome.switch_to))
             self._step_seconds.append(time.perf_counter() - began)
             self._last_step_end = time.time()
             self.step = outcome.step

@@ -14,6 +14,7 @@ MEMBERSHIP_POLL_ENV = "BUNGEE_MEMBERSHIP_POLL_S"
 CHECKPOINT_EVERY_ENV = "BUNGEE_CHECKPOINT_EVERY_S"
 PROGRESS_EVERY_ENV = "BUNGEE_PROGRESS_EVERY_S"
 RECORD_SAMPLES_ENV = "BUNGEE_RECORD_SAMPLES"
+SIM_SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
 
 
 class WorkerSettingsError(ValueError):
@@ -46,6 +47,13 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _slowdown(env: Mapping[str, str]) -> float:
+    value = _positive_float(env, SIM_SLOWDOWN_ENV, 1.0)
+    if value < 1.0:
+        raise WorkerSettingsError(f"{SIM_SLOWDOWN_ENV}={env[SIM_SLOWDOWN_ENV]!r} must be at least 1")
+    return value
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     threads: int = 1
@@ -65,6 +73,9 @@ class WorkerSettings:
     within a step of each other, so anything longer means one of them is gone."""
     membership_poll_s: float = 0.05
     """How often rank 0 reads the membership board (from a thread beside the training loop)."""
+    simulated_slowdown: float = 1.0
+    """Set by the simulated device backend on a device that plays a slow one: each step's
+    compute is stretched by this factor (elastic.worker.step_clock)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -78,4 +89,5 @@ class WorkerSettings:
             checkpoint_every_s=_positive_float(env, CHECKPOINT_EVERY_ENV, cls.checkpoint_every_s),
             progress_every_s=_positive_float(env, PROGRESS_EVERY_ENV, cls.progress_every_s),
             record_samples=Path(record) if record else None,
+            simulated_slowdown=_slowdown(env),
         )

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from elastic.wire import AgentReport, DeviceSample, NodeRegistration, RegistrationReply, WorkerEvent
@@ -20,7 +21,7 @@ from portal.cluster.state import latest_key
 from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
-from portal.redis import client
+from portal.redis import client, key
 from portal.scheduling.dispatch import publish_generation, stop_job_workers, stream_for
 from portal.scheduling.trigger import request_schedule
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 LATEST_SAMPLE_TTL_S = 60
 LOG_LINE_LIMIT = 2000
+SERVICE_GAP_CAP_S = 10.0
+STEP_TIMES_TTL_S = 30
 
 
 def _at(timestamp: float) -> datetime:
@@ -200,6 +203,18 @@ def _on_resized(node: Node, job: Job, event: WorkerEvent) -> None:
     broadcast.job_changed(job)
 
 
+def _service_since_last_report(job: Job, generation: int, at: datetime) -> float:
+    """Device-seconds the job trained since its previous progress report: the generation's
+    world size times the time between (capped, so that a queued stretch does not count)."""
+    if job.last_progress_at is None:
+        return 0.0
+    seconds = min(max((at - job.last_progress_at).total_seconds(), 0.0), SERVICE_GAP_CAP_S)
+    workers = (
+        ResizeEvent.objects.filter(job=job, generation=generation).values_list("workers_after", flat=True).first()
+    )
+    return seconds * (workers or 0)
+
+
 def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
     at = _at(event.at)
     # Survivors report under the generation they train in, which lags the newest one while
@@ -209,6 +224,7 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
         last_loss=event.loss,
         samples_per_s=event.samples_per_s,
         last_progress_at=at,
+        attained_service_s=F("attained_service_s") + _service_since_last_report(job, event.generation, at),
     )
     if updated != 1:
         return
@@ -238,6 +254,21 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
     broadcast.send(
         broadcast.CLUSTER_GROUP,
         {"type": "job_progress", "job_id": job.pk, "steps_done": event.step, "total_steps": job.total_steps},
+    )
+
+
+def step_times_key(job_id: int, generation: int, rank: int) -> str:
+    """Redis key of a rank's latest compute times per step (portal.scheduling.snapshot reads it)."""
+    return key("job", job_id, "step-times", generation, rank)
+
+
+def _on_step_times(node: Node, job: Job, event: WorkerEvent) -> None:
+    """A rank's latest compute times per step: kept in Redis (live data, not history) for the
+    scheduler's straggler check."""
+    client().set(
+        step_times_key(job.pk, event.generation, event.rank),
+        json.dumps(event.step_times or []),
+        ex=STEP_TIMES_TTL_S,
     )
 
 
@@ -345,5 +376,6 @@ _EVENT_HANDLERS = {
     "resized": _on_resized,
     "progress": _on_progress,
     "log": _on_log,
+    "step_times": _on_step_times,
     "exited": _on_exited,
 }

@@ -36,6 +36,11 @@ class Device(models.Model):
         default=False, help_text="a process the agent did not start is on it: its owner took it back"
     )
     owner_since = models.DateTimeField(null=True, blank=True)
+    owner = models.CharField(
+        max_length=100,
+        blank=True,
+        help_text="who the device belongs to, if not the shared pool: it is only lent, to opportunistic jobs",
+    )
     last_history_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -41,6 +41,7 @@ def summary(job: Job) -> dict[str, Any]:
         "steps_done": job.steps_done,
         "total_steps": job.total_steps,
         "created_at": job.created_at,
+        **job.schedule_view(),
     }
 
 
@@ -49,9 +50,8 @@ def detail(job: Job) -> dict[str, Any]:
         **summary(job),
         "spec": job.spec,
         "message": job.message,
-        "pinned_workers": job.pinned_workers,
-        "pin_problem": job.pin_problem,
         "restarts": job.restarts,
+        "attained_service_s": job.attained_service_s,
         "last_loss": job.last_loss,
         "samples_per_s": job.samples_per_s,
         "started_at": job.started_at,
@@ -130,6 +130,13 @@ def get_job(request: HttpRequest, job_id: int) -> dict[str, Any]:
 def resize(request: HttpRequest, job_id: int, payload: ResizeIn) -> dict[str, Any]:
     job = request_resize(job_for(request.user, job_id), payload.workers)
     return detail(job)
+
+
+@router.post(
+    "/{int:job_id}/unpin", response=JobDetailOut, summary="Lift a job's pin: the scheduler decides its size again"
+)
+def unpin(request: HttpRequest, job_id: int) -> dict[str, Any]:
+    return detail(request_resize(job_for(request.user, job_id), None))
 
 
 @router.post("/{int:job_id}/cancel", response=JobDetailOut, summary="Cancel a job")

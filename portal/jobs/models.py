@@ -48,6 +48,14 @@ class Job(models.Model):
         default=list, blank=True, help_text="ids of devices whose worker died; the next plan leaves them out if it can"
     )
     restarts = models.PositiveIntegerField(default=0, help_text="generations that lost a worker")
+    batch_size = models.PositiveIntegerField(
+        null=True, blank=True, help_text="hybrid jobs: the global batch size the scheduler chose"
+    )
+    schedule_reasons = models.JSONField(
+        default=list, blank=True, help_text="why it has what it has (elastic.scheduling.Reason values)"
+    )
+    schedule_note = models.CharField(max_length=300, blank=True, help_text="the reasons, for people")
+    attained_service_s = models.FloatField(default=0.0, help_text="device-seconds trained so far")
 
     steps_done = models.PositiveIntegerField(default=0)
     last_loss = models.FloatField(null=True, blank=True)
@@ -75,6 +83,16 @@ class Job(models.Model):
             for name, value in fields.items():
                 setattr(self, name, value)
         return changed == 1
+
+    def schedule_view(self) -> dict[str, Any]:
+        """What the board, the job page and the API show of the scheduler's view of the job."""
+        return {
+            "pinned_workers": self.pinned_workers,
+            "pin_problem": self.pin_problem,
+            "schedule_reasons": list(self.schedule_reasons),
+            "schedule_note": self.schedule_note,
+            "batch_size": self.batch_size,
+        }
 
     @property
     def workers_now(self) -> int:

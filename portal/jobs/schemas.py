@@ -23,6 +23,11 @@ class JobSummaryOut(Schema):
     steps_done: int
     total_steps: int
     created_at: datetime
+    pinned_workers: int | None = Field(description="a manual resize the scheduler honours until lifted")
+    pin_problem: str = Field(description="why the pin cannot be met now; empty when it is")
+    schedule_reasons: list[str] = Field(description="why the job has what it has (pinned, minimum, fair share, ...)")
+    schedule_note: str = Field(description="the same, in a sentence")
+    batch_size: int | None = Field(description="hybrid jobs: the global batch size the scheduler chose")
 
 
 class AllocationOut(Schema):
@@ -63,9 +68,8 @@ class WorkerOut(Schema):
 class JobDetailOut(JobSummaryOut):
     spec: dict[str, Any]
     message: str
-    pinned_workers: int | None
-    pin_problem: str
     restarts: int
+    attained_service_s: float
     last_loss: float | None
     samples_per_s: float | None
     started_at: datetime | None

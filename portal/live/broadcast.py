@@ -48,6 +48,7 @@ def job_summary(job: Job) -> dict[str, Any]:
         "priority": job.priority,
         "steps_done": job.steps_done,
         "total_steps": job.total_steps,
+        **job.schedule_view(),
     }
 
 

@@ -11,17 +11,21 @@ so that rank 0, which leads the switch, is a survivor."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import transaction
 
-from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, Plan, fair_share
+from elastic.scheduling import ClusterSnapshot, Plan
 from portal.cluster.models import Device, Node
 from portal.jobs.models import Allocation, Job, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
+from portal.scheduling.decisions import record_decision, store_job_reasons
 from portal.scheduling.dispatch import publish_generation, stop_job_workers, stop_workers_on
+from portal.scheduling.policy import configured_policy, policy_name
+from portal.scheduling.snapshot import build_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -32,34 +36,8 @@ MASTER_PORT_SPAN = 5000
 class CycleResult:
     changed_jobs: list[int] = field(default_factory=list)
     launched_jobs: list[int] = field(default_factory=list)
-
-
-def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
-    devices = tuple(
-        DeviceView(
-            id=d.pk,
-            node=d.node.name,
-            usable=d.present and not d.owner_present and d.node.state == Node.State.ONLINE,
-        )
-        for d in Device.objects.select_related("node")
-    )
-    jobs = {j.pk: j for j in Job.objects.filter(state__in=ACTIVE_STATES)}
-    current: dict[int, list[int]] = {job_id: [] for job_id in jobs}
-    for allocation in Allocation.objects.filter(job_id__in=jobs).order_by("rank"):
-        current[allocation.job_id].append(allocation.device_id)
-    views = tuple(
-        JobView(
-            id=job.pk,
-            min_workers=job.min_workers,
-            max_workers=job.max_workers,
-            priority=job.priority,  # type: ignore[arg-type]
-            submitted_at=job.created_at.timestamp(),
-            current=tuple(current[job.pk]),
-            pinned_workers=job.pinned_workers,
-        )
-        for job in jobs.values()
-    )
-    return ClusterSnapshot(devices=devices, jobs=views), jobs
+    decision_ms: float = 0.0
+    """How long the policy took to plan."""
 
 
 def _free_port(job: Job, generation: int) -> int:
@@ -110,6 +88,37 @@ def _target(job: Job, planned: tuple[int, ...], holders: dict[int, int]) -> tupl
     return tuple(sorted(target, key=lambda d: (0, holders[d]) if d in holders else (1, order[d])))
 
 
+def _resize_reason(job: Job, current: tuple[int, ...], available: set[int], plan: Plan) -> str:
+    """Why the job's membership changes, for its resize history."""
+    if not set(current) <= available:
+        return "owner reclaimed a device"
+    if job.restart_requested:
+        return "a worker exited"
+    if any(action.job_id == job.pk and action.replacement is not None for action in plan.stragglers):
+        return "straggler replaced"
+    return "manual resize" if job.pinned_workers is not None else "scheduler"
+
+
+def _unblocked(
+    changing: list[int], targets: dict[int, tuple[int, ...]], current: dict[int, tuple[int, ...]]
+) -> list[int]:
+    """The jobs of `changing` that can take their target now: not one whose target has a device
+    that a job which is not changing still holds (it waits for a resize in flight; the cycle
+    after it hands the device over)."""
+    holder = {device: job_id for job_id, devices in current.items() for device in devices}
+    ready = list(changing)
+    while True:
+        moving = set(ready)
+        blocked = {
+            job_id
+            for job_id in ready
+            if any(holder.get(d, job_id) != job_id and holder[d] not in moving for d in targets[job_id])
+        }
+        if not blocked:
+            return ready
+        ready = [job_id for job_id in ready if job_id not in blocked]
+
+
 def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> list[int]:
     """Write the plan: a new generation for every job whose devices change. Returns their ids."""
     current = {view.id: view.current for view in snapshot.jobs}
@@ -117,7 +126,7 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
     targets = {
         job_id: _target(jobs[job_id], planned, holders[job_id]) for job_id, planned in plan.assignments.items()
     }
-    usable = {device.id for device in snapshot.devices if device.usable}
+    available = {device.id for device in snapshot.devices if device.available}
     changing = [
         job_id
         for job_id, target in targets.items()
@@ -125,13 +134,10 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
         and (
             jobs[job_id].restart_requested
             or not resize_in_flight(jobs[job_id])
-            or not set(current[job_id]) <= usable  # a device it holds is gone: no waiting
+            or not set(current[job_id]) <= available  # a device it holds is gone: no waiting
         )
     ]
-    for job_id in jobs:
-        problem = plan.pin_problems.get(job_id, "")
-        if jobs[job_id].pin_problem != problem:
-            Job.objects.filter(pk=job_id).update(pin_problem=problem)
+    changing = _unblocked(changing, targets, current)
     if not changing:
         return []
     names = {d.pk: str(d) for d in Device.objects.select_related("node").filter(
@@ -144,10 +150,14 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
             for j in Job.objects.select_for_update().filter(pk__in=changing, state__in=ACTIVE_STATES)
         }
         # Only jobs nobody touched since the snapshot; the next cycle handles the others.
-        fresh = [
-            job_id for job_id in changing
-            if job_id in locked and locked[job_id].generation == jobs[job_id].generation
-        ]
+        fresh = _unblocked(
+            [
+                job_id for job_id in changing
+                if job_id in locked and locked[job_id].generation == jobs[job_id].generation
+            ],
+            targets,
+            current,
+        )
         Allocation.objects.filter(job_id__in=fresh).delete()
         for job_id in fresh:
             job = locked[job_id]
@@ -158,9 +168,7 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
                 for rank, device_id in enumerate(target)
             )
             has_workers = Worker.objects.filter(job=job, state=Worker.State.RUNNING).exists()
-            reason = "a worker exited" if job.restart_requested else (
-                "manual resize" if job.pinned_workers is not None else "scheduler"
-            )
+            reason = _resize_reason(job, current[job_id], available, plan)
             ResizeEvent.objects.create(
                 job=job,
                 generation=generation,
@@ -203,16 +211,23 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
 
 def run_cycle() -> CycleResult:
     """One full cycle; returns which jobs got a new generation and which were launched."""
+    policy = configured_policy()
     snapshot, jobs = build_snapshot()
-    plan = fair_share(snapshot)
-    result = CycleResult(changed_jobs=apply_plan(plan, jobs, snapshot))
+    started = time.perf_counter()
+    plan = policy(snapshot)
+    decision_ms = (time.perf_counter() - started) * 1000
+    explained = store_job_reasons(plan, jobs, snapshot)
+    result = CycleResult(changed_jobs=apply_plan(plan, jobs, snapshot), decision_ms=decision_ms)
+    record_decision(policy_name(), decision_ms, plan, jobs, snapshot, result.changed_jobs)
     for job_id in Job.objects.filter(state__in=ACTIVE_STATES).values_list("pk", flat=True):
         if publish_generation(job_id):
             result.launched_jobs.append(job_id)
     if result.changed_jobs:
-        log.info("scheduler: new generations for jobs %s", result.changed_jobs)
-        for job in Job.objects.filter(pk__in=result.changed_jobs):
-            broadcast.job_changed(job)
+        log.info("scheduler (%s, %.1f ms): new generations for jobs %s", policy_name(), decision_ms,
+                 result.changed_jobs)
+    for job in Job.objects.filter(pk__in={*result.changed_jobs, *explained}):
+        broadcast.job_changed(job)
+    if result.changed_jobs:
         broadcast.allocation_changed()
     return result
 

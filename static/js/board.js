@@ -166,6 +166,7 @@
         : el("span", {}, "#" + job.id + " " + job.name);
       label.append(title, el("span", { class: "muted" }, " " + job.owner + " · " + job.state +
         " · " + job.workers + " of " + job.min_workers + "–" + job.max_workers));
+      label.appendChild(why(job));
       const track = el("div", { class: "track", style: "--cells:" + cells });
       const target = pending.has(job.id) ? pending.get(job.id) : job.workers;
       const bar = el("div", {
@@ -195,6 +196,27 @@
       lane.appendChild(row);
     });
     summarise();
+  }
+
+  // Why the job has what it has (the scheduler's reasons), an unmet pin, and the control that
+  // lifts a pin, for those who may manage the job.
+  function why(job) {
+    const box = el("div", { class: "why", "data-field": "why" });
+    const pinned = job.pinned_workers !== null && job.pinned_workers !== undefined;
+    const note = job.schedule_note || (job.state === "queued" ? "waiting for the scheduler" : "");
+    if (note) box.appendChild(el("span", { class: "reason" }, note));
+    (job.schedule_reasons || []).forEach((r) => box.setAttribute("data-" + r.replace(/[^a-z]+/g, "-"), ""));
+    if (job.pin_problem) box.appendChild(el("span", { class: "pin-problem", role: "status" }, "Pin not met: " + job.pin_problem));
+    if (pinned && mayManage(job)) {
+      const lift = el("button", { type: "button", class: "quiet unpin", "aria-label": "Lift the pin of job " + job.name }, "Lift pin");
+      lift.addEventListener("click", async () => {
+        const result = await BungeeLive.post("/api/jobs/" + job.id + "/unpin");
+        message(result.ok ? "" : "Could not lift the pin: " + BungeeLive.errorText(result));
+        if (result.ok) { jobs.set(job.id, Object.assign({}, job, { pinned_workers: null, pin_problem: "" })); renderJobs(); }
+      });
+      box.appendChild(lift);
+    }
+    return box;
   }
 
   function showDraft(bar, track, draft) {

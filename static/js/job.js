@@ -63,8 +63,10 @@
       ["Loss", job.last_loss === null || job.last_loss === undefined ? "–" : job.last_loss.toFixed(4)],
       ["Throughput", job.samples_per_s ? job.samples_per_s.toFixed(0) + " samples/s" : "–"],
       ["Generation", String(job.generation)],
+      ["Scheduler", job.schedule_note || "–"],
     ];
-    if (job.pin_problem) rows.push(["Pin", job.pin_problem]);
+    if (job.batch_size !== null && job.batch_size !== undefined) rows.push(["Global batch", String(job.batch_size)]);
+    if (job.pin_problem) rows.push(["Pin not met", job.pin_problem]);
     rows.forEach(([k, v]) => facts.append(el("dt", k), el("dd", v)));
     const state = $("#job-state");
     state.textContent = job.state;
@@ -73,6 +75,7 @@
     const ended = ["succeeded", "failed", "cancelled"].includes(job.state);
     $("#resize").disabled = ended;
     $("#cancel").disabled = ended;
+    $("#unpin").hidden = ended || job.pinned_workers === null || job.pinned_workers === undefined;
   }
 
   const deviceSamples = new Map();
@@ -155,6 +158,11 @@
     const result = await BungeeLive.post("/api/jobs/" + job.id + "/resize", { workers: workers });
     say(result.ok ? (workers === null ? "Pin lifted: the scheduler decides." : "Resizing to " + workers + " workers…") : BungeeLive.errorText(result));
     if (result.ok) { job = result.body; renderFacts(); }
+  });
+  $("#unpin").addEventListener("click", async () => {
+    const result = await BungeeLive.post("/api/jobs/" + job.id + "/unpin");
+    say(result.ok ? "Pin lifted: the scheduler decides." : BungeeLive.errorText(result));
+    if (result.ok) { job = result.body; $("#resize-to").value = ""; renderFacts(); }
   });
   $("#cancel").addEventListener("click", async () => {
     if (!confirm("Cancel job " + job.name + "? Its workers stop and its devices are freed.")) return;

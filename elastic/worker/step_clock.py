@@ -1,0 +1,54 @@
+"""Each rank's own pace: the compute time of its steps, from a step's start to the moment it
+enters the step's all-reduce. The wall time of a step is the same on every rank (they all wait
+for the slowest in the all-reduce), so only this part tells a straggler from its peers. Every
+rank reports its latest times as "step_times" events; the portal finds stragglers from them
+(elastic.scheduling.stragglers).
+
+On a simulated device that plays a slow one, the clock also stretches the compute by the
+device's factor, sleeping before the all-reduce, so that the rank looks and is slow."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from elastic.worker.events import EventWriter
+from elastic.worker.trainer import all_reduce_sum
+
+WINDOW = 20
+"""Steps kept and reported: the straggler window of elastic.scheduling.stragglers."""
+
+
+class StepClock:
+    def __init__(self, events: EventWriter, every_s: float, slowdown: float = 1.0) -> None:
+        self._events = events
+        self._every_s = every_s
+        self._slowdown = slowdown
+        self._times: deque[float] = deque(maxlen=WINDOW)
+        self._began = time.perf_counter()
+        self._reported_at = time.monotonic()
+
+    def start(self) -> None:
+        """A step begins."""
+        self._began = time.perf_counter()
+
+    def reduce(self, buffer: torch.Tensor) -> None:
+        """The trainer's all-reduce, timed: records the compute time of the step up to here."""
+        compute = time.perf_counter() - self._began
+        if self._slowdown > 1.0:
+            time.sleep((self._slowdown - 1.0) * compute)
+        self._times.append(time.perf_counter() - self._began)
+        all_reduce_sum(buffer)
+
+    def report(self, generation_changed: bool = False) -> None:
+        """Emits the latest times if due; a new generation starts a new window."""
+        if generation_changed:
+            self._times.clear()
+            return
+        now = time.monotonic()
+        if now - self._reported_at < self._every_s or not self._times:
+            return
+        self._reported_at = now
+        self._events.emit("step_times", step_times=[round(t, 6) for t in self._times])

@@ -1,0 +1,149 @@
+"""What the scheduler tells people about a plan: each job's reasons (stored on the job, shown on
+the board and the job page, pushed live), and the decision as a whole (the staff page)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+from elastic.scheduling import ClusterSnapshot, JobView, Plan, Reason
+from portal.cluster.models import Device
+from portal.jobs.models import Job
+from portal.scheduling.models import SchedulerDecision
+
+
+def reasons_of(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> tuple[Reason, ...]:
+    """The plan's reasons for `job`; for a policy that gives none (the backbone's `fair`), the
+    plain ones that its assignment shows."""
+    given = plan.reasons.get(job.id)
+    if given is not None:
+        return given
+    devices = plan.assignments.get(job.id, ())
+    if job.pinned_workers is not None:
+        first = Reason.PIN_UNMET if job.id in plan.pin_problems else Reason.PINNED
+    elif not devices:
+        first = Reason.WAITING
+    else:
+        first = Reason.MINIMUM if len(devices) == job.min_workers else Reason.FAIR_SHARE
+    lent = {d.id for d in snapshot.devices if d.lent}
+    return (first, Reason.BORROWED) if lent.intersection(devices) else (first,)
+
+
+def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> str:
+    """One sentence (or a few, joined by "; ") on why `job` has what the plan gives it."""
+    devices = plan.assignments.get(job.id, ())
+    lent = {d.id for d in snapshot.devices if d.lent}
+    parts: list[str] = []
+    for reason in reasons_of(job, plan, snapshot):
+        if reason == Reason.PINNED:
+            parts.append(f"pinned to {job.pinned_workers} workers by a manual resize")
+        elif reason == Reason.PIN_UNMET:
+            parts.append(f"pinned to {job.pinned_workers} workers, which cannot be met now")
+        elif reason == Reason.MINIMUM:
+            parts.append(f"its minimum of {job.min_workers} workers")
+        elif reason == Reason.FAIR_SHARE:
+            parts.append(f"its fair share: {len(devices)} workers")
+        elif reason == Reason.THROUGHPUT:
+            parts.append(f"{len(devices)} workers, where it adds the most throughput")
+        elif reason == Reason.GANG:
+            parts.append(f"the {job.gang_size} workers it asked for")
+        elif reason == Reason.BORROWED:
+            borrowed = sum(1 for d in devices if d in lent)
+            parts.append(f"{borrowed} borrowed device(s) that their owner may take back at any time")
+        elif reason == Reason.WAITING:
+            given = {d for assigned in plan.assignments.values() for d in assigned}
+            free = sum(1 for d in snapshot.devices if d.available and d.id not in given)
+            pool = "devices" if job.priority == "guaranteed" else "shared or lent devices"
+            parts.append(f"waiting for {pool}: needs at least {job.min_workers}, {free} free")
+        elif reason == Reason.STRAGGLER_REPLACED:
+            parts.append("a slow worker is moving to a free device")
+        elif reason == Reason.STRAGGLER_UNLOADED:
+            parts.append("a slow worker carries fewer virtual workers")
+        else:
+            parts.append(str(reason))
+    return "; ".join(parts)[:300]
+
+
+def store_job_reasons(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> list[int]:
+    """Writes each job's reasons, note, pin problem and (hybrid) batch size where they changed.
+    Returns the ids of the jobs that changed, to be pushed to the browsers."""
+    changed = []
+    for view in snapshot.jobs:
+        job = jobs[view.id]
+        fields: dict[str, Any] = {
+            "schedule_reasons": [str(r) for r in reasons_of(view, plan, snapshot)],
+            "schedule_note": explain(view, plan, snapshot),
+            "pin_problem": plan.pin_problems.get(view.id, ""),
+        }
+        if job.consistency == Job.Consistency.HYBRID and view.id in plan.batch_sizes:
+            fields["batch_size"] = plan.batch_sizes[view.id]
+        stale = {name: value for name, value in fields.items() if getattr(job, name) != value}
+        if stale:
+            Job.objects.filter(pk=view.id).update(**stale)
+            changed.append(view.id)
+    return changed
+
+
+def record_decision(
+    policy: str,
+    decision_ms: float,
+    plan: Plan,
+    jobs: dict[int, Job],
+    snapshot: ClusterSnapshot,
+    changed_jobs: list[int],
+) -> SchedulerDecision:
+    """Stores the decision and forgets all but the newest DECISIONS_KEPT. Returns it."""
+    labels = {d.pk: str(d) for d in Device.objects.select_related("node")}
+    owners = {d.id: d.owner for d in snapshot.devices if d.owner}
+    holder = {device: job_id for job_id, devices in plan.assignments.items() for device in devices}
+    rows = []
+    for view in sorted(snapshot.jobs, key=lambda v: v.id):
+        job = jobs[view.id]
+        target = plan.assignments.get(view.id, ())
+        rows.append(
+            {
+                "id": view.id,
+                "name": job.name,
+                "owner": job.owner.get_username(),
+                "priority": view.priority,
+                "min_workers": view.min_workers,
+                "max_workers": view.max_workers,
+                "pinned_workers": view.pinned_workers,
+                "workers_before": len(view.current),
+                "target": [labels.get(d, str(d)) for d in target],
+                "reasons": [str(r) for r in reasons_of(view, plan, snapshot)],
+                "note": explain(view, plan, snapshot),
+                "pin_problem": plan.pin_problems.get(view.id, ""),
+                "batch_size": plan.batch_sizes.get(view.id),
+            }
+        )
+    lent = [
+        {"device": labels.get(d, str(d)), "owner": owner, "job": holder[d]}
+        for d, owner in sorted(owners.items())
+        if d in holder
+    ]
+    stragglers = [
+        {
+            "job": s.job_id,
+            "device": labels.get(s.slow_device, str(s.slow_device)),
+            "slowdown": round(s.slowdown, 3),
+            "replacement": labels.get(s.replacement) if s.replacement is not None else None,
+            "virtual_workers": list(s.virtual_workers) if s.virtual_workers else None,
+        }
+        for s in plan.stragglers
+    ]
+    decision = SchedulerDecision.objects.create(
+        policy=policy,
+        resize_cost_s=float(settings.BUNGEE["RESIZE_COST_S"]),
+        decision_ms=decision_ms,
+        devices_total=len(snapshot.devices),
+        devices_available=sum(1 for d in snapshot.devices if d.available),
+        jobs=rows,
+        lent_devices=lent,
+        stragglers=stragglers,
+        changed_jobs=changed_jobs,
+    )
+    kept = SchedulerDecision.objects.values_list("pk", flat=True)[: settings.BUNGEE["DECISIONS_KEPT"]]
+    SchedulerDecision.objects.exclude(pk__in=list(kept)).delete()
+    return decision

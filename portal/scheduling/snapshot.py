@@ -1,0 +1,133 @@
+"""The cluster as the policy sees it (elastic.scheduling.ClusterSnapshot), read from the database.
+
+Each job's throughput curve is learned from what its workers report: rank 0's progress events
+give samples per second in each generation, the generation's resize record gives its world size
+and nodes, so each generation is one measured step time at one configuration. Until a job has
+any, its curve is the generic prior (elastic.scheduling.ThroughputModel.prior). Attained service
+is accumulated as progress arrives (portal.cluster.ingest); remaining work is the steps left."""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import lru_cache
+from typing import Any
+
+from django.db.models import Avg, Count
+
+from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, ThroughputLearner, ThroughputModel
+from portal.cluster.ingest import step_times_key
+from portal.cluster.models import Device, Node
+from portal.jobs.models import Allocation, Job, JobMetric, ResizeEvent
+from portal.jobs.states import ACTIVE_STATES
+from portal.redis import client
+
+PRIOR_STEP_S = 0.1
+"""The single-worker step time assumed for a job nobody has measured yet."""
+
+
+def global_batch(job: Job) -> int | None:
+    """The job's global batch size: the one the scheduler chose (hybrid), else its spec's."""
+    if job.batch_size:
+        return int(job.batch_size)
+    value: Any = (job.spec.get("hyperparameters") or {}).get("batch_size")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def measured_throughput(jobs: dict[int, Job]) -> dict[int, ThroughputModel]:
+    """Per job with a known batch size, its curve: the prior, fitted to the mean step time of
+    every generation that reported progress."""
+    rates = (
+        JobMetric.objects.filter(job_id__in=jobs, samples_per_s__gt=0)
+        .values("job_id", "generation")
+        .annotate(rate=Avg("samples_per_s"), reports=Count("id"))
+    )
+    shapes = {
+        (row.job_id, row.generation): row
+        for row in ResizeEvent.objects.filter(job_id__in=jobs).only(
+            "job_id", "generation", "workers_after", "devices_after"
+        )
+    }
+    observed: dict[int, list[tuple[int, int, float, int]]] = {}
+    for row in rates:
+        shape = shapes.get((row["job_id"], row["generation"]))
+        if shape is None or shape.workers_after < 1:
+            continue
+        nodes = len({str(label).split("/")[0] for label in shape.devices_after}) or 1
+        observed.setdefault(row["job_id"], []).append(
+            (shape.workers_after, nodes, float(f"{row['rate']:.3g}"), min(int(row["reports"]), 20))
+        )
+    models: dict[int, ThroughputModel] = {}
+    for job_id, job in jobs.items():
+        batch = global_batch(job)
+        if batch is not None:
+            models[job_id] = fitted_curve(batch, tuple(sorted(observed.get(job_id, []))))
+    return models
+
+
+@lru_cache(maxsize=4096)
+def fitted_curve(batch: int, observed: tuple[tuple[int, int, float, int], ...]) -> ThroughputModel:
+    """The prior fitted to `observed` (workers, nodes, samples/s, reports), each generation
+    weighing as many reports as it had, up to 20. Cached: the Celery worker fits a job again
+    only when what it measured moved (rates are compared to three significant digits)."""
+    learner = ThroughputLearner(ThroughputModel.prior(PRIOR_STEP_S, batch))
+    for workers, nodes, rate, reports in observed:
+        for _ in range(reports):
+            learner.observe(workers, nodes, batch / workers, batch / rate)
+    return learner.model()
+
+
+def worker_step_times(
+    jobs: dict[int, Job], current: dict[int, list[int]]
+) -> dict[int, tuple[tuple[float, ...], ...]]:
+    """Per job whose current generation formed, each rank's latest compute times per step in
+    rank order (aligned with its devices), once every rank has reported; the straggler check
+    of the policy reads them."""
+    settled = [j for j in jobs.values() if j.generation == j.active_generation and len(current[j.pk]) > 1]
+    keys = [step_times_key(j.pk, j.generation, rank) for j in settled for rank in range(len(current[j.pk]))]
+    values = iter(client().mget(keys) if keys else [])
+    found: dict[int, tuple[tuple[float, ...], ...]] = {}
+    for job in settled:
+        ranks = [next(values) for _ in current[job.pk]]
+        if all(ranks):
+            found[job.pk] = tuple(tuple(float(t) for t in json.loads(raw)) for raw in ranks)
+    return found
+
+
+def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
+    """Returns the snapshot and the active jobs it names, by id."""
+    devices = tuple(
+        DeviceView(
+            id=d.pk,
+            node=d.node.name,
+            usable=d.present and d.node.state == Node.State.ONLINE,
+            owner=d.owner or None,
+            owner_present=d.owner_present,
+        )
+        for d in Device.objects.select_related("node")
+    )
+    jobs = {j.pk: j for j in Job.objects.filter(state__in=ACTIVE_STATES)}
+    current: dict[int, list[int]] = {job_id: [] for job_id in jobs}
+    for allocation in Allocation.objects.filter(job_id__in=jobs).order_by("rank"):
+        current[allocation.job_id].append(allocation.device_id)
+    throughput = measured_throughput(jobs)
+    step_times = worker_step_times(jobs, current)
+    views = tuple(
+        JobView(
+            id=job.pk,
+            min_workers=job.min_workers,
+            max_workers=job.max_workers,
+            priority=job.priority,  # type: ignore[arg-type]
+            submitted_at=job.created_at.timestamp(),
+            current=tuple(current[job.pk]),
+            pinned_workers=job.pinned_workers,
+            consistency=job.consistency,  # type: ignore[arg-type]
+            throughput=throughput.get(job.pk),
+            batch_size=global_batch(job),
+            attained_service_s=job.attained_service_s,
+            remaining_work=float(max(job.total_steps - job.steps_done, 0)),
+            worker_step_times=step_times.get(job.pk, ()),
+        )
+        for job in jobs.values()
+    )
+    return ClusterSnapshot(devices=devices, jobs=views, now=time.time()), jobs

@@ -1,0 +1,77 @@
+"""What the scheduler says, in real Chromium: each job's reason on the cluster board, live; an
+unmet pin shown; the owner lifts a pin from the board and the reasons change in a second browser
+too; the staff page of the scheduler shows the latest decision and passes axe, as does the board
+with its reasons in both themes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.browser_support import axe_violations, cancel_all, log_in, screenshot, submit_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
+
+
+def why(page: Any, job_id: int) -> Any:
+    return page.locator(f'.job-row[data-job="{job_id}"] [data-field="why"]')
+
+
+def wait_text(page: Any, job_id: int, text: str, present: bool = True) -> None:
+    page.wait_for_function(
+        """([id, text, present]) => {
+             const box = document.querySelector(`.job-row[data-job="${id}"] [data-field="why"]`);
+             return box && box.textContent.includes(text) === present; }""",
+        arg=[job_id, text, present],
+        timeout=90_000,
+    )
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_reasons_live_on_the_board_and_the_pin_lifted_there(
+    browser_platform: Any, chromium: Any, theme: str
+) -> None:
+    alice = browser_platform.api("alice")
+    wide = submit_job(browser_platform, "alice", name="wide", max_workers=4)
+    late = submit_job(browser_platform, "alice", name="late", max_workers=2)
+    assert alice.post(f"/api/jobs/{wide}/resize", json={"workers": 4}).status_code == 200
+    assert alice.post(f"/api/jobs/{late}/resize", json={"workers": 2}).status_code == 200
+    page = log_in(chromium, browser_platform, "alice", color_scheme=theme)
+    watcher = log_in(chromium, browser_platform, "bob", color_scheme=theme)
+    wait_text(page, wide, "pinned to 4 workers by a manual resize")
+    wait_text(page, late, "Pin not met: pinned to 2 workers but only 0 can be given")
+    wait_text(watcher, late, "Pin not met")
+    assert watcher.locator(f'.job-row[data-job="{late}"] .unpin').count() == 0, "not bob's to lift"
+    assert axe_violations(page) == [], theme
+    screenshot(page, f"board-reasons-{theme}")
+
+    page.get_by_role("button", name="Lift the pin of job late").click()
+    wait_text(page, late, "Pin not met", present=False)
+    assert page.locator(f'.job-row[data-job="{late}"] .unpin').count() == 0
+    page.get_by_role("button", name="Lift the pin of job wide").click()
+    # Both are the scheduler's again: the late job gets devices, and everyone sees why.
+    wait_text(watcher, late, "waiting", present=False)
+    wait_text(watcher, wide, "pinned", present=False)
+    assert alice.get(f"/api/jobs/{late}").json()["pinned_workers"] is None
+    cancel_all(browser_platform, "alice")
+
+
+def test_the_staff_page_of_the_scheduler(browser_platform: Any, chromium: Any) -> None:
+    browser_platform.group.run("manage.py", "ensure_user", "root", "--password", "root-pass", "--staff")
+    job_id = submit_job(browser_platform, "alice", name="decided", max_workers=2)
+    browser_platform.wait_for(
+        "the job to be planned",
+        lambda: browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()["workers"],
+    )
+    page = log_in(chromium, browser_platform, "root")
+    page.get_by_role("link", name="Scheduler").click()
+    page.wait_for_selector("#decision-jobs")
+    assert page.locator("#policy-name").inner_text() == "bungee"
+    assert page.locator(f'#decision-jobs tr[data-job="{job_id}"]').count() == 1
+    assert page.locator("#decision-ms").inner_text().endswith(" ms")
+    assert axe_violations(page) == []
+    screenshot(page, "scheduler-page")
+    alice = log_in(chromium, browser_platform, "alice")
+    assert alice.get_by_role("link", name="Scheduler").count() == 0
+    cancel_all(browser_platform, "alice")

@@ -1,0 +1,88 @@
+"""A straggler through the whole platform: the simulated backend plays a slow device (`python -m
+agent.simulate slow`), the worker on it stretches its compute, every rank reports its own step
+times, the scheduler sees one rank well above its peers for twenty steps and migrates it to the
+free device through an in-place resize (the other worker is not restarted), and the job's
+throughput recovers."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.platform import REDIS_URL, Platform, one_node_platform
+from tests.test_integration_resize_in_place import ENDLESS, SPEC, cancel, live_rows, settled, steps_past
+
+pytestmark = pytest.mark.slow
+
+SLOWDOWN = 4.0
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with one_node_platform(tmp_path_factory.mktemp("platform"), 3) as running:
+        yield running
+
+
+def throughput(platform: Platform, job_id: int, generation: int) -> float:
+    rates = [
+        m["samples_per_s"]
+        for m in platform.api("alice").get(f"/api/jobs/{job_id}/metrics").json()
+        if m["generation"] == generation and m["samples_per_s"]
+    ]
+    assert len(rates) >= 5, rates
+    return float(statistics.median(rates[2:]))
+
+
+def test_a_slow_device_is_replaced_and_throughput_recovers(platform: Platform) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agent.simulate",
+            "slow",
+            "--redis-url",
+            REDIS_URL,
+            "--node",
+            "node-a",
+            "--device",
+            "1",
+            "--factor",
+            str(SLOWDOWN),
+            "--prefix",
+            platform.env["BUNGEE_REDIS_PREFIX"],
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    alice = platform.api("alice")
+    reply = alice.post("/api/jobs", json={**SPEC, "max_workers": 2, "steps": ENDLESS})
+    job_id = reply.json()["id"]
+    assert alice.post(f"/api/jobs/{job_id}/resize", json={"workers": 2}).status_code == 200
+    slow = settled(platform, job_id, 2)
+    assert sorted(row["device_index"] for row in live_rows(slow)) == [0, 1]
+    keeper = next(row["pid"] for row in live_rows(slow) if row["device_index"] == 0)
+
+    def migrated() -> dict[str, Any] | None:
+        job = alice.get(f"/api/jobs/{job_id}").json()
+        moved = [r for r in job["resizes"] if r["reason"] == "straggler replaced" and r["completed_at"]]
+        return job if moved and job["state"] == "running" else None
+
+    job = platform.wait_for("the straggler's migration", migrated, timeout_s=120)
+    fast = settled(platform, job_id, 2, job["generation"] - 1)
+    assert sorted(row["device_index"] for row in live_rows(fast)) == [0, 2]
+    assert keeper in {row["pid"] for row in live_rows(fast)}, "the other worker was not restarted"
+    steps_past(platform, job_id, fast["steps_done"] + 200)
+    before, after = (
+        throughput(platform, job_id, slow["generation"]),
+        throughput(platform, job_id, fast["generation"]),
+    )
+    print(
+        f"\nthroughput with a {SLOWDOWN:g}x slow device: {before:.0f} samples/s; after its migration: {after:.0f}"
+    )
+    assert after > 1.5 * before
+    cancel(platform, job_id)

@@ -1,0 +1,203 @@
+"""What the scheduler says about each job, against the real database: why it has what it has
+(pinned, minimum, fair share, borrowed device, waiting), an unmet pin reported and lifted, hybrid
+batch sizes kept, guaranteed jobs never below their minimum for an opportunistic one, and each
+job's throughput, attained service and remaining work learned from its workers' reports."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from elastic.wire import AgentReport, DeviceSample
+from portal.cluster.ingest import ingest_report
+from portal.cluster.models import Device
+from portal.jobs.models import Job
+from portal.scheduling.cycle import run_cycle
+from portal.scheduling.snapshot import build_snapshot
+from tests.conftest import VALID_SPEC
+from tests.test_scheduler_cycle import event, report
+
+pytestmark = pytest.mark.django_db
+
+
+def submit(api: dict, user: str = "alice", **change: Any) -> int:
+    reply = api[user].post("/api/jobs", {**VALID_SPEC, **change})
+    assert reply.status_code == 201, reply.content
+    return int(reply.json()["id"])
+
+
+def settle(cluster: Any) -> None:
+    """Plans, then reports every new generation as formed (each worker on its device, the
+    leavers gone), until nothing changes."""
+    for _ in range(6):
+        result = run_cycle()
+        for job in Job.objects.filter(pk__in=result.changed_jobs):
+            joined = [
+                event(
+                    job,
+                    "joined",
+                    rank=a.rank,
+                    pid=1000 * job.pk + a.device.index,
+                    device_index=a.device.index,
+                )
+                for a in job.allocations.select_related("device")
+            ]
+            kept = set(job.allocations.values_list("device__index", flat=True))
+            left = [
+                event(
+                    job,
+                    "exited",
+                    rank=w.rank,
+                    generation=w.generation,
+                    device_index=w.device_index,
+                    exit_code=76,
+                    reason="left",
+                )
+                for w in job.workers.filter(state="running").exclude(device_index__in=kept)
+            ]
+            report(cluster, *joined, *left, event(job, "resized"))
+        if not result.changed_jobs:
+            return
+    raise AssertionError("the plan never settled")
+
+
+def owner(cluster: Any, present: set[int]) -> None:
+    """The agent's report: the devices in `present` have a process it did not start."""
+    samples = [
+        DeviceSample(
+            index=i,
+            taken_at=time.time(),
+            utilization_pct=0,
+            memory_used_bytes=0,
+            memory_total_bytes=2**30,
+            owner_present=i in present,
+        )
+        for i in range(4)
+    ]
+    ingest_report(cluster, AgentReport(node=cluster.name, samples=samples))
+
+
+def shown(api: dict, job_id: int, user: str = "alice") -> dict[str, Any]:
+    reply = api[user].get(f"/api/jobs/{job_id}")
+    assert reply.status_code == 200, reply.content
+    return dict(reply.json())
+
+
+def test_reasons_are_stored_and_shown(api: dict, cluster: Any, redis_client: Any) -> None:
+    small = submit(api, name="small", min_workers=1, max_workers=1)
+    wide = submit(api, name="wide", min_workers=1, max_workers=3)
+    settle(cluster)
+    assert shown(api, small)["schedule_reasons"] == ["minimum"]
+    detail = shown(api, wide)
+    assert detail["schedule_reasons"] == ["fair share"] and detail["workers"] == 3
+    assert detail["schedule_note"] == "its fair share: 3 workers"
+    # Everyone sees the reasons on the list, as on the board.
+    listed = {j["id"]: j for j in api["bob"].get("/api/jobs").json()}
+    assert listed[wide]["schedule_note"] == "its fair share: 3 workers"
+    late = submit(api, user="bob", name="late", min_workers=2, max_workers=2)
+    settle(cluster)
+    waiting = shown(api, late, "bob")
+    assert waiting["schedule_reasons"] == ["waiting"] or waiting["workers"] == 2
+    if waiting["workers"] == 0:
+        assert "needs at least 2" in waiting["schedule_note"]
+
+
+def test_an_unmet_pin_is_reported_and_can_be_lifted(api: dict, cluster: Any, redis_client: Any) -> None:
+    first = submit(api, name="first", max_workers=4)
+    second = submit(api, name="second", max_workers=4)
+    for job_id in (first, second):
+        assert api["alice"].post(f"/api/jobs/{job_id}/resize", {"workers": 3}).status_code == 200
+    settle(cluster)
+    met, unmet = shown(api, first), shown(api, second)
+    assert (met["workers"], met["schedule_reasons"], met["pin_problem"]) == (3, ["pinned"], "")
+    assert unmet["workers"] == 1 and unmet["schedule_reasons"] == ["pin unmet"]
+    assert unmet["pin_problem"].startswith("pinned to 3 workers but only 1 can be given")
+    # Bob may not lift Alice's pin; Alice may, and the job is the scheduler's again.
+    refused = api["bob"].post(f"/api/jobs/{second}/unpin")
+    assert refused.status_code == 403 and "belongs to alice" in refused.json()["error"]["message"]
+    assert Job.objects.get(pk=second).pinned_workers == 3
+    lifted = api["alice"].post(f"/api/jobs/{second}/unpin")
+    assert lifted.status_code == 200 and lifted.json()["pinned_workers"] is None
+    settle(cluster)
+    after = shown(api, second)
+    assert after["pin_problem"] == "" and after["schedule_reasons"] != ["pin unmet"]
+
+
+def test_unpin_of_a_finished_or_missing_job(api: dict, cluster: Any) -> None:
+    job_id = submit(api)
+    assert api["alice"].post(f"/api/jobs/{job_id}/cancel").status_code == 200
+    ended = api["alice"].post(f"/api/jobs/{job_id}/unpin")
+    assert ended.status_code == 409 and "cancelled" in ended.json()["error"]["message"]
+    missing = api["alice"].post("/api/jobs/999999/unpin")
+    assert missing.status_code == 404 and "999999" in missing.json()["error"]["message"]
+
+
+def test_guaranteed_jobs_keep_their_minimum_when_an_owner_returns(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    Device.objects.filter(node=cluster, index=3).update(owner="carol")
+    guaranteed = submit(api, name="guaranteed", min_workers=2, max_workers=2)
+    borrower = submit(
+        api, user="bob", name="borrower", min_workers=1, max_workers=2, priority="opportunistic"
+    )
+    settle(cluster)
+    held = {
+        job_id: set(Job.objects.get(pk=job_id).allocations.values_list("device__index", flat=True))
+        for job_id in (guaranteed, borrower)
+    }
+    assert held == {guaranteed: {0, 1}, borrower: {2, 3}}
+    assert shown(api, borrower, "bob")["schedule_reasons"] == ["fair share", "borrowed device"]
+    # A process nobody started appears on a device of the guaranteed job: it takes the
+    # borrower's shared device rather than fall below its minimum.
+    owner(cluster, {0})
+    settle(cluster)
+    assert set(Job.objects.get(pk=guaranteed).allocations.values_list("device__index", flat=True)) == {1, 2}
+    assert set(Job.objects.get(pk=borrower).allocations.values_list("device__index", flat=True)) == {3}
+    assert shown(api, borrower, "bob")["schedule_reasons"] == ["minimum", "borrowed device"]
+    # Carol comes back to her device: the borrower waits; she leaves: it is lent again.
+    owner(cluster, {0, 3})
+    settle(cluster)
+    waiting = shown(api, borrower, "bob")
+    assert waiting["workers"] == 0 and waiting["schedule_reasons"] == ["waiting"]
+    assert shown(api, guaranteed)["workers"] == 2
+    owner(cluster, {0})
+    settle(cluster)
+    lent = shown(api, borrower, "bob")
+    assert lent["workers"] == 1 and "borrowed device" in lent["schedule_reasons"]
+    resizes = [r["reason"] for r in shown(api, guaranteed)["resizes"]]
+    assert "owner reclaimed a device" in resizes
+
+
+def test_hybrid_jobs_keep_the_batch_size_the_plan_gives(api: dict, cluster: Any, redis_client: Any) -> None:
+    job_id = submit(api, consistency="hybrid", hyperparameters={"batch_size": 48})
+    settle(cluster)
+    assert shown(api, job_id)["batch_size"] == 48
+    strict = submit(api, name="strict")
+    settle(cluster)
+    assert shown(api, strict)["batch_size"] is None
+
+
+def test_throughput_service_and_remaining_work_come_from_the_reports(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    job_id = submit(api, max_workers=2, steps=500, hyperparameters={"batch_size": 32})
+    settle(cluster)
+    job = Job.objects.get(pk=job_id)
+    [view] = build_snapshot()[0].jobs
+    prior = view.throughput
+    assert prior is not None and view.attained_service_s == 0 and view.remaining_work == 500
+    # Rank 0 reports 640 samples/s on 2 workers: 0.05 s per step of 32 samples.
+    start = time.time()
+    for second in range(5):
+        report(cluster, event(job, "progress", step=100 + 20 * second, loss=1.0, samples_per_s=640.0))
+        Job.objects.filter(pk=job_id).update(
+            last_progress_at=Job.objects.get(pk=job_id).last_progress_at - timedelta(seconds=1)
+        )
+    [view] = build_snapshot()[0].jobs
+    assert view.remaining_work == 500 - 180
+    assert 7.5 <= view.attained_service_s <= 8.5 + 2 * (time.time() - start), view.attained_service_s
+    assert view.throughput is not None and view.throughput != prior
+    assert view.throughput.step_time(2, 1, 16) == pytest.approx(0.05, rel=0.2)
