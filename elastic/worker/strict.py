@@ -10,7 +10,9 @@ runs on, so each vw's gradient is the same bits on any placement.
 
 The gradients are then summed exactly (elastic.consistency.exact_sum: int64 fixed point with a
 per-tensor scale from a MAX all-reduce), so their total is the same bits whatever the grouping;
-so is the loss, summed the same way. Every parameter update is therefore placement-independent.
+so is the loss, summed the same way. The scales are powers of two, so the conversion runs in
+the gradients' own dtype, exactly, rather than through float64, and the step's buffers are kept
+from one step to the next. Every parameter update is therefore placement-independent.
 
 Contexts and crashes: the contexts of all V vws ride in the step's int64 SUM all-reduce, each
 worker writing the rows of the vws it hosts and zeros elsewhere (x + 0 = x in integers, so the
@@ -76,10 +78,15 @@ class StrictTrainer(Trainer):
         if words:
             self.contexts[:] = self._pack()
         sizes = [p.numel() for p in self._parameters] + [1]  # the last segment is the loss
-        self._segment_of = torch.repeat_interleave(
-            torch.arange(len(sizes), device=self._device), torch.tensor(sizes, device=self._device)
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        self._bounds = [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+        """[begin, stop) of each parameter's gradient, then of the loss, in a row of terms."""
+        self._terms: torch.Tensor | None = None
+        self._total = torch.zeros(
+            ends[-1] + _STATS + virtual_workers * words, dtype=torch.int64, device=self._device
         )
-        self._segments = len(sizes)
+        self._result = torch.zeros(ends[-1], dtype=self._dtype, device=self._device)
+        """The step's exact sum, as floats: the gradient the optimiser reads, then the loss."""
         self.hosted = range(0)
         self.rebind(rank, world_size)
 
@@ -139,13 +146,12 @@ class StrictTrainer(Trainer):
         ranks agree on; a collective call. Raises CollectiveError if a peer fails or times out:
         then nothing of the step is applied (parameters, optimiser, contexts)."""
         virtual, batch = self.virtual_workers, self.batch_size
-        gradient_size = self._gradient_size
-        terms = torch.zeros(len(self.hosted), gradient_size + 1, dtype=self._dtype, device=self._device)
+        size = self._gradient_size + 1  # the gradients, then the loss
+        terms, total = self._step_buffers()
         words = self.contexts.shape[1]
-        total = torch.zeros(
-            gradient_size + 1 + _STATS + virtual * words, dtype=torch.int64, device=self._device
-        )
-        outgoing = total[gradient_size + 1 + _STATS :].view(virtual, words)
+        stats = total[size : size + _STATS]
+        outgoing = total[size + _STATS :].view(virtual, words)
+        total[size:].zero_()
         first = self.batch_start(step)
         trained = []
         for row, vw in enumerate(self.hosted):
@@ -156,7 +162,7 @@ class StrictTrainer(Trainer):
                 outgoing[vw] = self.contexts[vw]
             if not len(indices):
                 continue
-            self._point_gradients_at(terms[row, :gradient_size])
+            self._point_gradients_at(terms[row, : size - 1])
             if words:
                 self._unpack(self.contexts[vw])
             vw_seed = virtual_worker_seed(self.seed, step, vw)
@@ -169,46 +175,84 @@ class StrictTrainer(Trainer):
             )
             loss.backward()
             share = len(indices) / batch
-            terms[row, :gradient_size].mul_(share)
-            terms[row, gradient_size] = loss.detach() * share
+            terms[row, : size - 1].mul_(share)
+            terms[row, size - 1] = loss.detach() * share
             if words:
                 outgoing[vw] = self._pack()
-        max_abs = torch.zeros(self._segments, dtype=self._dtype, device=self._device)
-        if len(terms):
-            max_abs.scatter_reduce_(0, self._segment_of, terms.abs().amax(dim=0), reduce="amax")
-        max_abs = max_abs.to(torch.float64)
+        max_abs = self._segment_max_abs(terms)
         try:
             dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
-            scales = tensor_scales(max_abs, virtual)[self._segment_of]
-            if len(terms):
-                total[: gradient_size + 1] = (
-                    torch.round(terms.to(torch.float64) * scales).to(torch.int64).sum(dim=0)
-                )
-            total[gradient_size + 1 + _COUNT] = sum(len(indices) for indices in trained)
-            total[gradient_size + 1 + _STOP_VOTES] = 1 if stop_requested else 0
-            total[gradient_size + 1 + _SWITCH_TO] = switch_to
+            scales = self._scales(max_abs)
+            self._to_fixed(terms, scales, total[:size])
+            stats[_COUNT] = sum(len(indices) for indices in trained)
+            stats[_STOP_VOTES] = 1 if stop_requested else 0
+            stats[_SWITCH_TO] = switch_to
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self.state_arrived()  # the model's buffers back to vw 0's committed context
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
-        exact = (total[: gradient_size + 1].to(torch.float64) / scales).to(self._dtype)
-        buffer = self._gradients_in_buffer()
-        buffer[:gradient_size].copy_(exact[:gradient_size])
+        exact = self._result
+        exact.copy_(total[:size])  # int64 to float, rounded once
+        for (begin, stop), scale in zip(self._bounds, scales, strict=True):
+            exact[begin:stop].mul_(1.0 / scale)  # a power of two: exact
+        self._point_gradients_at(exact[: size - 1])
         self.optimizer.step()
         if words:
             self.contexts.copy_(outgoing)
             self._unpack(self.contexts[0])
-        stats = total[gradient_size + 1 : gradient_size + 1 + _STATS].tolist()
+        agreed = stats.tolist()
         outcome = StepOutcome(
             step=step + 1,
-            loss=float(exact[gradient_size]),
-            samples=stats[_COUNT],
-            stop=stats[_STOP_VOTES] > 0,
-            switch_to=stats[_SWITCH_TO],
+            loss=float(exact[size - 1]),
+            samples=agreed[_COUNT],
+            stop=agreed[_STOP_VOTES] > 0,
+            switch_to=agreed[_SWITCH_TO],
         )
         local = torch.cat(trained) if trained else torch.empty(0, dtype=torch.int64)
         self._committed(step, local, outcome)
         return outcome
+
+    def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's buffers, kept between steps so that a step faults in no memory: one row of
+        gradients and loss per hosted vw (zeroed: backward accumulates), and the int64 buffer of
+        the SUM all-reduce (fixed-point sums, then the step's votes, then every vw's context)."""
+        rows, size = len(self.hosted), self._gradient_size + 1
+        if self._terms is None or self._terms.shape[0] != rows:
+            self._terms = torch.zeros(rows, size, dtype=self._dtype, device=self._device)
+        else:
+            self._terms.zero_()
+        return self._terms, self._total
+
+    def _segment_max_abs(self, terms: torch.Tensor) -> torch.Tensor:
+        """Each segment's (parameter's, and the loss's) largest magnitude over the hosted vws,
+        as float64 for the MAX all-reduce."""
+        largest = torch.zeros(len(self._bounds), dtype=torch.float64)
+        if len(terms):
+            for index, (begin, stop) in enumerate(self._bounds):
+                low, high = torch.aminmax(terms[:, begin:stop])
+                largest[index] = max(-float(low), float(high))
+        return largest.to(self._device)
+
+    def _scales(self, max_abs: torch.Tensor) -> list[float]:
+        """Each segment's power-of-two scale (exact_sum.tensor_scales), capped below the
+        gradients' dtype's overflow (a tensor whose largest entry is below about 2^-66 then
+        keeps fewer bits); every worker computes the same from the same MAX."""
+        largest = 2.0 ** math.floor(math.log2(torch.finfo(self._dtype).max / 2))
+        return tensor_scales(max_abs.cpu(), self.virtual_workers).clamp_(max=largest).tolist()
+
+    def _to_fixed(self, terms: torch.Tensor, scales: list[float], into: torch.Tensor) -> None:
+        """Writes the int64 sum over the hosted vws of each term times its segment's scale,
+        rounded to the nearest integer, into `into`. Multiplying by a power of two is exact in
+        the gradients' own dtype, so no float64 pass is needed."""
+        for (begin, stop), scale in zip(self._bounds, scales, strict=True):
+            terms[:, begin:stop].mul_(scale)
+        terms.round_()
+        if not len(terms):
+            into.zero_()
+            return
+        into.copy_(terms[0])  # float to int64: exact, the values are whole numbers
+        for row in terms[1:]:
+            into.add_(row.to(torch.int64))
 
     def _point_gradients_at(self, flat: torch.Tensor) -> None:
         """Makes every parameter's gradient a view of its slice of `flat`, so that backward
