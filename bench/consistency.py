@@ -1,7 +1,7 @@
 """What strict mode costs and what it buys, against plain data-parallel averaging and hybrid mode.
 
-    python bench/consistency.py            # about 10 minutes on 2 cores
-    python bench/consistency.py --quick    # about 3 minutes
+    python bench/consistency.py            # 13.5 minutes here (2 busy cores): over the 10 aimed at
+    python bench/consistency.py --quick    # 2.5 to 3.4 minutes here, with the load of the day
 
 1. Step time of strict mode against plain DDP-style averaging, same model, same global batch,
    same world size, interleaved runs of the real worker (elastic.worker.local.LocalJob). "Plain"
