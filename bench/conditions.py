@@ -41,6 +41,13 @@ class BenchModel:
             "workload": "digits-mlp",
             "steps": steps,
             "seed": seed,
+            # The plain data-parallel path (a hybrid job whose batch cannot change), which the
+            # resize and overhead benchmarks measure; strict mode's cost is bench/consistency.py's.
+            "max_workers": 4,
+            "consistency": "hybrid",
+            "batch_per_worker": self.batch_size,
+            "min_batch_size": self.batch_size,
+            "max_batch_size": self.batch_size,
             "hyperparameters": {
                 "batch_size": self.batch_size,
                 "hidden": self.hidden,

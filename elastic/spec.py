@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from elastic.workloads import CATALOGUE
 
 MAX_WORKERS_LIMIT = 1024
+_VIRTUAL_WORKERS_RULE = (
+    "must be at least max_workers ({w}): every worker hosts at least one virtual worker, not {v}"
+)
+_HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size")
 
 
 class JobSpec(BaseModel):
@@ -27,6 +31,19 @@ class JobSpec(BaseModel):
     max_workers: int = Field(1, ge=1, le=MAX_WORKERS_LIMIT)
     priority: Literal["guaranteed", "opportunistic"] = "guaranteed"
     consistency: Literal["strict", "hybrid"] = "strict"
+    virtual_workers: int | None = Field(
+        None, ge=1, le=MAX_WORKERS_LIMIT * 16, description="strict: virtual workers (default max_workers)"
+    )
+    batch_per_worker: int | None = Field(
+        None, ge=1, le=65536, description="hybrid: samples each worker adds to the global batch"
+    )
+    min_batch_size: int | None = Field(None, ge=1, le=65536, description="hybrid: smallest global batch")
+    max_batch_size: int | None = Field(None, ge=1, le=65536, description="hybrid: largest global batch")
+    lr_scaling: Literal["linear", "sqrt"] = "linear"
+    """Hybrid: how the learning rate follows the global batch."""
+    warmup_steps: int = Field(50, ge=0, le=1_000_000)
+    """Hybrid: steps over which the learning rate moves to its new value, at the start and after
+    every change of the global batch."""
     steps: int | None = Field(None, ge=1, le=10_000_000)
     epochs: float | None = Field(None, gt=0, le=100_000)
     seed: int = Field(0, ge=0, le=2**31 - 1)
@@ -34,12 +51,26 @@ class JobSpec(BaseModel):
     @model_validator(mode="after")
     def _bounds(self) -> JobSpec:
         if self.max_workers < self.min_workers:
-            raise ValueError(
-                f"max_workers ({self.max_workers}) is below min_workers ({self.min_workers})"
-            )
+            raise ValueError(f"max_workers ({self.max_workers}) is below min_workers ({self.min_workers})")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of steps and epochs")
+        if self.virtual_workers is not None and self.virtual_workers < self.max_workers:
+            raise ValueError(_VIRTUAL_WORKERS_RULE.format(v=self.virtual_workers, w=self.max_workers))
         return self
+
+    def virtual_worker_count(self) -> int:
+        """Strict mode's V: `virtual_workers`, or one per worker at the most workers."""
+        return self.virtual_workers if self.virtual_workers is not None else self.max_workers
+
+    def hybrid_batch_bounds(self, batch_size: int) -> tuple[int, int, int]:
+        """Hybrid mode's (batch_per_worker, min_batch_size, max_batch_size), defaults filled in
+        from the workload's `batch_size`, which is the global batch at max_workers and the batch
+        its learning rate was tuned for: per worker batch_size // max_workers (at least 1),
+        bounds from that per-worker batch at min_workers to batch_size."""
+        per_worker = self.batch_per_worker or max(1, batch_size // self.max_workers)
+        low = self.min_batch_size or min(batch_size, per_worker * self.min_workers)
+        high = self.max_batch_size or max(batch_size, low)
+        return per_worker, low, high
 
     def total_steps(self) -> int:
         """Steps to train: `steps`, or `epochs` worth of global batches, rounded up."""
@@ -110,15 +141,84 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
     low, high = _as_number(data.get("min_workers", 1)), _as_number(data.get("max_workers", 1))
     if low is not None and high is not None and high < low:
         errors.append(
-            FieldError("max_workers", f"must be at least min_workers ({data.get('min_workers')})", data.get("max_workers"))
+            FieldError(
+                "max_workers",
+                f"must be at least min_workers ({data.get('min_workers')})",
+                data.get("max_workers"),
+            )
         )
     has_steps = data.get("steps") not in (None, "")
     has_epochs = data.get("epochs") not in (None, "")
     if has_steps and has_epochs:
-        errors.append(FieldError("epochs", "give exactly one of steps and epochs, not both", data.get("epochs")))
+        errors.append(
+            FieldError("epochs", "give exactly one of steps and epochs, not both", data.get("epochs"))
+        )
     elif not has_steps and not has_epochs:
         errors.append(FieldError("steps", "give exactly one of steps and epochs", None))
+    errors.extend(_mode_errors(data, high))
     return errors
+
+
+def _mode_errors(data: dict[str, Any], max_workers: float | None) -> list[FieldError]:
+    """The fields that belong to one consistency mode, checked against that mode."""
+    errors = []
+    hybrid = data.get("consistency") == "hybrid"
+    given = {
+        name: data.get(name)
+        for name in ("virtual_workers", *_HYBRID_FIELDS)
+        if data.get(name) not in (None, "")
+    }
+    if hybrid and "virtual_workers" in given:
+        errors.append(
+            FieldError("virtual_workers", "only strict jobs have virtual workers", given["virtual_workers"])
+        )
+    if not hybrid:
+        errors.extend(
+            FieldError(name, "only hybrid jobs take this; strict keeps the global batch fixed", given[name])
+            for name in _HYBRID_FIELDS
+            if name in given
+        )
+    virtual = _as_number(given.get("virtual_workers"))
+    if virtual is not None and max_workers is not None and 1 <= virtual < max_workers:
+        errors.append(
+            FieldError(
+                "virtual_workers",
+                _VIRTUAL_WORKERS_RULE.format(v=given["virtual_workers"], w=data.get("max_workers")),
+                given["virtual_workers"],
+            )
+        )
+    low, high = _as_number(given.get("min_batch_size")), _as_number(given.get("max_batch_size"))
+    if low is not None and high is not None and high < low:
+        errors.append(
+            FieldError(
+                "max_batch_size",
+                f"must be at least min_batch_size ({given['min_batch_size']})",
+                given["max_batch_size"],
+            )
+        )
+    return errors
+
+
+def _with_mode_defaults(spec: JobSpec, batch_size: int) -> tuple[JobSpec, list[FieldError]]:
+    """Returns `spec` with its mode's defaults written out (V for strict, the batch bounds for
+    hybrid), so that the stored spec says what the job runs with, and the errors of the rules
+    that involve the workload's global batch size."""
+    if spec.consistency == "strict":
+        virtual = spec.virtual_worker_count()
+        if virtual > batch_size:
+            error = FieldError(
+                "virtual_workers",
+                f"must be at most the global batch size ({batch_size}): each virtual worker trains at least one sample",
+                virtual,
+            )
+            return spec, [error]
+        return spec.model_copy(update={"virtual_workers": virtual}), []
+    per_worker, low, high = spec.hybrid_batch_bounds(batch_size)
+    if high < low and spec.min_batch_size is None:  # both given: reported with the other rules
+        return spec, [FieldError("max_batch_size", f"must be at least min_batch_size ({low})", high)]
+    return spec.model_copy(
+        update={"batch_per_worker": per_worker, "min_batch_size": low, "max_batch_size": high}
+    ), []
 
 
 def validate_spec(data: Any) -> JobSpec:
@@ -151,6 +251,8 @@ def validate_spec(data: Any) -> JobSpec:
         else:
             if spec is not None:
                 spec = spec.model_copy(update={"hyperparameters": validated.model_dump()})
+                spec, mode_errors = _with_mode_defaults(spec, validated.batch_size)
+                errors.extend(mode_errors)
     if errors:
         raise SpecError(errors)
     assert spec is not None

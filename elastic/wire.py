@@ -99,7 +99,7 @@ class WorkerEvent(WorkerKey):
       resize, so its generation and rank follow it while its pid stays the same.
     - resized (rank 0 only): generation `generation` took over at `step`: members_before and
       members_after ("node/device_index"), pause_s, bytes_moved, phases (seconds per phase)
-    - progress: step, total_steps, epoch, loss, samples_per_s
+    - progress: step, total_steps, epoch, loss, samples_per_s, global_batch, lr
     - log: message
     - exited: exit_code, reason (completed, stopped, left, failed), step (last completed step)
     - step_times (every rank): step_times, its compute seconds (step start to all-reduce) of
@@ -126,6 +126,8 @@ class WorkerEvent(WorkerKey):
     bytes_moved: int | None = Field(None, ge=0, description="training state bytes the joiners received")
     phases: dict[str, float] | None = None
     step_times: list[float] | None = None
+    global_batch: int | None = Field(None, ge=1, description="progress: the global batch of the last step")
+    lr: float | None = Field(None, ge=0, description="progress: the learning rate of the last step")
 
 
 class RunningWorker(WorkerKey):
@@ -268,6 +270,8 @@ class Membership(_Message):
     they are ready and rank 0 restores the periodic checkpoint (or starts the job).
     `donor`: a worker of the running group that is not a member but must hand the state over
     (no member holds it, as when a job's only worker moves); it leaves after the transfer.
+    `virtual_workers`: in strict mode, how many of the job's virtual workers each member hosts
+    (the scheduler gives a faster device more, elastic.consistency.placement); None: even shares.
     """
 
     job_id: int
@@ -277,6 +281,10 @@ class Membership(_Message):
     members: list[Member] = Field(min_length=1)
     has_state: bool
     donor: Member | None = None
+    virtual_workers: list[int] | None = Field(
+        None,
+        description="strict mode: virtual workers hosted by each member, in rank order (default: even shares)",
+    )
 
     @property
     def world_size(self) -> int:

@@ -113,4 +113,17 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
         "/api/agent/report",
     }
     submit = document["paths"]["/api/jobs"]["post"]
-    assert "workload" in submit["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    spec = submit["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert "workload" in spec
+    # The consistency modes' fields (strict: V; hybrid: the batch bounds and the rate's rules).
+    assert {
+        "consistency",
+        "virtual_workers",
+        "batch_per_worker",
+        "min_batch_size",
+        "max_batch_size",
+        "lr_scaling",
+        "warmup_steps",
+    } <= set(spec)
+    detail = document["components"]["schemas"]["JobDetailOut"]["properties"]
+    assert {"virtual_workers", "global_batch", "learning_rate"} <= set(detail)

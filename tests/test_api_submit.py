@@ -28,6 +28,18 @@ def test_valid_spec_is_stored_queued_with_defaults(api: dict) -> None:
     assert Job.objects.get(pk=job["id"]).spec["workload"] == "digits-mlp"
 
 
+def test_mode_defaults_are_stored(api: dict) -> None:
+    reply = api["alice"].post("/api/jobs", {**VALID_SPEC, "max_workers": 3})
+    assert reply.status_code == 201, reply.content
+    assert reply.json()["spec"]["virtual_workers"] == 3 and reply.json()["virtual_workers"] == 3
+    hybrid = {**VALID_SPEC, "consistency": "hybrid", "max_workers": 4, "min_batch_size": 32}
+    reply = api["alice"].post("/api/jobs", hybrid)
+    assert reply.status_code == 201, reply.content
+    stored = reply.json()["spec"]
+    assert (stored["batch_per_worker"], stored["min_batch_size"], stored["max_batch_size"]) == (16, 32, 64)
+    assert stored["lr_scaling"] == "linear" and reply.json()["virtual_workers"] is None
+
+
 def test_epochs_become_steps(api: dict) -> None:
     spec = {**VALID_SPEC, "steps": None, "epochs": 2, "hyperparameters": {"batch_size": 100}}
     reply = api["alice"].post("/api/jobs", spec)
@@ -52,6 +64,9 @@ def test_yaml_body(api: dict) -> None:
         ({"epochs": 3}, "epochs", "not both"),
         ({"priority": "vip"}, "priority", "guaranteed"),
         ({"consistency": "loose"}, "consistency", "strict"),
+        ({"max_workers": 4, "virtual_workers": 2}, "virtual_workers", "must be at least max_workers (4)"),
+        ({"min_batch_size": 8}, "min_batch_size", "only hybrid jobs"),
+        ({"consistency": "hybrid", "lr_scaling": "cubic"}, "lr_scaling", "'linear' or 'sqrt'"),
         ({"name": ""}, "name", "at least 1 character"),
         ({"colour": "red"}, "colour", "Extra inputs"),
         ({"hyperparameters": {"lr": -1}}, "hyperparameters.lr", "greater than 0"),

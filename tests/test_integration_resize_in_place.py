@@ -164,7 +164,7 @@ def test_2_3_1_2_with_survivors_never_restarted(platform: Platform, record: Path
     )
     assert not [line for line in logs(platform, job_id) if "checkpoint" in line], "nothing went through disk"
     # Every step once, up to the one all stopped after, whose count the portal shows.
-    steps = Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH)
+    steps = Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, virtual_workers=3)
     assert steps == done["steps_done"] and f"stopping at step {steps}" in logs(platform, job_id)
     assert loss_fell(platform, job_id)
     platform.wait_for(
@@ -200,7 +200,7 @@ def test_a_joiner_killed_while_warming_up(platform: Platform, record: Path) -> N
     assert_true_allocation(job)
     steps_past(platform, job_id, job["steps_done"])
     cancel(platform, job_id)
-    Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH)
+    Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, virtual_workers=3)
     assert loss_fell(platform, job_id)
 
 
@@ -218,7 +218,7 @@ def test_a_survivor_killed_mid_step(platform: Platform, record: Path) -> None:
     assert any(line.startswith("lost a peer") for line in logs(platform, job_id))
     steps_past(platform, job_id, job["steps_done"])
     stopped = cancel(platform, job_id)
-    steps = Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1)
+    steps = Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1, virtual_workers=3)
     assert steps >= stopped["steps_done"]
     assert loss_fell(platform, job_id)
 
@@ -241,6 +241,6 @@ def test_every_worker_killed_resumes_from_the_checkpoint(platform: Platform, rec
     cancel(platform, job_id)
     ledger = Ledger.read_all(record, job_id)
     again = Ledger({step: records[-1] for step, records in ledger.items()})
-    again.check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1)
+    again.check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1, virtual_workers=3)
     assert any(len(records) == 2 for records in ledger.values()), "the steps after the checkpoint ran twice"
     assert loss_fell(platform, job_id)

@@ -1,7 +1,8 @@
 """Across an in-place scale-in to another world size, every step trains on exactly its global
 batch and every sample of the epoch is seen exactly once. The batch of 5 divides evenly on
-neither world size: shares of 2, 2 and 1 before the switch, 3 and 2 after it. (Shares of a world
-larger than the batch are covered in test_worker_trainer.)"""
+neither world size. The job is strict (the default) with 3 virtual workers of 2, 2 and 1 samples:
+on 3 workers one each, on 2 workers shares of 4 and 1. (Shares of a world larger than the batch
+are covered in test_worker_trainer.)"""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ SPEC = {
     "workload": "digits-mlp",
     "epochs": 2,
     "seed": SEED,
+    "max_workers": 3,  # strict mode, 3 virtual workers: 2 + 2 + 1 samples, then 4 + 1 on 2 workers
     "hyperparameters": {"batch_size": BATCH},
 }
 STEPS = -(-2 * SAMPLES // BATCH)  # the last batch ends with samples of epoch 2

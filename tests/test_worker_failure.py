@@ -23,12 +23,15 @@ from tests.worker_support import DIGITS_SAMPLES, REDIS_URL, Ledger, worker_env
 pytestmark = pytest.mark.slow
 
 BATCH = 32
+VIRTUAL_WORKERS = 3
+"""Strict mode (the default), one virtual worker per worker at the most workers."""
 SEED = 9
 SPEC = {
     "name": "failure",
     "workload": "digits-mlp",
     "steps": 1_000_000,
     "seed": SEED,
+    "max_workers": VIRTUAL_WORKERS,
     "hyperparameters": {"batch_size": BATCH},
 }
 
@@ -79,7 +82,9 @@ def test_a_survivor_killed_mid_step_costs_at_most_that_step(tmp_path: Path) -> N
     assert len(lost) == 2, "both survivors noticed"
     ledger = Ledger.read(record)
     assert ledger.generations() == [1, 2]
-    steps = ledger.check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1)
+    steps = ledger.check(
+        SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1, virtual_workers=VIRTUAL_WORKERS
+    )
     assert before < steps and after <= steps
 
 
@@ -110,7 +115,7 @@ def test_a_joiner_killed_while_warming_up_does_not_disturb_the_job(tmp_path: Pat
     assert len(steps_during) >= 2 and steps_during == sorted(steps_during)
     ledger = Ledger.read(record)
     assert ledger.generations() == [1, 3]
-    ledger.check(SampleStream(DIGITS_SAMPLES, SEED), BATCH)
+    ledger.check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, virtual_workers=VIRTUAL_WORKERS)
 
 
 def test_every_worker_killed_resumes_from_the_periodic_checkpoint(tmp_path: Path) -> None:
@@ -139,5 +144,5 @@ def test_every_worker_killed_resumes_from_the_periodic_checkpoint(tmp_path: Path
     # The steps after the checkpoint were trained again, on exactly the same samples.
     stream = SampleStream(DIGITS_SAMPLES, SEED)
     again = Ledger({step: records[-1] for step, records in ledger.items()})
-    assert again.check(stream, BATCH, partial=1) > restored
+    assert again.check(stream, BATCH, partial=1, virtual_workers=VIRTUAL_WORKERS) > restored
     assert all(records[-1].generation == generation for step, records in ledger.items() if step >= restored)

@@ -19,12 +19,15 @@ from tests.worker_support import DIGITS_SAMPLES, REDIS_URL, Ledger, worker_env
 pytestmark = pytest.mark.slow
 
 BATCH = 32
+VIRTUAL_WORKERS = 3
+"""Strict mode (the default), one virtual worker per worker at the most workers."""
 SEED = 5
 SPEC = {
     "name": "in-place",
     "workload": "digits-mlp",
     "steps": 1_000_000,
     "seed": SEED,
+    "max_workers": VIRTUAL_WORKERS,
     "hyperparameters": {"batch_size": BATCH, "hidden": 128},
 }
 
@@ -79,7 +82,7 @@ def test_2_3_1_2_in_place(tmp_path: Path) -> None:
     ledger = Ledger.read(record)
     assert ledger.generations() == [1, 2, 3, 4]
     stream = SampleStream(DIGITS_SAMPLES, SEED)
-    stop_step = ledger.check(stream, BATCH)
+    stop_step = ledger.check(stream, BATCH, virtual_workers=VIRTUAL_WORKERS)
     saved = load_checkpoint(checkpoint_path(tmp_path / "run"))
     assert saved is not None and saved.step == stop_step >= (last.step or 0)
     for step, record_ in ledger.steps.items():

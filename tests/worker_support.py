@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.consistency.placement import even_shares, hosted
 from elastic.worker.data import SampleStream, share_bounds
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
@@ -75,9 +76,17 @@ class Ledger:
                 order.append(self.steps[step].generation)
         return order
 
-    def check(self, stream: SampleStream, batch_size: int, first: int = 0, partial: int = 0) -> int:
+    def check(
+        self,
+        stream: SampleStream,
+        batch_size: int,
+        first: int = 0,
+        partial: int = 0,
+        virtual_workers: int | None = None,
+    ) -> int:
         """Checks that steps first.. are contiguous and each trained on exactly its global batch,
-        each rank its share, so that no sample is skipped or seen twice; up to `partial` steps
+        each rank its share (a strict job's, of `virtual_workers`, is the slices of the virtual
+        workers it hosts, even shares), so that no sample is skipped or seen twice; up to `partial` steps
         (the step in flight when a worker died: it completed on some ranks, which recorded it,
         and not on the dead one) may lack shares, never have wrong ones. Returns the number of
         steps checked. Raises AssertionError."""
@@ -88,9 +97,22 @@ class Ledger:
             record = self.steps[step]
             batch = stream.global_batch(step, batch_size).tolist()
             for rank, indices in record.shares.items():
-                start, stop = share_bounds(batch_size, record.world_size, rank)
+                start, stop = rank_bounds(batch_size, record.world_size, rank, virtual_workers)
                 assert indices == batch[start:stop], f"step {step} rank {rank} trained on the wrong samples"
             if sorted(record.shares) != list(range(record.world_size)):
                 incomplete.append(step)
         assert len(incomplete) <= partial, f"steps with shares missing: {incomplete}"
         return len(steps)
+
+
+def rank_bounds(batch_size: int, world_size: int, rank: int, virtual_workers: int | None) -> tuple[int, int]:
+    """The [start, stop) slice of the global batch that `rank` trains on: its share of the batch,
+    or in strict mode (`virtual_workers` given) the slices of the virtual workers it hosts."""
+    if virtual_workers is None:
+        return share_bounds(batch_size, world_size, rank)
+    mine = hosted(even_shares(virtual_workers, world_size), rank)
+    if not mine:
+        return 0, 0
+    return share_bounds(batch_size, virtual_workers, mine[0])[0], share_bounds(
+        batch_size, virtual_workers, mine[-1]
+    )[1]

@@ -5,13 +5,14 @@ reads or writes it; what it read reaches the other ranks over the process group,
 share no disk. A write goes to a temporary file that then replaces
 the checkpoint, so a crash mid-write leaves the previous checkpoint intact.
 
-The state holds no RNG state: the worker reseeds torch's generator at every step from (job seed,
-step, rank), and the data order is a function of the step, so the step count restores both."""
+The state holds no RNG state: the worker reseeds its generators at every step from (job seed,
+step, rank or virtual worker), and the data order is a function of the step (hybrid mode: of the
+stream position, which the consistency mode's state holds), so the step count restores both."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,11 @@ class TrainingState:
     seed: int
     model: dict[str, Any]
     optimizer: dict[str, Any]
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """The consistency mode's small values (Trainer.small_state)."""
+    trainer_tensors: list[torch.Tensor] = field(default_factory=list)
+    """The consistency mode's own tensors (Trainer.bulk_state), such as strict mode's
+    per-virtual-worker contexts."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +49,8 @@ class TrainingState:
             "seed": self.seed,
             "model": self.model,
             "optimizer": self.optimizer,
+            "trainer": self.trainer,
+            "trainer_tensors": self.trainer_tensors,
         }
 
     @classmethod
@@ -59,6 +67,8 @@ class TrainingState:
             seed=data["seed"],
             model=data["model"],
             optimizer=data["optimizer"],
+            trainer=data.get("trainer", {}),
+            trainer_tensors=data.get("trainer_tensors", []),
         )
 
     def check_belongs_to(self, workload: str, seed: int, total_steps: int) -> None:

@@ -75,9 +75,20 @@ class ProgressReporter:
         self._last_report_at = time.monotonic()
         self._samples_since_report = 0
 
-    def step_done(self, step: int, loss: float, samples: int, force: bool = False) -> bool:
+    def step_done(
+        self,
+        step: int,
+        loss: float,
+        samples: int,
+        force: bool = False,
+        global_batch: int | None = None,
+        lr: float | None = None,
+        samples_done: int | None = None,
+    ) -> bool:
         """Record that global step `step` (completed steps) trained `samples` samples with mean
-        loss `loss`; report it if due. Return whether an event was written."""
+        loss `loss`, at global batch `global_batch` and learning rate `lr` where given; report it
+        if due. `samples_done`: the job's samples so far, where the batch changes (by default
+        `step` fixed batches). Return whether an event was written."""
         self._samples_since_report += samples
         now = time.monotonic()
         elapsed = now - self._last_report_at
@@ -87,9 +98,12 @@ class ProgressReporter:
             "progress",
             step=step,
             total_steps=self._total_steps,
-            epoch=step * self._batch_size / self._samples_per_epoch,
+            epoch=(step * self._batch_size if samples_done is None else samples_done)
+            / self._samples_per_epoch,
             loss=loss,
             samples_per_s=self._samples_since_report / elapsed if elapsed > 0 else 0.0,
+            global_batch=global_batch,
+            lr=lr,
         )
         self._reported_once = True
         self._last_report_at = now

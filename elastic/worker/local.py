@@ -106,24 +106,31 @@ class LocalJob:
     def generation(self) -> int:
         return self.records[-1].generation if self.records else 0
 
-    def start(self, slots: Sequence[int]) -> LocalJob:
+    def start(self, slots: Sequence[int], virtual_workers: Mapping[int, int] | None = None) -> LocalJob:
         """Publish generation 1 on `slots` and start a worker on each; return self."""
-        return self.resize(slots)
+        self.resize(slots, virtual_workers=virtual_workers)
+        return self
 
-    def resize(self, slots: Sequence[int], leavers_timeout_s: float = 60.0) -> Membership:
+    def resize(
+        self,
+        slots: Sequence[int],
+        leavers_timeout_s: float = 60.0,
+        virtual_workers: Mapping[int, int] | None = None,
+    ) -> Membership:
         """Publish the next generation on `slots` (in this order, survivors moved first) and
         start a worker on each slot that has none running; return the record. Like the portal,
         it first lets the leavers of the last switch finish leaving (up to `leavers_timeout_s`),
-        so that none is taken for a survivor."""
+        so that none is taken for a survivor. `virtual_workers`: a strict job's virtual workers
+        per slot (default: even shares)."""
         latest = set(self.records[-1].keys()) if self.records else set()
         self.wait_until(
             lambda: not [o for o in self.live() if member_key(NODE, o.slot) not in latest], leavers_timeout_s
         )
         with self._lock:
             self.target = list(slots)
-            return self._publish(list(slots))
+            return self._publish(list(slots), virtual_workers)
 
-    def _publish(self, slots: list[int]) -> Membership:
+    def _publish(self, slots: list[int], virtual_workers: Mapping[int, int] | None = None) -> Membership:
         live = {output.slot: output for output in self.outputs if output.returncode is None}
         previous = {key: rank for rank, key in enumerate(self.records[-1].keys())} if self.records else {}
         holders = [slot for slot in slots if slot in live and live[slot].holds_state]
@@ -147,6 +154,7 @@ class LocalJob:
             ],
             has_state=bool(any_holder),
             donor=donor,
+            virtual_workers=[virtual_workers[slot] for slot in ordered] if virtual_workers else None,
         )
         self.board.publish(record)
         self.records.append(record)

@@ -18,6 +18,7 @@ The exit code says how it ended (elastic.worker)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import statistics
@@ -40,10 +41,12 @@ from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_COD
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint, save_checkpoint
 from elastic.worker.data import SampleStream, share_bounds
 from elastic.worker.events import EventWriter, ProgressReporter
+from elastic.worker.hybrid import HybridSchedule, HybridTrainer
 from elastic.worker.membership import MembershipBoard
 from elastic.worker.settings import WorkerSettings
 from elastic.worker.step_clock import StepClock
 from elastic.worker.stop import StopRequest
+from elastic.worker.strict import StrictTrainer
 from elastic.worker.trainer import CollectiveError, SampleRecorder, Trainer
 from elastic.worker.transfer import StateOutline, apply_outline, move_state, outline, state_tensors
 from elastic.workloads import CATALOGUE
@@ -296,17 +299,7 @@ class WorkerRun:
             else None
         )
         self.clock = StepClock(self.events, self.settings.progress_every_s, self.settings.simulated_slowdown)
-        self.trainer = Trainer(
-            problem,
-            self.optimizer,
-            SampleStream(len(problem.inputs), self.spec.seed),
-            batch_size=self.hyperparameters.batch_size,
-            seed=self.spec.seed,
-            rank=self.rank,
-            world_size=self.config.world_size,
-            recorder=self.recorder,
-            reduce=self.clock.reduce,
-        )
+        self.trainer = self._make_trainer(problem)
         start, stop = share_bounds(self.hyperparameters.batch_size, self.config.world_size, self.config.rank)
         self.trainer.warm_up(stop - start)
         self.progress = ProgressReporter(
@@ -315,6 +308,45 @@ class WorkerRun:
             batch_size=self.hyperparameters.batch_size,
             samples_per_epoch=self.workload.samples_per_epoch(self.hyperparameters),
             every_s=self.settings.progress_every_s,
+        )
+
+    def _make_trainer(self, problem: Any) -> Trainer:
+        """The trainer of the job's consistency mode (elastic.worker.strict, .hybrid)."""
+        stream = SampleStream(len(problem.inputs), self.spec.seed)
+        batch_size = self.hyperparameters.batch_size
+        if self.spec.consistency == "strict":
+            return StrictTrainer(
+                problem,
+                self.optimizer,
+                stream,
+                batch_size=batch_size,
+                seed=self.spec.seed,
+                rank=self.rank,
+                world_size=self.config.world_size,
+                virtual_workers=self.spec.virtual_worker_count(),
+                recorder=self.recorder,
+                compute_done=self.clock.compute_done,
+            )
+        per_worker, low, high = self.spec.hybrid_batch_bounds(batch_size)
+        schedule = HybridSchedule(
+            base_lr=self.hyperparameters.lr,
+            base_batch=batch_size,
+            batch_per_worker=per_worker,
+            min_batch=low,
+            max_batch=high,
+            lr_scaling=self.spec.lr_scaling,
+            warmup_steps=self.spec.warmup_steps,
+        )
+        return HybridTrainer(
+            problem,
+            self.optimizer,
+            stream,
+            schedule,
+            seed=self.spec.seed,
+            rank=self.rank,
+            world_size=self.config.world_size,
+            recorder=self.recorder,
+            compute_done=self.clock.compute_done,
         )
 
     # --- join --------------------------------------------------------------------------------
@@ -403,14 +435,16 @@ class WorkerRun:
             if rank in receivers:
                 assert source_outline is not None
                 apply_outline(self.optimizer, source_outline, self.device)
+                self.trainer.load_small_state(source_outline.trainer)
                 self.step = source_outline.step
+            tensors = state_tensors(self.model, self.optimizer, self.device) + self.trainer.bulk_state()
             try:
-                moved = move_state(
-                    state_tensors(self.model, self.optimizer, self.device), sources, receivers, rank
-                )
+                moved = move_state(tensors, sources, receivers, rank)
             except RuntimeError as err:
                 raise RendezvousError(f"the state transfer failed: {err}") from err
             bytes_moved = moved.bytes_moved
+            if rank in receivers:
+                self.trainer.state_arrived()
         transferred = time.perf_counter()
         if record.donor is not None:
             self._leave_group()
@@ -481,7 +515,7 @@ class WorkerRun:
             step=self.step,
             group=self._group_keys if self.holds_state else [],
             last_step_end=self._last_step_end,
-            outline=outline(self.step, self.optimizer, self.device) if self.holds_state else None,
+            outline=self._outline() if self.holds_state else None,
         )
         infos: list[Any] = [None] * dist.get_world_size()
         try:
@@ -502,8 +536,12 @@ class WorkerRun:
             state.check_belongs_to(self.spec.workload, self.spec.seed, self.total_steps)
             self.model.load_state_dict(state.model)
             self.optimizer.load_state_dict(state.optimizer)
+            self.trainer.load_small_state(state.trainer)
+            for mine, saved in zip(self.trainer.bulk_state(), state.trainer_tensors, strict=True):
+                mine.copy_(saved)
+            self.trainer.state_arrived()
             self.step = state.step
-        box: list[Any] = [outline(self.step, self.optimizer, self.device) if state is not None else None]
+        box: list[Any] = [self._outline() if state is not None else None]
         try:
             dist.broadcast_object_list(box, src=0)
         except RuntimeError as err:
@@ -515,6 +553,12 @@ class WorkerRun:
         infos[0].holds_state = True
         infos[0].step = box[0].step
         return [0], "checkpoint"
+
+    def _outline(self) -> StateOutline:
+        """The outline of the state this worker holds, the mode's small values included."""
+        state = outline(self.step, self.optimizer, self.device)
+        state.trainer = self.trainer.small_state()
+        return state
 
     def _relabel(self, record: Membership) -> None:
         """Takes on generation `record`, which has exactly this group's members: the group and
@@ -532,7 +576,7 @@ class WorkerRun:
         self.membership = record
         self._group_keys = record.keys()
         self.rank = rank
-        self.trainer.rebind(rank, record.world_size)
+        self.trainer.rebind_members(rank, record.world_size, record.virtual_workers, self.step)
         if self.recorder is not None:
             self.recorder.rebind(record.generation, rank, record.world_size)
         self.events.rebind(record.generation, rank)
@@ -563,9 +607,7 @@ class WorkerRun:
                 f"resumed from the periodic checkpoint at {where}: no running worker held the training state"
             )
         else:
-            moved = (
-                f"{_size(bytes_moved)} from {sources} holder(s)" if bytes_moved else "nothing to move"
-            )
+            moved = f"{_size(bytes_moved)} from {sources} holder(s)" if bytes_moved else "nothing to move"
             self.events.log(
                 f"generation {record.generation}: {len(before_group)} -> {record.world_size} workers at {where}; {moved}"
             )
@@ -615,6 +657,9 @@ class WorkerRun:
                     outcome.loss,
                     outcome.samples,
                     force=finished or outcome.stop or bool(outcome.switch_to),
+                    global_batch=self.trainer.batch_size,
+                    lr=self.trainer.lr,
+                    samples_done=self.trainer.batch_start(self.step),
                 )
                 self._measure_resize(finished or bool(outcome.switch_to))
             if finished:
@@ -697,6 +742,8 @@ class WorkerRun:
             seed=self.spec.seed,
             model=_detached_copy(self.model.state_dict()),
             optimizer=_detached_copy(self.optimizer.state_dict()),
+            trainer=copy.deepcopy(self.trainer.small_state()),
+            trainer_tensors=[_detached_copy(tensor) for tensor in self.trainer.bulk_state()],
         )
         self._last_save = time.monotonic()
         if not background:

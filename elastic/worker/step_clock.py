@@ -12,10 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import torch
-
 from elastic.worker.events import EventWriter
-from elastic.worker.trainer import all_reduce_sum
 
 WINDOW = 20
 """Steps kept and reported: the straggler window of elastic.scheduling.stragglers."""
@@ -34,13 +31,13 @@ class StepClock:
         """A step begins."""
         self._began = time.perf_counter()
 
-    def reduce(self, buffer: torch.Tensor) -> None:
-        """The trainer's all-reduce, timed: records the compute time of the step up to here."""
+    def compute_done(self) -> None:
+        """The rank's share of the step is computed (its collectives come next): records the
+        compute time of the step up to here."""
         compute = time.perf_counter() - self._began
         if self._slowdown > 1.0:
             time.sleep((self._slowdown - 1.0) * compute)
         self._times.append(time.perf_counter() - self._began)
-        all_reduce_sum(buffer)
 
     def report(self, generation_changed: bool = False) -> None:
         """Emits the latest times if due; a new generation starts a new window."""

@@ -18,11 +18,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elastic.worker.data import SampleStream, derive_seed
+from elastic.worker.data import SampleStream, derive_seed, share_bounds
 from elastic.workloads.api import TrainingProblem
 
 # The buffer of the per-step all-reduce ends with four statistics after the gradients. The
@@ -85,9 +86,11 @@ class SampleRecorder:
             "world_size": world_size,
         }
 
-    def record(self, step: int, indices: torch.Tensor) -> None:
-        """Record that 0-based step `step` trained on `indices`. Raises OSError."""
-        line = json.dumps({**self._fields, "step": step, "indices": indices.tolist()}) + "\n"
+    def record(self, step: int, indices: torch.Tensor, loss: float | None = None) -> None:
+        """Record that 0-based step `step` trained on `indices`, and the step's mean loss over
+        the global batch (the same on every rank). Raises OSError."""
+        entry = {**self._fields, "step": step, "indices": indices.tolist(), "loss": loss}
+        line = json.dumps(entry) + "\n"
         descriptor = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(descriptor, line.encode())
@@ -98,7 +101,8 @@ class SampleRecorder:
 class Trainer:
     """Trains `problem` one global step at a time as `rank` of `world_size`. `reduce` sums a
     tensor in place over all ranks; by default over the default process group, which must then
-    be initialised, even for a world of one."""
+    be initialised, even for a world of one. `compute_done`, if given, is called when this
+    rank's share of the step is computed, just before the step's collectives (the StepClock)."""
 
     def __init__(
         self,
@@ -111,6 +115,7 @@ class Trainer:
         world_size: int,
         recorder: SampleRecorder | None = None,
         reduce: Callable[[torch.Tensor], None] = all_reduce_sum,
+        compute_done: Callable[[], None] | None = None,
     ) -> None:
         self.problem = problem
         self.optimizer = optimizer
@@ -121,6 +126,7 @@ class Trainer:
         self.world_size = world_size
         self.recorder = recorder
         self.reduce = reduce
+        self.compute_done = compute_done
         self._parameters = [p for p in problem.model.parameters() if p.requires_grad]
         if not self._parameters:
             raise ValueError("the model has no trainable parameters")
@@ -140,7 +146,9 @@ class Trainer:
         every rank must call it with the same `step`; `switch_to` is the generation this rank
         asks to switch to (0: none). Raises CollectiveError if a peer fails or times out."""
         torch.manual_seed(step_seed(self.seed, step, self.rank))
-        indices = self.stream.local_batch(step, self.batch_size, self.world_size, self.rank)
+        first = self.batch_start(step)
+        start, stop = share_bounds(self.batch_size, self.world_size, self.rank)
+        indices = self.stream.positions(first + start, first + stop)
         buffer = self._gradients_in_buffer()
         count = len(indices)
         if count:
@@ -154,21 +162,61 @@ class Trainer:
         buffer[_COUNT] = count
         buffer[_STOP_VOTES] = 1.0 if stop_requested else 0.0
         buffer[_SWITCH_TO] = switch_to
+        if self.compute_done is not None:
+            self.compute_done()
         try:
             self.reduce(buffer)
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
         self.optimizer.step()
         stats = buffer[-_STATS:].tolist()  # one device-to-host copy; the indices work on both
-        if self.recorder is not None:
-            self.recorder.record(step, indices)
-        return StepOutcome(
+        outcome = StepOutcome(
             step=step + 1,
             loss=stats[_LOSS_SUM] / stats[_COUNT],
             samples=round(stats[_COUNT]),
             stop=stats[_STOP_VOTES] > 0,
             switch_to=round(stats[_SWITCH_TO]),
         )
+        self._committed(step, indices, outcome)
+        return outcome
+
+    # --- what a subclass changes -------------------------------------------------------------
+
+    def batch_start(self, step: int) -> int:
+        """The stream position of step `step`'s first sample: the global batch is fixed."""
+        return step * self.batch_size
+
+    def _committed(self, step: int, indices: torch.Tensor, outcome: StepOutcome) -> None:
+        """Called once step `step` is applied, with the sample indices this rank trained on."""
+        if self.recorder is not None:
+            self.recorder.record(step, indices, outcome.loss)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the optimiser's first parameter group."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def rebind_members(self, rank: int, world_size: int, shares: list[int] | None, step: int) -> None:
+        """Train later steps, from `step` on, as `rank` of `world_size` (after a resize);
+        `shares` are the virtual workers per rank where the mode has them. Raises ValueError if
+        they do not fit."""
+        self.rebind(rank, world_size)
+
+    def small_state(self) -> dict[str, Any]:
+        """Picklable values that the mode carries between steps and that a joiner, or a run
+        resumed from the checkpoint, needs: they travel in the state's outline."""
+        return {}
+
+    def load_small_state(self, state: dict[str, Any]) -> None:
+        """Takes on what small_state returned on a holder of the state."""
+
+    def bulk_state(self) -> list[torch.Tensor]:
+        """Tensors of the mode's own state, moved with the model's (elastic.worker.transfer):
+        every worker of the job builds them with the same shapes."""
+        return []
+
+    def state_arrived(self) -> None:
+        """Called once this worker holds the state anew (from a peer or the checkpoint)."""
 
     def warm_up(self, rows: int) -> None:
         """Runs one forward and backward pass on `rows` samples, in eval mode (no running

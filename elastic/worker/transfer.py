@@ -47,6 +47,8 @@ class StateOutline:
 
     step: int
     optimizer: dict[str, Any]
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """The consistency mode's small values (elastic.worker.trainer.Trainer.small_state)."""
 
 
 def _is_bulk(value: Any, device: torch.device) -> bool:

@@ -32,6 +32,19 @@ def _train_split() -> tuple[torch.Tensor, torch.Tensor]:
     return images, labels
 
 
+def held_out_accuracy(model: nn.Module, images_shape: tuple[int, ...] = (-1, 64)) -> float:
+    """Return the accuracy of `model` (put in eval mode) on the digits no job trains on: the
+    images after the first DIGITS_TRAIN_SAMPLES, reshaped to `images_shape` ((-1, 1, 8, 8) for
+    the CNN)."""
+    digits = load_digits()
+    images = torch.tensor(digits.data[DIGITS_TRAIN_SAMPLES:], dtype=torch.float32) / _MAX_PIXEL
+    labels = torch.tensor(digits.target[DIGITS_TRAIN_SAMPLES:], dtype=torch.int64)
+    model.eval()
+    with torch.no_grad():
+        predicted = model(images.reshape(images_shape)).argmax(dim=1)
+    return float((predicted == labels).float().mean())
+
+
 def _sgd(model: nn.Module, lr: float, momentum: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
 

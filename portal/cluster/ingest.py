@@ -223,6 +223,8 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
         steps_done=event.step or 0,
         last_loss=event.loss,
         samples_per_s=event.samples_per_s,
+        global_batch=event.global_batch,
+        learning_rate=event.lr,
         last_progress_at=at,
         attained_service_s=F("attained_service_s") + _service_since_last_report(job, event.generation, at),
     )
@@ -248,6 +250,8 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
             "epoch": event.epoch,
             "loss": event.loss,
             "samples_per_s": event.samples_per_s,
+            "global_batch": event.global_batch,
+            "learning_rate": event.lr,
             "at": event.at,
         },
     )

@@ -54,6 +54,9 @@ def detail(job: Job) -> dict[str, Any]:
         "attained_service_s": job.attained_service_s,
         "last_loss": job.last_loss,
         "samples_per_s": job.samples_per_s,
+        "virtual_workers": job.spec.get("virtual_workers") if job.consistency == "strict" else None,
+        "global_batch": job.global_batch,
+        "learning_rate": job.learning_rate,
         "started_at": job.started_at,
         "finished_at": job.finished_at,
         "allocations": [

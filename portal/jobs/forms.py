@@ -16,6 +16,9 @@ from elastic.workloads import CATALOGUE
 from portal.errors import ApiError
 
 SPEC_FIELDS = ("name", "workload", "min_workers", "max_workers", "priority", "consistency", "seed")
+STRICT_FIELDS = ("virtual_workers",)
+HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size", "lr_scaling", "warmup_steps")
+"""Each mode's own inputs; those of the mode not chosen are ignored (the script disables them)."""
 MAX_YAML_BYTES = 64 * 1024
 
 
@@ -76,7 +79,10 @@ def spec_from_post(post: QueryDict, files: MultiValueDict) -> Any:
         return spec_from_yaml(upload.read().decode("utf-8", errors="replace"))
     if post.get("spec_yaml", "").strip():
         return spec_from_yaml(post["spec_yaml"])
-    spec: dict[str, Any] = {key: post[key] for key in SPEC_FIELDS if post.get(key, "").strip() != ""}
+    mode_fields = HYBRID_FIELDS if post.get("consistency") == "hybrid" else STRICT_FIELDS
+    spec: dict[str, Any] = {
+        key: post[key] for key in (*SPEC_FIELDS, *mode_fields) if post.get(key, "").strip() != ""
+    }
     length_kind = post.get("length_kind", "steps")
     if post.get("length", "").strip():
         spec["epochs" if length_kind == "epochs" else "steps"] = post["length"]

@@ -60,6 +60,8 @@ class Job(models.Model):
     steps_done = models.PositiveIntegerField(default=0)
     last_loss = models.FloatField(null=True, blank=True)
     samples_per_s = models.FloatField(null=True, blank=True)
+    global_batch = models.PositiveIntegerField(null=True, blank=True, help_text="of the last step reported")
+    learning_rate = models.FloatField(null=True, blank=True, help_text="of the last step reported")
     last_progress_at = models.DateTimeField(null=True, blank=True)
 
     created_at = models.DateTimeField(auto_now_add=True)

@@ -72,6 +72,9 @@ class JobDetailOut(JobSummaryOut):
     attained_service_s: float
     last_loss: float | None
     samples_per_s: float | None
+    virtual_workers: int | None = Field(description="strict mode: the job's fixed number of virtual workers")
+    global_batch: int | None = Field(description="the global batch of the last step reported (hybrid: it follows the workers)")
+    learning_rate: float | None = Field(description="the learning rate of the last step reported")
     started_at: datetime | None
     finished_at: datetime | None
     allocations: list[AllocationOut]

@@ -51,12 +51,22 @@
   });
 
   // --- facts, devices, resizes, log ---------------------------------------------------------
+  function modeFacts() {
+    if (job.consistency === "strict") {
+      return [["Virtual workers", job.virtual_workers === null || job.virtual_workers === undefined ? "–" : String(job.virtual_workers)]];
+    }
+    return [
+      ["Global batch", job.global_batch ? String(job.global_batch) : "–"],
+      ["Learning rate", job.learning_rate === null || job.learning_rate === undefined ? "–" : job.learning_rate.toPrecision(4)],
+    ];
+  }
   function renderFacts() {
     const facts = $("#facts");
     facts.replaceChildren();
     const rows = [
       ["Owner", job.owner], ["Workload", job.workload],
       ["Mode", job.consistency + ", " + job.priority],
+      ...modeFacts(),
       ["Workers", job.workers + " of " + job.min_workers + "–" + job.max_workers +
         (job.pinned_workers !== null && job.pinned_workers !== undefined ? " (pinned to " + job.pinned_workers + ")" : "")],
       ["Progress", job.steps_done + " / " + job.total_steps + " steps"],
@@ -176,6 +186,8 @@
       steps.push(msg.step); losses.push(msg.loss); speeds.push(msg.samples_per_s);
       if (steps.length > MAX_POINTS) { steps.shift(); losses.shift(); speeds.shift(); }
       job.steps_done = msg.step; job.last_loss = msg.loss; job.samples_per_s = msg.samples_per_s;
+      if (msg.global_batch) job.global_batch = msg.global_batch;
+      if (msg.learning_rate !== null && msg.learning_rate !== undefined) job.learning_rate = msg.learning_rate;
       redraw(); renderFacts();
     } else if (msg.type === "log" && msg.job_id === job.id) {
       addLog(msg);

@@ -1,5 +1,5 @@
-// The submit form: show the chosen workload's hyperparameters; load an uploaded YAML file into
-// the text area so the person sees what will be sent.
+// The submit form: show the chosen workload's hyperparameters and the chosen consistency mode's
+// fields; load an uploaded YAML file into the text area so the person sees what will be sent.
 (function () {
   "use strict";
   const select = document.getElementById("workload");
@@ -12,6 +12,18 @@
   }
   select.addEventListener("change", showChosen);
   showChosen();
+  // Only the chosen consistency mode's own fields are shown and sent.
+  const modes = document.querySelectorAll("input[name=consistency]");
+  function showMode() {
+    const chosen = document.querySelector("input[name=consistency]:checked");
+    document.querySelectorAll(".mode-fields").forEach(function (set) {
+      const on = chosen !== null && set.dataset.mode === chosen.value;
+      set.hidden = !on;
+      set.querySelectorAll("input, select").forEach((input) => { input.disabled = !on; });
+    });
+  }
+  modes.forEach((radio) => radio.addEventListener("change", showMode));
+  showMode();
   const file = document.getElementById("spec_file");
   file.addEventListener("change", async function () {
     if (!file.files.length) return;

@@ -1,0 +1,349 @@
+"""What strict mode costs and what it buys, against plain data-parallel averaging and hybrid mode.
+
+    python bench/consistency.py            # 13.5 minutes here (2 busy cores): over the 10 aimed at
+    python bench/consistency.py --quick    # 2.5 to 3.4 minutes here, with the load of the day
+
+1. Step time of strict mode against plain DDP-style averaging, same model, same global batch,
+   same world size, interleaved runs of the real worker (elastic.worker.local.LocalJob). "Plain"
+   is the runtime's averaging path (a hybrid job whose batch bounds hold it fixed: one float
+   all-reduce of the gradient mean); bench/overhead.py relates that path to torch DDP itself.
+   Strict adds the MAX all-reduce of per-tensor magnitudes, the int64 fixed-point conversion and
+   an int64 SUM all-reduce (twice the bytes). A step's time is the gap between consecutive step
+   ends on rank 0; the overhead is the ratio of the medians.
+2. The largest absolute parameter difference between a run resized in place and a fixed run of
+   the same number of steps, for strict (must be 0), hybrid and plain averaging. The digits CNN
+   (batch norm and dropout), 4 virtual workers.
+3. Hybrid against strict on 1, 2, 3 and 4 workers: samples per second, and time to the target
+   held-out accuracy. Rank 0 writes its checkpoint every 0.1 s; this process evaluates each new
+   one, and the job is stopped once one reaches the target; the time is from the end of the
+   first step to the end of the step of that checkpoint (resolution: the checkpoint period).
+
+The last line is one JSON object: {"bench": "consistency", "strict_max_abs_diff": ...,
+"hybrid_max_abs_diff": ..., "ddp_max_abs_diff": ..., "strict_overhead_pct": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.conditions import REDIS_URL, ROOT, machine, show  # noqa: E402
+from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint  # noqa: E402
+from elastic.worker.local import LocalJob  # noqa: E402
+from elastic.workloads import CATALOGUE  # noqa: E402
+from elastic.workloads.digits import held_out_accuracy  # noqa: E402
+
+WARMUP_STEPS = 5
+SEED = 3
+TARGET_ACCURACY = 0.95
+ENDLESS = 10_000_000
+OVERHEAD_SPEC: dict[str, Any] = {
+    "name": "bench-overhead",
+    "workload": "digits-mlp",
+    "max_workers": 4,
+    "seed": SEED,
+    "hyperparameters": {"batch_size": 256, "hidden": 1024, "layers": 3, "dropout": 0.1, "lr": 0.01},
+}
+CNN_SPEC: dict[str, Any] = {
+    "name": "bench-cnn",
+    "workload": "digits-cnn",
+    "max_workers": 4,
+    "seed": SEED,
+    "hyperparameters": {"batch_size": 64, "channels": 8, "lr": 0.05},
+}
+HYBRID = {
+    "consistency": "hybrid",
+    "batch_per_worker": 16,
+    "min_batch_size": 16,
+    "max_batch_size": 64,
+    "warmup_steps": 20,
+}
+
+
+def plain(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` on the plain averaging path: hybrid with the global batch held where it is."""
+    batch = spec["hyperparameters"]["batch_size"]
+    return {
+        **spec,
+        "consistency": "hybrid",
+        "batch_per_worker": batch,
+        "min_batch_size": batch,
+        "max_batch_size": batch,
+    }
+
+
+def environment(**extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "BUNGEE_PROGRESS_EVERY_S": "0.001",
+        "BUNGEE_CHECKPOINT_EVERY_S": "86400",
+        "BUNGEE_PG_TIMEOUT_S": "30",
+        "PYTHONPATH": str(ROOT),
+        **extra,
+    }
+
+
+def _gaps(ends: list[float]) -> list[float]:
+    return [later - earlier for earlier, later in zip(ends, ends[1:], strict=False)][WARMUP_STEPS:]
+
+
+# --- 1. step time ------------------------------------------------------------------------------
+
+
+def step_times(spec: dict[str, Any], steps: int, workers: int, work: Path) -> list[float]:
+    with LocalJob(
+        {**spec, "steps": steps}, Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=environment(), heal=False
+    ) as job:
+        job.start(list(range(workers)))
+        outputs = job.wait(timeout_s=600)
+    return _gaps([event.at for event in outputs[0].of_kind("progress")])
+
+
+def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    pairs, steps = (2, 30) if args.quick else (4, 80)
+    strict: list[float] = []
+    averaged: list[float] = []
+    per_pair = []
+    spec = {**OVERHEAD_SPEC, "max_workers": args.workers}  # V = the world size: one each
+    for pair in range(pairs):
+        ours = step_times(spec, steps, args.workers, work)
+        theirs = step_times(plain(spec), steps, args.workers, work)
+        strict += ours
+        averaged += theirs
+        ratio = statistics.median(ours) / statistics.median(theirs)
+        per_pair.append((ratio - 1) * 100)
+        print(
+            f"  pair {pair + 1}: strict {statistics.median(ours) * 1000:.2f} ms, plain "
+            f"{statistics.median(theirs) * 1000:.2f} ms a step ({per_pair[-1]:+.1f}%)",
+            flush=True,
+        )
+    hp = OVERHEAD_SPEC["hyperparameters"]
+    parameters = (
+        64 * hp["hidden"]
+        + hp["hidden"]
+        + (hp["layers"] - 1) * (hp["hidden"] ** 2 + hp["hidden"])
+        + hp["hidden"] * 10
+        + 10
+    )
+    pct = (statistics.median(strict) / statistics.median(averaged) - 1) * 100
+    print(
+        f"\nstep time: digits-mlp {parameters / 1e6:.2f}M parameters, global batch {hp['batch_size']}, "
+        f"{args.workers} workers (strict: V = {args.workers}, one virtual worker each), "
+        f"{pairs} interleaved pairs of {steps}-step runs ({WARMUP_STEPS} warm-up steps left out)"
+    )
+    print(f"  strict step: {show(strict, 's', 4)}")
+    print(f"  plain step:  {show(averaged, 's', 4)}")
+    print(
+        f"  strict overhead (ratio of medians): {pct:+.1f}%; per pair {', '.join(f'{p:+.1f}%' for p in per_pair)}"
+    )
+    return {
+        "strict_overhead_pct": pct,
+        "strict_step_median_s": statistics.median(strict),
+        "plain_step_median_s": statistics.median(averaged),
+        "overhead_per_pair_pct": per_pair,
+        "overhead_model_params": parameters,
+    }
+
+
+# --- 2. parameter differences after resizes ----------------------------------------------------
+
+
+def resized_run(
+    spec: dict[str, Any], schedule: list[list[int]], per_generation: int, work: Path
+) -> TrainingState:
+    """Runs `spec` through the placements of `schedule`, `per_generation` steps in each at
+    least, stops it and returns its state."""
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    with LocalJob({**spec, "steps": ENDLESS}, run_dir, REDIS_URL, env=environment()) as job:
+        for generation, slots in enumerate(schedule, start=1):
+            if generation == 1:
+                job.start(slots)
+            else:
+                job.resize(slots)
+            _, formed = job.wait_for(
+                lambda _, e, g=generation: e.kind == "resized" and e.generation == g, 180
+            )
+            target = (formed.step or 0) + per_generation
+            job.wait_for(
+                lambda _, e, g=generation, t=target: (
+                    e.kind == "progress" and e.generation == g and (e.step or 0) >= t
+                ),
+                180,
+            )
+        job.send_signal(schedule[-1][0], signal.SIGTERM)
+        job.wait(120)
+    state = load_checkpoint(checkpoint_path(run_dir))
+    assert state is not None, job.describe()
+    return state
+
+
+def fixed_run(spec: dict[str, Any], steps: int, workers: int, work: Path) -> TrainingState:
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    with LocalJob({**spec, "steps": steps}, run_dir, REDIS_URL, env=environment(), heal=False) as job:
+        job.start(list(range(workers)))
+        job.wait(600)
+    state = load_checkpoint(checkpoint_path(run_dir))
+    assert state is not None and state.step == steps, job.describe()
+    return state
+
+
+def max_abs_diff(a: TrainingState, b: TrainingState) -> float:
+    return max(
+        (a.model[name].double() - b.model[name].double()).abs().max().item()
+        for name in a.model
+        if a.model[name].is_floating_point()
+    )
+
+
+def differences(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    # Quick: one scale-in, which needs no joiner to start (a joiner spends seconds importing
+    # torch here, and the fixed reference run must then train as many steps).
+    schedule = [[0, 1], [0]] if args.quick else [[0, 1, 2, 3], [0, 1], [0, 1, 2], [0], [0, 1, 2, 3]]
+    per_generation = 20 if args.quick else 30
+    fixed_workers = len(schedule[0])
+    result = {}
+    for label, spec in (("strict", CNN_SPEC), ("hybrid", {**CNN_SPEC, **HYBRID}), ("ddp", plain(CNN_SPEC))):
+        resized = resized_run(spec, schedule, per_generation, work)
+        fixed = fixed_run(spec, resized.step, fixed_workers, work)
+        result[f"{label}_max_abs_diff"] = max_abs_diff(resized, fixed)
+        print(
+            f"  {label:7s} resized {' -> '.join(str(len(s)) for s in schedule)} vs fixed {fixed_workers} workers, "
+            f"{resized.step} steps: max |parameter difference| {result[f'{label}_max_abs_diff']:.3g}",
+            flush=True,
+        )
+    return result
+
+
+# --- 3. hybrid against strict ------------------------------------------------------------------
+
+
+def accuracy_of(state: TrainingState) -> float:
+    info = CATALOGUE[CNN_SPEC["workload"]]
+    problem = info.build(info.hyperparameters.model_validate(CNN_SPEC["hyperparameters"]), SEED)
+    problem.model.load_state_dict(state.model)
+    return held_out_accuracy(problem.model, (-1, 1, 8, 8))
+
+
+def to_target(spec: dict[str, Any], workers: int, cap_s: float, work: Path) -> dict[str, Any]:
+    """Trains on `workers` fixed workers until a checkpoint reaches TARGET_ACCURACY or `cap_s`
+    passes; returns samples/s and the time to the target (None if not reached)."""
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    env = environment(BUNGEE_CHECKPOINT_EVERY_S="0.1")
+    reached: tuple[int, float] | None = None
+    with LocalJob({**spec, "steps": ENDLESS}, run_dir, REDIS_URL, env=env, heal=False) as job:
+        job.start(list(range(workers)))
+        job.wait_for(lambda _, e: e.kind == "progress", 180)
+        began = time.monotonic()
+        seen_step = -1
+        while time.monotonic() - began < cap_s and reached is None:
+            time.sleep(0.1)
+            try:
+                state = load_checkpoint(checkpoint_path(run_dir))
+            except (OSError, RuntimeError, EOFError):
+                continue  # being replaced
+            if state is None or state.step == seen_step:
+                continue
+            seen_step = state.step
+            accuracy = accuracy_of(state)
+            if accuracy >= TARGET_ACCURACY:
+                reached = (state.step, accuracy)
+        job.send_signal(0, signal.SIGTERM)
+        outputs = job.wait(120)
+    events = [e for e in outputs[0].of_kind("progress") if e.step is not None]
+    first, last = events[0], events[-1]
+    batch = last.global_batch or 0
+    samples_per_s = (last.step - first.step) * batch / (last.at - first.at) if last.at > first.at else 0.0
+    seconds = None
+    if reached is not None:
+        at_step = next(e.at for e in events if e.step >= reached[0])
+        seconds = at_step - first.at
+    return {
+        "workers": workers,
+        "global_batch": batch,
+        "samples_per_s": samples_per_s,
+        "steps_to_target": reached[0] if reached else None,
+        "seconds_to_target": seconds,
+    }
+
+
+def hybrid_against_strict(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    worlds = [1, 2] if args.quick else [1, 2, 3, 4]
+    cap_s = 10.0 if args.quick else 30.0
+    rows: dict[str, list[dict[str, Any]]] = {"strict": [], "hybrid": []}
+    for workers in worlds:
+        for label, spec in (("strict", CNN_SPEC), ("hybrid", {**CNN_SPEC, **HYBRID})):
+            row = to_target(spec, workers, cap_s, work)
+            rows[label].append(row)
+            reached = (
+                f"{row['seconds_to_target']:.1f} s ({row['steps_to_target']} steps)"
+                if row["seconds_to_target"] is not None
+                else f"not within {cap_s:.0f} s"
+            )
+            print(
+                f"  {label:6s} {workers} workers, global batch {row['global_batch']:3d}: "
+                f"{row['samples_per_s']:8.0f} samples/s, to {TARGET_ACCURACY:.0%} held-out accuracy: {reached}",
+                flush=True,
+            )
+    return {"hybrid_vs_strict": rows, "target_accuracy": TARGET_ACCURACY}
+
+
+def report(args: argparse.Namespace) -> dict[str, Any]:
+    began = time.monotonic()
+    conditions = machine()
+    print(f"conditions: {conditions}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bungee-bench-consistency-"))
+    torch.set_num_threads(1)
+    print("\n1. strict against plain averaging, step time", flush=True)
+    result: dict[str, Any] = {"bench": "consistency"}
+    figures = overhead(args, work)
+    print(
+        "\n2. parameters after a resize schedule against a fixed run (digits CNN, batch norm, dropout)",
+        flush=True,
+    )
+    result.update(differences(args, work))
+    result.update(figures)
+    print(
+        "\n3. hybrid against strict on fixed worker counts (digits CNN; strict V = 4, batch 64; hybrid 16 a worker)",
+        flush=True,
+    )
+    result.update(hybrid_against_strict(args, work))
+    result["conditions"] = conditions
+    result["wall_s"] = round(time.monotonic() - began, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer and shorter runs (about 3 minutes)")
+    parser.add_argument("--workers", type=int, default=2, help="world size of the step-time comparison")
+    args = parser.parse_args(argv)
+    result = report(args)
+    ordered = {
+        key: result[key]
+        for key in (
+            "bench",
+            "strict_max_abs_diff",
+            "hybrid_max_abs_diff",
+            "ddp_max_abs_diff",
+            "strict_overhead_pct",
+        )
+    }
+    print(json.dumps({**ordered, **result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

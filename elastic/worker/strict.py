@@ -1,0 +1,278 @@
+"""Strict mode: a job of V virtual workers whose training does not depend on where they run.
+
+Each virtual worker (vw) k trains, at step s, on a fixed slice of the global batch (slice k of V
+of the stream positions of step s), with its random generators (torch, numpy, Python) seeded
+from (job seed, s, k), and with its own copy of the model's per-replica state (buffers, such as
+batch-norm running statistics), its *context*. A physical worker runs its contiguous share of
+vws one after the other: load vw k's context into the model, seed, forward and backward, keep
+the gradient, save the context back. Nothing of a vw's computation depends on the worker it
+runs on, so each vw's gradient is the same bits on any placement.
+
+The gradients are then summed exactly (elastic.consistency.exact_sum: int64 fixed point with a
+per-tensor scale from a MAX all-reduce), so their total is the same bits whatever the grouping;
+so is the loss, summed the same way. The scales are powers of two, so the conversion runs in
+the gradients' own dtype, exactly, rather than through float64, and the step's buffers are kept
+from one step to the next. Every parameter update is therefore placement-independent.
+
+Contexts and crashes: the contexts of all V vws ride in the step's int64 SUM all-reduce, each
+worker writing the rows of the vws it hosts and zeros elsewhere (x + 0 = x in integers, so the
+rows arrive unchanged). After every step each worker thus holds every vw's context, committed
+only when the all-reduce succeeded, in the same step as the parameters. A vw whose worker dies
+loses nothing: any survivor holds its context as of the last completed step, and it travels to
+joiners with the rest of the state (Trainer.bulk_state) and into the periodic checkpoint. The
+model's own buffers hold vw 0's context between steps (the model a checkpoint or an evaluation
+sees, as plain DDP's rank 0). The cost is V times the buffers' bytes per step, small next to the
+gradients for the usual models (batch norm keeps two values per channel).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from elastic.consistency.exact_sum import tensor_scales
+from elastic.consistency.placement import check_shares, even_shares, hosted
+from elastic.worker.data import SampleStream, derive_seed, share_bounds
+from elastic.worker.trainer import CollectiveError, SampleRecorder, StepOutcome, Trainer
+from elastic.workloads.api import TrainingProblem
+
+_COUNT, _STOP_VOTES, _SWITCH_TO = 0, 1, 2
+_STATS = 3
+
+
+def virtual_worker_seed(seed: int, step: int, virtual_worker: int) -> int:
+    """The seed of every random generator of virtual worker `virtual_worker` at step `step`."""
+    return derive_seed(seed, step, virtual_worker, 0x5717)
+
+
+class StrictTrainer(Trainer):
+    """Trains `problem` with `virtual_workers` virtual workers, this process hosting its share."""
+
+    def __init__(
+        self,
+        problem: TrainingProblem,
+        optimizer: torch.optim.Optimizer,
+        stream: SampleStream,
+        batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        virtual_workers: int,
+        recorder: SampleRecorder | None = None,
+        compute_done: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(
+            problem,
+            optimizer,
+            stream,
+            batch_size,
+            seed,
+            rank,
+            world_size,
+            recorder,
+            compute_done=compute_done,
+        )
+        if not 1 <= virtual_workers <= batch_size:
+            raise ValueError(f"virtual_workers ({virtual_workers}) must be in 1..batch_size ({batch_size})")
+        self.virtual_workers = virtual_workers
+        self._model_buffers = [buffer for _, buffer in problem.model.named_buffers()]
+        context_bytes = sum(b.numel() * b.element_size() for b in self._model_buffers)
+        self._context_bytes = context_bytes
+        words = math.ceil(context_bytes / 8)
+        self.contexts = torch.zeros(virtual_workers, words, dtype=torch.int64, device=self._device)
+        """Every vw's context after the last completed step, as int64 words."""
+        if words:
+            self.contexts[:] = self._pack()
+        sizes = [p.numel() for p in self._parameters] + [1]  # the last segment is the loss
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        self._bounds = [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+        """[begin, stop) of each parameter's gradient, then of the loss, in a row of terms."""
+        self._terms: torch.Tensor | None = None
+        self._total = torch.zeros(
+            ends[-1] + _STATS + virtual_workers * words, dtype=torch.int64, device=self._device
+        )
+        self._result = torch.zeros(ends[-1], dtype=self._dtype, device=self._device)
+        """The step's exact sum, as floats: the gradient the optimiser reads, then the loss."""
+        self.hosted = range(0)
+        self.rebind(rank, world_size)
+
+    # --- placement ---------------------------------------------------------------------------
+
+    def rebind(self, rank: int, world_size: int, shares: list[int] | None = None) -> None:
+        """Host, from now on, rank `rank`'s share of `shares` (even shares if None). Raises
+        ValueError if the shares do not place every virtual worker on `world_size` ranks."""
+        shares = shares if shares is not None else even_shares(self.virtual_workers, world_size)
+        check_shares(shares, self.virtual_workers, world_size)
+        super().rebind(rank, world_size)
+        self.shares = list(shares)
+        self.hosted = hosted(shares, rank)
+
+    def rebind_members(self, rank: int, world_size: int, shares: list[int] | None, step: int) -> None:
+        self.rebind(rank, world_size, shares)
+
+    # --- contexts ----------------------------------------------------------------------------
+
+    def _pack(self) -> torch.Tensor:
+        """The model's buffers as one row of int64 words (bytes padded to a multiple of 8)."""
+        pieces = [b.detach().reshape(-1).view(torch.uint8) for b in self._model_buffers]
+        padding = self.contexts.shape[1] * 8 - self._context_bytes
+        if padding:
+            pieces.append(torch.zeros(padding, dtype=torch.uint8, device=self._device))
+        return torch.cat(pieces).view(torch.int64)
+
+    def _unpack(self, row: torch.Tensor) -> None:
+        """Loads a context row into the model's buffers."""
+        raw = row.view(torch.uint8)
+        offset = 0
+        for buffer in self._model_buffers:
+            size = buffer.numel() * buffer.element_size()
+            buffer.detach().reshape(-1).view(torch.uint8).copy_(raw[offset : offset + size])
+            offset += size
+
+    def bulk_state(self) -> list[torch.Tensor]:
+        return [self.contexts] if self.contexts.numel() else []
+
+    def state_arrived(self) -> None:
+        if self.contexts.numel():
+            self._unpack(self.contexts[0])
+
+    def small_state(self) -> dict[str, Any]:
+        return {"virtual_workers": self.virtual_workers}
+
+    def load_small_state(self, state: dict[str, Any]) -> None:
+        if state.get("virtual_workers", self.virtual_workers) != self.virtual_workers:
+            raise ValueError(
+                f"the state is of {state['virtual_workers']} virtual workers, this job has {self.virtual_workers}"
+            )
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def step(self, step: int, stop_requested: bool, switch_to: int = 0) -> StepOutcome:
+        """Trains 0-based step `step` with this process's virtual workers and returns what all
+        ranks agree on; a collective call. Raises CollectiveError if a peer fails or times out:
+        then nothing of the step is applied (parameters, optimiser, contexts)."""
+        virtual, batch = self.virtual_workers, self.batch_size
+        size = self._gradient_size + 1  # the gradients, then the loss
+        terms, total = self._step_buffers()
+        words = self.contexts.shape[1]
+        stats = total[size : size + _STATS]
+        outgoing = total[size + _STATS :].view(virtual, words)
+        total[size:].zero_()
+        first = self.batch_start(step)
+        trained = []
+        for row, vw in enumerate(self.hosted):
+            start, stop = share_bounds(batch, virtual, vw)
+            indices = self.stream.positions(first + start, first + stop)
+            trained.append(indices)
+            if words:
+                outgoing[vw] = self.contexts[vw]
+            if not len(indices):
+                continue
+            self._point_gradients_at(terms[row, : size - 1])
+            if words:
+                self._unpack(self.contexts[vw])
+            vw_seed = virtual_worker_seed(self.seed, step, vw)
+            torch.manual_seed(vw_seed)
+            numpy.random.seed(vw_seed)
+            random.seed(vw_seed)
+            device_indices = indices.to(self.problem.inputs.device)
+            loss = self.problem.loss(
+                self.problem.inputs[device_indices], self.problem.targets[device_indices]
+            )
+            loss.backward()
+            share = len(indices) / batch
+            terms[row, : size - 1].mul_(share)
+            terms[row, size - 1] = loss.detach() * share
+            if words:
+                outgoing[vw] = self._pack()
+        max_abs = self._segment_max_abs(terms)
+        if self.compute_done is not None:
+            self.compute_done()
+        try:
+            dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+            scales = self._scales(max_abs)
+            self._to_fixed(terms, scales, total[:size])
+            stats[_COUNT] = sum(len(indices) for indices in trained)
+            stats[_STOP_VOTES] = 1 if stop_requested else 0
+            stats[_SWITCH_TO] = switch_to
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
+            self.state_arrived()  # the model's buffers back to vw 0's committed context
+            raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
+        exact = self._result
+        exact.copy_(total[:size])  # int64 to float, rounded once
+        for (begin, stop), scale in zip(self._bounds, scales, strict=True):
+            exact[begin:stop].mul_(1.0 / scale)  # a power of two: exact
+        self._point_gradients_at(exact[: size - 1])
+        self.optimizer.step()
+        if words:
+            self.contexts.copy_(outgoing)
+            self._unpack(self.contexts[0])
+        agreed = stats.tolist()
+        outcome = StepOutcome(
+            step=step + 1,
+            loss=float(exact[size - 1]),
+            samples=agreed[_COUNT],
+            stop=agreed[_STOP_VOTES] > 0,
+            switch_to=agreed[_SWITCH_TO],
+        )
+        local = torch.cat(trained) if trained else torch.empty(0, dtype=torch.int64)
+        self._committed(step, local, outcome)
+        return outcome
+
+    def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's buffers, kept between steps so that a step faults in no memory: one row of
+        gradients and loss per hosted vw (zeroed: backward accumulates), and the int64 buffer of
+        the SUM all-reduce (fixed-point sums, then the step's votes, then every vw's context)."""
+        rows, size = len(self.hosted), self._gradient_size + 1
+        if self._terms is None or self._terms.shape[0] != rows:
+            self._terms = torch.zeros(rows, size, dtype=self._dtype, device=self._device)
+        else:
+            self._terms.zero_()
+        return self._terms, self._total
+
+    def _segment_max_abs(self, terms: torch.Tensor) -> torch.Tensor:
+        """Each segment's (parameter's, and the loss's) largest magnitude over the hosted vws,
+        as float64 for the MAX all-reduce."""
+        largest = torch.zeros(len(self._bounds), dtype=torch.float64)
+        if len(terms):
+            for index, (begin, stop) in enumerate(self._bounds):
+                low, high = torch.aminmax(terms[:, begin:stop])
+                largest[index] = max(-float(low), float(high))
+        return largest.to(self._device)
+
+    def _scales(self, max_abs: torch.Tensor) -> list[float]:
+        """Each segment's power-of-two scale (exact_sum.tensor_scales), capped below the
+        gradients' dtype's overflow (a tensor whose largest entry is below about 2^-66 then
+        keeps fewer bits); every worker computes the same from the same MAX."""
+        largest = 2.0 ** math.floor(math.log2(torch.finfo(self._dtype).max / 2))
+        return tensor_scales(max_abs.cpu(), self.virtual_workers).clamp_(max=largest).tolist()
+
+    def _to_fixed(self, terms: torch.Tensor, scales: list[float], into: torch.Tensor) -> None:
+        """Writes the int64 sum over the hosted vws of each term times its segment's scale,
+        rounded to the nearest integer, into `into`. Multiplying by a power of two is exact in
+        the gradients' own dtype, so no float64 pass is needed."""
+        for (begin, stop), scale in zip(self._bounds, scales, strict=True):
+            terms[:, begin:stop].mul_(scale)
+        terms.round_()
+        if not len(terms):
+            into.zero_()
+            return
+        into.copy_(terms[0])  # float to int64: exact, the values are whole numbers
+        for row in terms[1:]:
+            into.add_(row.to(torch.int64))
+
+    def _point_gradients_at(self, flat: torch.Tensor) -> None:
+        """Makes every parameter's gradient a view of its slice of `flat`, so that backward
+        writes this vw's gradient there."""
+        offset = 0
+        for parameter in self._parameters:
+            size = parameter.numel()
+            parameter.grad = flat[offset : offset + size].view_as(parameter)
+            offset += size

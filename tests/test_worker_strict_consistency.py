@@ -1,0 +1,174 @@
+"""Strict mode, bit for bit, with real workers: a job resized 4 -> 2 -> 3 -> 1 -> 4 in place, with a
+worker SIGKILLed mid-run in the 3-worker generation, ends with parameters, batch-norm buffers (of
+every virtual worker), optimiser state and loss curve `torch.equal` to the same job on a fixed 4
+workers and on 1 worker; so does a job whose faster workers host more virtual workers (uneven
+shares). The digits CNN has batch norm and dropout; the MLP has dropout. Plain data-parallel
+averaging (a hybrid job with its batch held fixed) on 4 and on 1 worker does not give equality,
+so the comparison can fail."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic.consistency.placement import proportional_shares
+from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE
+from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint
+from elastic.worker.local import LocalJob
+from tests.worker_support import REDIS_URL, worker_env
+
+pytestmark = pytest.mark.slow
+
+SEED = 21
+CNN = {
+    "name": "strict-cnn",
+    "workload": "digits-cnn",
+    "max_workers": 4,
+    "seed": SEED,
+    "hyperparameters": {"batch_size": 32, "channels": 4, "dropout": 0.2},
+}
+MLP = {
+    "name": "strict-mlp",
+    "workload": "digits-mlp",
+    "max_workers": 4,
+    "seed": SEED,
+    "hyperparameters": {"batch_size": 32, "hidden": 32, "dropout": 0.3},
+}
+
+
+def _losses(record: Path) -> list[float]:
+    """The loss of every step, in step order; every rank that recorded a step agrees on it."""
+    by_step: dict[int, set[float]] = {}
+    for line in record.read_text().splitlines():
+        entry = json.loads(line)
+        by_step.setdefault(entry["step"], set()).add(entry["loss"])
+    assert sorted(by_step) == list(range(len(by_step))), "steps missing"
+    assert all(len(losses) == 1 for losses in by_step.values()), "ranks disagree on a loss"
+    return [next(iter(by_step[step])) for step in range(len(by_step))]
+
+
+def _fixed_run(
+    spec: dict[str, Any], steps: int, slots: list[int], run_dir: Path, **start: Any
+) -> tuple[TrainingState, list[float]]:
+    """Runs `spec` for `steps` steps on a fixed set of workers; returns its final state and losses."""
+    run_dir.mkdir()
+    record = run_dir / "samples.jsonl"
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
+    with LocalJob({**spec, "steps": steps}, run_dir / "run", REDIS_URL, env=env, heal=False) as job:
+        job.start(slots, **start)
+        outputs = job.wait(300)
+    assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE] * len(slots), job.describe()
+    state = load_checkpoint(checkpoint_path(run_dir / "run"))
+    assert state is not None and state.step == steps
+    return state, _losses(record)
+
+
+def _resized_run(spec: dict[str, Any], run_dir: Path) -> tuple[TrainingState, list[float], LocalJob]:
+    """Runs `spec` through 4 -> 2 -> 3 (one worker SIGKILLed: 2) -> 1 -> 4 workers, then stops it;
+    returns its state at the stop, its losses and the job."""
+    run_dir.mkdir()
+    record = run_dir / "samples.jsonl"
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
+    with LocalJob({**spec, "steps": 10_000_000}, run_dir / "run", REDIS_URL, env=env) as job:
+
+        def after_progress(generation: int, steps: int = 5) -> None:
+            _, formed = job.wait_for(lambda _, e: e.kind == "resized" and e.generation == generation, 180)
+            target = (formed.step or 0) + steps
+            job.wait_for(
+                lambda _, e: e.kind == "progress" and e.generation == generation and (e.step or 0) >= target,
+                120,
+            )
+
+        job.start([0, 1, 2, 3])
+        after_progress(1)
+        job.resize([0, 1])
+        after_progress(2)
+        job.resize([0, 1, 2])
+        after_progress(3)
+        job.send_signal(1, signal.SIGKILL)  # the job heals: generation 4 is slots 0 and 2
+        after_progress(4)
+        job.resize([2])
+        after_progress(5)
+        job.resize([2, 0, 1, 3])
+        after_progress(6)
+        job.send_signal(2, signal.SIGTERM)
+        job.wait(120)
+    assert [r.world_size for r in job.records] == [4, 2, 3, 2, 1, 4], job.describe()
+    assert [o.returncode for o in job.outputs].count(-signal.SIGKILL) == 1
+    last = [member.device_index for member in job.records[-1].members]
+    assert [job.worker_on(slot).returncode for slot in last] == [STOPPED_EXIT_CODE] * 4, job.describe()
+    lost = [m for o in job.outputs for m in o.log_messages() if m.startswith("lost a peer")]
+    assert lost, "the survivors noticed the crash"
+    state = load_checkpoint(checkpoint_path(run_dir / "run"))
+    assert state is not None
+    return state, _losses(record), job
+
+
+def _differences(a: TrainingState, b: TrainingState) -> list[str]:
+    """The names of the state entries that are not torch.equal; empty when all are."""
+    different = [name for name, tensor in a.model.items() if not torch.equal(tensor, b.model[name])]
+    for index, entries in a.optimizer["state"].items():
+        for key, value in entries.items():
+            other = b.optimizer["state"][index][key]
+            if not (torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other):
+                different.append(f"optimizer.{index}.{key}")
+    if len(a.trainer_tensors) != len(b.trainer_tensors) or not all(
+        torch.equal(x, y) for x, y in zip(a.trainer_tensors, b.trainer_tensors, strict=False)
+    ):
+        different.append("virtual-worker contexts")
+    return different
+
+
+@pytest.mark.parametrize("spec", [CNN, MLP], ids=["cnn-batchnorm-dropout", "mlp-dropout"])
+def test_resizes_and_a_crash_give_the_fixed_runs_model_bit_for_bit(
+    spec: dict[str, Any], tmp_path: Path
+) -> None:
+    resized, resized_losses, job = _resized_run(spec, tmp_path / "resized")
+    steps = resized.step
+    assert steps > 30
+    four, four_losses = _fixed_run(spec, steps, [0, 1, 2, 3], tmp_path / "four")
+    one, one_losses = _fixed_run(spec, steps, [0], tmp_path / "one")
+    assert _differences(resized, four) == [] and _differences(resized, one) == []
+    assert resized.optimizer["state"] and len(resized_losses) == steps
+    assert resized_losses == four_losses == one_losses
+    assert resized_losses[-1] < resized_losses[0]
+    if spec is CNN:
+        contexts = resized.trainer_tensors[0]
+        assert contexts.shape[0] == 4, "one context per virtual worker"
+        assert len({tuple(row.tolist()) for row in contexts}) == 4, (
+            "each virtual worker has its own statistics"
+        )
+
+
+def test_uneven_shares_for_faster_workers_give_the_same_model(tmp_path: Path) -> None:
+    spec = {**CNN, "max_workers": 3, "virtual_workers": 8}
+    shares = proportional_shares(8, [3.0, 1.0, 2.0])
+    assert shares == [4, 1, 3]
+    steps = 40
+    uneven, uneven_losses = _fixed_run(
+        spec, steps, [0, 1, 2], tmp_path / "uneven", virtual_workers=dict(zip([0, 1, 2], shares, strict=True))
+    )
+    one, one_losses = _fixed_run(spec, steps, [0], tmp_path / "one")
+    assert _differences(uneven, one) == []
+    assert uneven_losses == one_losses
+
+
+def test_plain_averaging_is_not_bitwise_the_same_on_4_and_1_workers(tmp_path: Path) -> None:
+    batch = CNN["hyperparameters"]["batch_size"]
+    plain = {
+        **CNN,
+        "consistency": "hybrid",
+        "min_batch_size": batch,
+        "max_batch_size": batch,
+        "batch_per_worker": 8,
+    }
+    steps = 30
+    four, four_losses = _fixed_run(plain, steps, [0, 1, 2, 3], tmp_path / "four")
+    one, one_losses = _fixed_run(plain, steps, [0], tmp_path / "one")
+    assert "0.weight" in _differences(four, one)
+    assert four_losses != one_losses
