@@ -272,6 +272,8 @@ class Membership(_Message):
     (no member holds it, as when a job's only worker moves); it leaves after the transfer.
     `virtual_workers`: in strict mode, how many of the job's virtual workers each member hosts
     (the scheduler gives a faster device more, elastic.consistency.placement); None: even shares.
+    `global_batch`: in hybrid mode, the global batch the scheduler chose for this generation
+    (the worker keeps it within the job's bounds); None: batch_per_worker times the members.
     """
 
     job_id: int
@@ -284,6 +286,11 @@ class Membership(_Message):
     virtual_workers: list[int] | None = Field(
         None,
         description="strict mode: virtual workers hosted by each member, in rank order (default: even shares)",
+    )
+    global_batch: int | None = Field(
+        None,
+        ge=1,
+        description="hybrid mode: the global batch the scheduler chose (default: per-worker batch times members)",
     )
 
     @property

@@ -62,6 +62,8 @@ def test_hybrid_batch_follows_the_workers_within_bounds() -> None:
     assert schedule.target_lr(32) == pytest.approx(0.05)
     root = HybridSchedule(0.1, 64, 16, 16, 64, "sqrt", 10)
     assert root.target_lr(16) == pytest.approx(0.05) and root.target_lr(64) == pytest.approx(0.1)
+    # The scheduler's choice wins over the per-worker rule, within the same bounds.
+    assert [schedule.global_batch(2, chosen) for chosen in (40, 8, 96)] == [40, 24, 48]
 
 
 def test_the_rate_ramps_linearly_and_then_holds() -> None:

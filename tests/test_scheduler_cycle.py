@@ -69,6 +69,28 @@ def test_cycle_allocates_launches_and_is_idempotent(api: dict, cluster: Any, red
     assert job.generation == 1
 
 
+def test_a_hybrid_job_gets_the_planned_batch_within_its_bounds(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    job = submit(
+        api,
+        consistency="hybrid",
+        hyperparameters={"batch_size": 64},
+        min_batch_size=24,
+        max_batch_size=96,
+    )
+    run_cycle()
+    job.refresh_from_db()
+    record = board(job.pk).latest()
+    assert record is not None and job.batch_size is not None, job.schedule_note
+    assert 24 <= job.batch_size <= 96
+    assert record.global_batch == job.batch_size, "the workers are told the batch the plan chose"
+    strict = submit(api, name="strict-neighbour")
+    run_cycle()
+    strict_record = board(strict.pk).latest()
+    assert strict_record is None or strict_record.global_batch is None
+
+
 def test_resize_happens_in_place(api: dict, cluster: Any, redis_client: Any) -> None:
     job = submit(api)
     run_cycle()

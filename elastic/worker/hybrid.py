@@ -47,9 +47,11 @@ class HybridSchedule:
     lr_scaling: Literal["linear", "sqrt"]
     warmup_steps: int
 
-    def global_batch(self, world_size: int) -> int:
-        """The global batch with `world_size` workers."""
-        return max(self.min_batch, min(self.max_batch, self.batch_per_worker * world_size))
+    def global_batch(self, world_size: int, chosen: int | None = None) -> int:
+        """The global batch with `world_size` workers: `chosen` (the scheduler's) if given, else
+        batch_per_worker per worker; within [min_batch, max_batch] either way."""
+        wanted = chosen if chosen is not None else self.batch_per_worker * world_size
+        return max(self.min_batch, min(self.max_batch, wanted))
 
     def target_lr(self, batch: int) -> float:
         """The learning rate the scaling rule gives a global batch of `batch`."""
@@ -108,11 +110,14 @@ class HybridTrainer(Trainer):
         """Stream position of the next step's first sample."""
         self.ramp: LrRamp | None = None
 
-    def rebind_members(self, rank: int, world_size: int, shares: list[int] | None, step: int) -> None:
-        """Takes on `world_size` workers from step `step`: a new global batch, and a ramp to
-        its rate if the batch changed (or the job starts)."""
+    def rebind_members(
+        self, rank: int, world_size: int, shares: list[int] | None, step: int, global_batch: int | None = None
+    ) -> None:
+        """Takes on `world_size` workers from step `step`: a new global batch (`global_batch`,
+        the scheduler's choice, if given), and a ramp to its rate if the batch changed (or the
+        job starts)."""
         self.rebind(rank, world_size)
-        batch = self.schedule.global_batch(world_size)
+        batch = self.schedule.global_batch(world_size, global_batch)
         target = self.schedule.target_lr(batch)
         if self.ramp is None:
             self.ramp = LrRamp(step, self.schedule.warmup_steps, min(self.schedule.base_lr, target), target)

@@ -576,7 +576,10 @@ class WorkerRun:
         self.membership = record
         self._group_keys = record.keys()
         self.rank = rank
-        self.trainer.rebind_members(rank, record.world_size, record.virtual_workers, self.step)
+        if isinstance(self.trainer, HybridTrainer):
+            self.trainer.rebind_members(rank, record.world_size, None, self.step, record.global_batch)
+        else:
+            self.trainer.rebind_members(rank, record.world_size, record.virtual_workers, self.step)
         if self.recorder is not None:
             self.recorder.rebind(record.generation, rank, record.world_size)
         self.events.rebind(record.generation, rank)

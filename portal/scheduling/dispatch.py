@@ -113,6 +113,7 @@ def membership_record(job: Job, allocations: list[Allocation], live: dict[tuple[
         members=members,
         has_state=bool(holders),
         donor=donor,
+        global_batch=job.batch_size if job.consistency == Job.Consistency.HYBRID else None,
     )
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import time
 from functools import lru_cache
-from typing import Any
 
 from django.db.models import Avg, Count
+from pydantic import ValidationError
 
 from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, ThroughputLearner, ThroughputModel
+from elastic.spec import JobSpec
+from elastic.workloads import CATALOGUE
 from portal.cluster.ingest import step_times_key
 from portal.cluster.models import Device, Node
 from portal.jobs.models import Allocation, Job, JobMetric, ResizeEvent
@@ -26,12 +28,34 @@ PRIOR_STEP_S = 0.1
 """The single-worker step time assumed for a job nobody has measured yet."""
 
 
+def _spec_batch(job: Job) -> tuple[JobSpec, int] | None:
+    """The job's spec and its workload's batch_size (defaults filled in), or None if the
+    stored spec no longer validates."""
+    try:
+        spec = JobSpec(**job.spec)
+        hyperparameters = CATALOGUE[spec.workload].hyperparameters.model_validate(spec.hyperparameters)
+    except (ValidationError, KeyError, TypeError):
+        return None
+    return spec, hyperparameters.batch_size
+
+
 def global_batch(job: Job) -> int | None:
     """The job's global batch size: the one the scheduler chose (hybrid), else its spec's."""
     if job.batch_size:
         return int(job.batch_size)
-    value: Any = (job.spec.get("hyperparameters") or {}).get("batch_size")
-    return int(value) if isinstance(value, int) and value > 0 else None
+    known = _spec_batch(job)
+    return known[1] if known is not None else None
+
+
+def hybrid_bounds(job: Job) -> tuple[int | None, int | None]:
+    """A hybrid job's (min, max) global batch, as its worker applies them; (None, None) for a
+    strict job."""
+    known = _spec_batch(job)
+    if job.consistency != Job.Consistency.HYBRID or known is None:
+        return None, None
+    spec, batch = known
+    _, low, high = spec.hybrid_batch_bounds(batch)
+    return low, high
 
 
 def measured_throughput(jobs: dict[int, Job]) -> dict[int, ThroughputModel]:
@@ -124,6 +148,8 @@ def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
             consistency=job.consistency,  # type: ignore[arg-type]
             throughput=throughput.get(job.pk),
             batch_size=global_batch(job),
+            min_batch_size=hybrid_bounds(job)[0],
+            max_batch_size=hybrid_bounds(job)[1],
             attained_service_s=job.attained_service_s,
             remaining_work=float(max(job.total_steps - job.steps_done, 0)),
             worker_step_times=step_times.get(job.pk, ()),
