@@ -28,15 +28,22 @@ INT_BITS = 63
 HEADROOM_BITS = 1
 
 
-def tensor_scales(max_abs: torch.Tensor, virtual_workers: int) -> torch.Tensor:
-    """Per-tensor power-of-two scales (float64) such that the sum of `virtual_workers` terms,
-    each at most `max_abs` in magnitude after scaling, fits in int64. A zero tensor gets 1."""
+def spare_bits(virtual_workers: int, int_bits: int = INT_BITS) -> int:
+    """Bits of fixed point each of `virtual_workers` terms keeps below its tensor's largest
+    magnitude, in a signed integer of `int_bits` value bits (63 for int64, 31 for int32)."""
     if virtual_workers < 1:
         raise ValueError(f"virtual_workers must be at least 1, not {virtual_workers}")
-    spare_bits = INT_BITS - HEADROOM_BITS - math.ceil(math.log2(virtual_workers)) - 1
+    return int_bits - HEADROOM_BITS - math.ceil(math.log2(virtual_workers)) - 1
+
+
+def tensor_scales(max_abs: torch.Tensor, virtual_workers: int, int_bits: int = INT_BITS) -> torch.Tensor:
+    """Per-tensor power-of-two scales (float64) such that the sum of `virtual_workers` terms,
+    each at most `max_abs` in magnitude after scaling, fits in a signed integer of `int_bits`
+    value bits (int64 by default). A zero tensor gets 1."""
+    spare = spare_bits(virtual_workers, int_bits)
     exponents = torch.where(
         max_abs > 0,
-        spare_bits - torch.ceil(torch.log2(max_abs.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny))),
+        spare - torch.ceil(torch.log2(max_abs.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny))),
         torch.zeros_like(max_abs, dtype=torch.float64),
     )
     return torch.exp2(exponents)
@@ -76,10 +83,14 @@ class ExactGradientSum:
             raise ValueError("no gradients added: a process must host at least one virtual worker")
         terms, self._terms = self._terms, []
         count = len(terms[0])
-        max_abs = torch.stack([
-            torch.stack([term[i].abs().max() if term[i].numel() else torch.zeros(()) for term in terms]).max()
-            for i in range(count)
-        ]).to(torch.float64)
+        max_abs = torch.stack(
+            [
+                torch.stack(
+                    [term[i].abs().max() if term[i].numel() else torch.zeros(()) for term in terms]
+                ).max()
+                for i in range(count)
+            ]
+        ).to(torch.float64)
         if distributed:
             dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=group)
         scales = tensor_scales(max_abs, self.virtual_workers)

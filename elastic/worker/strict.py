@@ -8,13 +8,15 @@ vws one after the other: load vw k's context into the model, seed, forward and b
 the gradient, save the context back. Nothing of a vw's computation depends on the worker it
 runs on, so each vw's gradient is the same bits on any placement.
 
-The gradients are then summed exactly (elastic.consistency.exact_sum: int64 fixed point with a
-per-tensor scale from a MAX all-reduce), so their total is the same bits whatever the grouping;
+The gradients are then summed exactly (elastic.consistency.exact_sum: fixed point with a
+per-tensor scale from a MAX all-reduce; int32, the bytes of a float32 all-reduce, while it keeps
+24 bits below each tensor's largest entry, that is up to 32 virtual workers, else int64), so
+their total is the same bits whatever the grouping;
 so is the loss, summed the same way. The scales are powers of two, so the conversion runs in
 the gradients' own dtype, exactly, rather than through float64, and the step's buffers are kept
 from one step to the next. Every parameter update is therefore placement-independent.
 
-Contexts and crashes: the contexts of all V vws ride in the step's int64 SUM all-reduce, each
+Contexts and crashes: the contexts of all V vws ride in the step's SUM all-reduce, each
 worker writing the rows of the vws it hosts and zeros elsewhere (x + 0 = x in integers, so the
 rows arrive unchanged). After every step each worker thus holds every vw's context, committed
 only when the all-reduce succeeded, in the same step as the parameters. A vw whose worker dies
@@ -36,7 +38,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from elastic.consistency.exact_sum import tensor_scales
+from elastic.consistency.exact_sum import spare_bits, tensor_scales
 from elastic.consistency.placement import check_shares, even_shares, hosted
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
 from elastic.worker.trainer import CollectiveError, SampleRecorder, StepOutcome, Trainer
@@ -44,6 +46,8 @@ from elastic.workloads.api import TrainingProblem
 
 _COUNT, _STOP_VOTES, _SWITCH_TO = 0, 1, 2
 _STATS = 3
+MIN_SPARE_BITS = 24
+"""Fixed-point bits a term must keep below its tensor's largest magnitude: a float32's."""
 
 
 def virtual_worker_seed(seed: int, step: int, virtual_worker: int) -> int:
@@ -94,8 +98,16 @@ class StrictTrainer(Trainer):
         self._bounds = [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
         """[begin, stop) of each parameter's gradient, then of the loss, in a row of terms."""
         self._terms: torch.Tensor | None = None
+        # int32 fixed point where it keeps as many bits below each tensor's largest entry as a
+        # float32 term has (24): the SUM then moves the bytes of a float32 all-reduce. With more
+        # virtual workers the sum needs more headroom, and int64 it is.
+        narrow = spare_bits(virtual_workers, 31) >= MIN_SPARE_BITS
+        self._fixed, self._int_bits = (torch.int32, 31) if narrow else (torch.int64, 63)
+        per_word = 8 // self._fixed.itemsize
+        self._contexts_at = math.ceil((ends[-1] + _STATS) / per_word) * per_word
+        """Where the contexts start in the SUM buffer, on an 8-byte boundary."""
         self._total = torch.zeros(
-            ends[-1] + _STATS + virtual_workers * words, dtype=torch.int64, device=self._device
+            self._contexts_at + virtual_workers * words * per_word, dtype=self._fixed, device=self._device
         )
         self._result = torch.zeros(ends[-1], dtype=self._dtype, device=self._device)
         """The step's exact sum, as floats: the gradient the optimiser reads, then the loss."""
@@ -162,7 +174,7 @@ class StrictTrainer(Trainer):
         terms, total = self._step_buffers()
         words = self.contexts.shape[1]
         stats = total[size : size + _STATS]
-        outgoing = total[size + _STATS :].view(virtual, words)
+        outgoing = total[self._contexts_at :].view(torch.int64).view(virtual, words)
         total[size:].zero_()
         first = self.batch_start(step)
         trained = []
@@ -252,7 +264,8 @@ class StrictTrainer(Trainer):
         gradients' dtype's overflow (a tensor whose largest entry is below about 2^-66 then
         keeps fewer bits); every worker computes the same from the same MAX."""
         largest = 2.0 ** math.floor(math.log2(torch.finfo(self._dtype).max / 2))
-        return tensor_scales(max_abs.cpu(), self.virtual_workers).clamp_(max=largest).tolist()
+        scales = tensor_scales(max_abs.cpu(), self.virtual_workers, self._int_bits)
+        return scales.clamp_(max=largest).tolist()
 
     def _to_fixed(self, terms: torch.Tensor, scales: list[float], into: torch.Tensor) -> None:
         """Writes the int64 sum over the hosted vws of each term times its segment's scale,
@@ -266,7 +279,7 @@ class StrictTrainer(Trainer):
             return
         into.copy_(terms[0])  # float to int64: exact, the values are whole numbers
         for row in terms[1:]:
-            into.add_(row.to(torch.int64))
+            into.add_(row.to(self._fixed))
 
     def _point_gradients_at(self, flat: torch.Tensor) -> None:
         """Makes every parameter's gradient a view of its slice of `flat`, so that backward
