@@ -158,6 +158,21 @@ def test_uneven_shares_for_faster_workers_give_the_same_model(tmp_path: Path) ->
     assert uneven_losses == one_losses
 
 
+def test_many_virtual_workers_sum_in_int64_and_still_agree(tmp_path: Path) -> None:
+    # 40 virtual workers leave int32 fewer than 24 bits a term: the exact sum runs in int64.
+    spec = {
+        **MLP,
+        "max_workers": 2,
+        "virtual_workers": 40,
+        "hyperparameters": {**MLP["hyperparameters"], "batch_size": 40},
+    }
+    steps = 15
+    two, two_losses = _fixed_run(spec, steps, [0, 1], tmp_path / "two")
+    one, one_losses = _fixed_run(spec, steps, [0], tmp_path / "one")
+    assert _differences(two, one) == []
+    assert two_losses == one_losses
+
+
 def test_plain_averaging_is_not_bitwise_the_same_on_4_and_1_workers(tmp_path: Path) -> None:
     batch = CNN["hyperparameters"]["batch_size"]
     plain = {
