@@ -1,14 +1,14 @@
 """What strict mode costs and what it buys, against plain data-parallel averaging and hybrid mode.
 
-    python bench/consistency.py            # 13.5 minutes here (2 busy cores): over the 10 aimed at
+    python bench/consistency.py            # 13.5 minutes here before it was cut to fit 10 (2 busy cores)
     python bench/consistency.py --quick    # 2.5 to 3.4 minutes here, with the load of the day
 
 1. Step time of strict mode against plain DDP-style averaging, same model, same global batch,
    same world size, interleaved runs of the real worker (elastic.worker.local.LocalJob). "Plain"
    is the runtime's averaging path (a hybrid job whose batch bounds hold it fixed: one float
    all-reduce of the gradient mean); bench/overhead.py relates that path to torch DDP itself.
-   Strict adds the MAX all-reduce of per-tensor magnitudes, the int64 fixed-point conversion and
-   an int64 SUM all-reduce (twice the bytes). A step's time is the gap between consecutive step
+   Strict adds the MAX all-reduce of per-tensor magnitudes and the fixed-point conversion; its
+   SUM all-reduce is int32 (the bytes of the float one) up to 32 virtual workers. A step's time is the gap between consecutive step
    ends on rank 0; the overhead is the ratio of the medians.
 2. The largest absolute parameter difference between a run resized in place and a fixed run of
    the same number of steps, for strict (must be 0), hybrid and plain averaging. The digits CNN
@@ -113,7 +113,7 @@ def step_times(spec: dict[str, Any], steps: int, workers: int, work: Path) -> li
 
 
 def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    pairs, steps = (2, 30) if args.quick else (4, 80)
+    pairs, steps = (2, 30) if args.quick else (4, 60)
     strict: list[float] = []
     averaged: list[float] = []
     per_pair = []
@@ -212,7 +212,7 @@ def differences(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # Quick: one scale-in, which needs no joiner to start (a joiner spends seconds importing
     # torch here, and the fixed reference run must then train as many steps).
     schedule = [[0, 1], [0]] if args.quick else [[0, 1, 2, 3], [0, 1], [0, 1, 2], [0], [0, 1, 2, 3]]
-    per_generation = 20 if args.quick else 30
+    per_generation = 20 if args.quick else 25
     fixed_workers = len(schedule[0])
     result = {}
     for label, spec in (("strict", CNN_SPEC), ("hybrid", {**CNN_SPEC, **HYBRID}), ("ddp", plain(CNN_SPEC))):
@@ -281,7 +281,7 @@ def to_target(spec: dict[str, Any], workers: int, cap_s: float, work: Path) -> d
 
 def hybrid_against_strict(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     worlds = [1, 2] if args.quick else [1, 2, 3, 4]
-    cap_s = 10.0 if args.quick else 30.0
+    cap_s = 10.0 if args.quick else 20.0
     rows: dict[str, list[dict[str, Any]]] = {"strict": [], "hybrid": []}
     for workers in worlds:
         for label, spec in (("strict", CNN_SPEC), ("hybrid", {**CNN_SPEC, **HYBRID})):
