@@ -136,6 +136,7 @@ def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
         current[allocation.job_id].append(allocation.device_id)
     throughput = measured_throughput(jobs)
     step_times = worker_step_times(jobs, current)
+    bounds = {job_id: hybrid_bounds(job) for job_id, job in jobs.items()}  # one spec parse a job
     views = tuple(
         JobView(
             id=job.pk,
@@ -148,8 +149,8 @@ def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
             consistency=job.consistency,  # type: ignore[arg-type]
             throughput=throughput.get(job.pk),
             batch_size=global_batch(job),
-            min_batch_size=hybrid_bounds(job)[0],
-            max_batch_size=hybrid_bounds(job)[1],
+            min_batch_size=bounds[job.pk][0],
+            max_batch_size=bounds[job.pk][1],
             attained_service_s=job.attained_service_s,
             remaining_work=float(max(job.total_steps - job.steps_done, 0)),
             worker_step_times=step_times.get(job.pk, ()),
