@@ -23,6 +23,7 @@ _CLASS = {
     "joined": _LIFECYCLE,
     "resized": _LIFECYCLE,
     "exited": _LIFECYCLE,
+    "form_failed": _LIFECYCLE,
 }
 
 

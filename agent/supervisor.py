@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 MAX_LOG_CHARS = 2000
 """A log line longer than this is cut, so that one runaway print cannot swell a report."""
 _MAX_READ_BYTES = 64 * 1024
-_WORKER_KINDS = ("joined", "resized", "progress", "log", "step_times")
+_WORKER_KINDS = ("joined", "resized", "progress", "log", "step_times", "form_failed")
 _REAP_AFTER_KILL_S = 10.0
 _PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
 

@@ -104,9 +104,11 @@ class WorkerEvent(WorkerKey):
     - exited: exit_code, reason (completed, stopped, left, failed), step (last completed step)
     - step_times (every rank): step_times, its compute seconds (step start to all-reduce) of
       its latest steps, oldest first: the portal finds stragglers from them
+    - form_failed: the group of generation `failed_generation` did not form within its
+      rendezvous deadline (message says why); the portal expires that generation at once
     """
 
-    kind: Literal["started", "joined", "resized", "progress", "log", "exited", "step_times"]
+    kind: Literal["started", "joined", "resized", "progress", "log", "exited", "step_times", "form_failed"]
     at: float
     pid: int | None = None
     device_index: int | None = None
@@ -126,6 +128,7 @@ class WorkerEvent(WorkerKey):
     bytes_moved: int | None = Field(None, ge=0, description="training state bytes the joiners received")
     phases: dict[str, float] | None = None
     step_times: list[float] | None = None
+    failed_generation: int | None = Field(None, ge=1, description="form_failed: the generation that did not form")
     global_batch: int | None = Field(None, ge=1, description="progress: the global batch of the last step")
     lr: float | None = Field(None, ge=0, description="progress: the learning rate of the last step")
 

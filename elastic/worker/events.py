@@ -27,7 +27,7 @@ class EventWriter:
         self.rank = rank
 
     def emit(
-        self, kind: Literal["joined", "resized", "progress", "log", "step_times"], **fields: Any
+        self, kind: Literal["joined", "resized", "progress", "log", "step_times", "form_failed"], **fields: Any
     ) -> WorkerEvent:
         """Write one event and flush; return it. Raises pydantic.ValidationError if a field
         does not belong to WorkerEvent."""

@@ -259,7 +259,10 @@ class WorkerRun:
                 self._enter(record)
             except RendezvousError as err:
                 self._leave_group()
-                self.events.log(f"could not form generation {record.generation}: {err}")
+                self.events.emit(
+                    "form_failed", failed_generation=record.generation,
+                    message=f"could not form generation {record.generation}: {err}",
+                )
                 record = self._await_generation(newer_than=record.generation)
                 continue
             assert self.membership is not None
@@ -366,7 +369,11 @@ class WorkerRun:
                     LEFT_EXIT_CODE, f"left the job: generation {record.generation} does not name {self.me}"
                 )
             if self.holds_state:
-                self._read(self.board.send_go, record.generation, record.world_size)
+                joiners = {member.key for member in record.members if member.joiner}
+                if not self._await_ready(record.generation, joiners):
+                    newer_than = record.generation
+                    continue
+                self._read(self.board.send_go, record.generation, len(joiners))
                 return record
             self._read(self.board.mark_ready, record.generation, self.me)
             if not record.has_state:
@@ -378,6 +385,22 @@ class WorkerRun:
                 if self._read(self.board.latest_generation) > record.generation:
                     newer_than = record.generation
                     break
+
+    def _await_ready(self, generation: int, joiners: set[str]) -> bool:
+        """A holder of the state waits until every joiner of `generation` said it is ready
+        (a joiner may still be importing torch), so that the group it forms next does not
+        time out on a member that is merely slow. Returns False as soon as a newer generation
+        is published instead: the portal expires a generation whose joiners are not ready by
+        its deadline (elastic.membership.GenerationPhase) and plans one without them."""
+        announced = False
+        while not joiners <= self._read(self.board.ready, generation):
+            if self._read(self.board.latest_generation) > generation:
+                return False
+            if not announced:
+                self._log_any(f"waiting for {len(joiners)} joiner(s) of generation {generation} to warm up")
+                announced = True
+            self._sleep(self.settings.membership_poll_s)
+        return True
 
     def _read(self, call: Callable[..., Any], *args: Any) -> Any:
         """Returns call(*args), a board method, retrying while Redis is away (a stop still ends
@@ -780,4 +803,9 @@ class WorkerRun:
 
     def _log(self, message: str) -> None:
         if self.is_leader:
+            self.events.log(message)
+
+    def _log_any(self, message: str) -> None:
+        """Logs `message` from the lowest-ranked holder only (rank 0 of the last group)."""
+        if self.rank == 0:
             self.events.log(message)
