@@ -1,0 +1,12 @@
+"""Membership generations of a job: the phases of a generation's life (api.GenerationPhase),
+the board on which the portal publishes them and the workers meet (api.Board)."""
+
+from elastic.membership.api import (
+    PHASE_TRANSITIONS,
+    Board,
+    GenerationPhase,
+    InvalidPhaseTransition,
+    check_phase_transition,
+)
+
+__all__ = ["PHASE_TRANSITIONS", "Board", "GenerationPhase", "InvalidPhaseTransition", "check_phase_transition"]
