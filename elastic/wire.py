@@ -66,12 +66,6 @@ class DeviceSample(_Message):
 # --- agent to portal -------------------------------------------------------------------------
 
 
-class NodeRegistration(_Message):
-    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
-    address: str = Field(min_length=1, max_length=255, description="host workers of other nodes reach")
-    backend: str
-    devices: list[DeviceInfo]
-    agent_version: str = "1"
 
 
 class RegistrationReply(_Message):
@@ -136,6 +130,17 @@ class WorkerEvent(WorkerKey):
 class RunningWorker(WorkerKey):
     pid: int
     device_index: int
+
+
+class NodeRegistration(_Message):
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
+    address: str = Field(min_length=1, max_length=255, description="host workers of other nodes reach")
+    backend: str
+    devices: list[DeviceInfo]
+    agent_version: str = "1"
+    running: list[RunningWorker] = Field(
+        default_factory=list, description="workers a restarted agent re-adopted: they train on"
+    )
 
 
 class AgentReport(_Message):

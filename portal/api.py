@@ -57,12 +57,14 @@ def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
 
 
 def _register_routers() -> None:
-    from portal.cluster.api import agent_router, cluster_router
+    from portal.cluster.api import cluster_router
+    from portal.jobs.agents import agent_router, board_router
     from portal.jobs.api import router as jobs_router
     from portal.scheduling.api import router as scheduler_router
 
     api.add_router("/jobs", jobs_router)
     api.add_router("/scheduler", scheduler_router)
+    api.add_router("/", board_router)
     api.add_router("/", cluster_router)
     api.add_router("/agent", agent_router)
 

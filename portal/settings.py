@@ -126,9 +126,18 @@ BUNGEE = {
     "SAMPLE_HISTORY_EVERY_S": env_float("BUNGEE_SAMPLE_HISTORY_EVERY_S", 10.0),
     # A job whose workers fail more often than this is failed instead of restarted.
     "MAX_RESTARTS": env_int("BUNGEE_MAX_RESTARTS", 3),
-    # A resize whose joiners are not all ready this long after it was written gives up on the
-    # ones still warming up (they are stopped) and is planned again without their devices.
-    "JOINER_TIMEOUT_S": env_float("BUNGEE_JOINER_TIMEOUT_S", 300.0),
+    # The deadlines of a generation's phases (portal.jobs.lifecycle, elastic.membership).
+    # Planned -> published: the job's stopping workers must have exited (their agent gives
+    # them 30 s after SIGTERM, then kills them).
+    "PUBLISH_TIMEOUT_S": env_float("BUNGEE_PUBLISH_TIMEOUT_S", 60.0),
+    # Published, a joiner not ready: its start-up (Python, torch, the model) must end; one
+    # still warming up is stopped and the job planned again without its device.
+    "WARMUP_TIMEOUT_S": env_float("BUNGEE_WARMUP_TIMEOUT_S", 120.0),
+    # Published, every joiner ready: the group must form (a worker's rendezvous gives up after
+    # 10 s and says so, which expires the generation at once; this is the bound if none can).
+    "FORM_TIMEOUT_S": env_float("BUNGEE_FORM_TIMEOUT_S", 30.0),
+    # Formed -> settled: leavers gone and rank 0's report in; leavers still there are stopped.
+    "SETTLE_TIMEOUT_S": env_float("BUNGEE_SETTLE_TIMEOUT_S", 60.0),
     # Where jobs keep their periodic checkpoint (shared by agents on one machine).
     "RUN_DIR": str(DATA_DIR / "runs"),
     # First port of the range rendezvous ports are drawn from.

@@ -12,7 +12,7 @@ import pytest
 from django.test import Client
 
 from elastic.wire import AgentReport, WorkerEvent
-from portal.cluster.ingest import ingest_report
+from portal.jobs.agents import ingest_report
 from portal.jobs.models import Job
 from portal.scheduling.cycle import run_cycle
 from tests.conftest import VALID_SPEC

@@ -33,7 +33,7 @@ def test_anonymous_socket_is_refused(db: Any) -> None:
 
 
 def test_samples_and_job_events_reach_the_right_sockets(tokens: dict, api: dict, cluster: Any) -> None:
-    from portal.cluster.ingest import ingest_report
+    from portal.jobs.agents import ingest_report
 
     job_id = api["alice"].post("/api/jobs", VALID_SPEC).json()["id"]
 

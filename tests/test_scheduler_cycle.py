@@ -9,12 +9,14 @@ import time
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from elastic.wire import AgentReport, WorkerEvent, parse_command
-from portal.cluster.ingest import ingest_report
-from portal.jobs.models import Job, ResizeEvent
+from portal.dispatch import board, stream_for
+from portal.jobs import lifecycle
+from portal.jobs.agents import ingest_report
+from portal.jobs.models import Generation, Job, JobLog, ResizeEvent
 from portal.scheduling.cycle import run_cycle
-from portal.scheduling.dispatch import board, stream_for
 from tests.conftest import VALID_SPEC
 
 pytestmark = pytest.mark.django_db
@@ -162,10 +164,12 @@ def test_a_dead_worker_is_planned_out(api: dict, cluster: Any, redis_client: Any
     form(cluster, job, 2)
     report(cluster, event(job, "exited", rank=1, exit_code=-9, reason="failed", device_index=1))
     job.refresh_from_db()
-    assert job.restart_requested and job.restarts == 1 and len(job.failed_devices) == 1
+    lost = lifecycle.current(job)
+    assert lost is not None and lost.phase == "lost" and job.restarts == 1 and len(lost.excluded_devices) == 1
     run_cycle()
     job.refresh_from_db()
-    assert (job.state, job.generation, job.allocations.count(), job.failed_devices) == ("resizing", 2, 1, [])
+    assert (job.state, job.generation, job.allocations.count()) == ("resizing", 2, 1)
+    assert lifecycle.current(job).reason == "a worker exited"
     record = board(job.pk).latest()
     assert record is not None and record.keys() == ["node-a/0"] and record.has_state
     # Once the survivor runs generation 2, the scheduler grows the job again: a new joiner.
@@ -177,30 +181,67 @@ def test_a_dead_worker_is_planned_out(api: dict, cluster: Any, redis_client: Any
 
 
 def test_joiners_that_never_get_ready_are_stopped_and_planned_out(
-    api: dict, cluster: Any, redis_client: Any, settings: Any
+    api: dict, cluster: Any, redis_client: Any
 ) -> None:
-    from portal.scheduling.cycle import expire_stuck_resizes
-
-    job = submit(api)
+    job = submit(api, max_workers=3)
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 2})
     run_cycle()
     job.refresh_from_db()
     for rank in (0, 1):
         report(cluster, event(job, "started", rank=rank, pid=1000 + rank, device_index=rank))
     form(cluster, job, 2)
-    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 3})
+    assert api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 3}).status_code == 200
     run_cycle()
     job.refresh_from_db()
     report(cluster, event(job, "started", rank=2, pid=1002, device_index=2))
-    assert expire_stuck_resizes() == [], "not stuck yet"
-    settings.BUNGEE = {**settings.BUNGEE, "JOINER_TIMEOUT_S": 0.0}
-    assert expire_stuck_resizes() == [job.pk]
+    assert lifecycle.expire_overdue() == [], "not stuck yet"
+    Generation.objects.filter(job=job, number=job.generation).update(deadline_at=timezone.now())
+    assert lifecycle.expire_overdue() == [job.pk]
     stop = commands(redis_client)[-1]
     assert (stop.kind, stop.devices) == ("stop", [2]), "only the joiner that hangs"
-    job.refresh_from_db()
-    assert job.restart_requested and len(job.failed_devices) == 1
+    expired = lifecycle.current(job)
+    assert expired is not None and expired.phase == "expired" and len(expired.excluded_devices) == 1
+    assert "not ready within" in JobLog.objects.filter(job=job).last().line, "the job's log says why"
     run_cycle()
     job.refresh_from_db()
     assert job.allocations.count() == 2 and board(job.pk).latest().keys() == ["node-a/0", "node-a/1"]
+    assert lifecycle.current(job).reason == "a joiner never got ready"
+
+
+def test_a_generation_whose_joiners_are_ready_but_never_forms_expires(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    generation = lifecycle.current(job)
+    assert generation is not None and generation.phase == "published"
+    for key in ("node-a/0", "node-a/1"):
+        board(job.pk).mark_ready(job.generation, key)
+    assert lifecycle.expire_overdue() == [], "every joiner ready: the FORM deadline starts, nothing ends"
+    generation.refresh_from_db()
+    assert generation.ready_at is not None and generation.phase == "published"
+    Generation.objects.filter(pk=generation.pk).update(deadline_at=timezone.now())
+    assert lifecycle.expire_overdue() == [job.pk]
+    generation.refresh_from_db()
+    assert generation.phase == "expired" and generation.end_reason == "its group did not form"
+    assert generation.excluded_devices == [], "every joiner was ready: nobody is left out"
+    run_cycle()
+    job.refresh_from_db()
+    assert job.generation == 2 and lifecycle.current(job).phase == "published"
+
+
+def test_a_member_that_cannot_form_expires_its_generation_at_once(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    report(cluster, event(job, "form_failed", failed_generation=1, message="could not form generation 1: timeout"))
+    assert lifecycle.current(job).phase == "expired"
+    run_cycle()
+    job.refresh_from_db()
+    assert job.generation == 2 and lifecycle.current(job).reason == "its group did not form"
 
 
 def test_owner_return_shrinks_the_job(api: dict, cluster: Any, redis_client: Any) -> None:
@@ -251,15 +292,12 @@ def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, sett
 def test_lost_node_frees_its_devices(api: dict, cluster: Any, redis_client: Any) -> None:
     from datetime import timedelta
 
-    from django.utils import timezone
-
     from portal.cluster.models import Node
-    from portal.scheduling.cycle import mark_lost_nodes
 
     job = submit(api)
     run_cycle()
     Node.objects.filter(pk=cluster.pk).update(last_seen_at=timezone.now() - timedelta(minutes=5))
-    assert mark_lost_nodes() == ["node-a"]
+    assert lifecycle.nodes_lost() == ["node-a"]
     run_cycle()
     job.refresh_from_db()
     assert job.state == "queued" and job.allocations.count() == 0 and job.message == "waiting for devices"

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from elastic.wire import AgentReport, DeviceSample
-from portal.cluster.ingest import ingest_report
 from portal.cluster.models import Device
+from portal.jobs.agents import ingest_report
 from portal.jobs.models import Job
 from portal.scheduling.cycle import run_cycle
 from portal.scheduling.snapshot import build_snapshot

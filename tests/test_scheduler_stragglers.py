@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from portal.dispatch import board
 from portal.jobs.models import Job, ResizeEvent
 from portal.scheduling.cycle import run_cycle
-from portal.scheduling.dispatch import board
 from portal.scheduling.models import SchedulerDecision
 from tests.test_scheduler_cycle import event, form, report, submit
 

@@ -1,5 +1,5 @@
-"""Cluster endpoints for people (state, device history, the workload catalogue) and for agents
-(registration and reports, with an agent token)."""
+"""Cluster endpoints for people: device history and the workload catalogue. The board's view
+(who holds which device) and the agents' endpoints are in portal.jobs.agents."""
 
 from __future__ import annotations
 
@@ -10,23 +10,14 @@ from django.http import HttpRequest
 from django.utils import timezone
 from ninja import Router, Schema
 
-from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
 from elastic.workloads import CATALOGUE
-from portal.auth import agent_auth, user_auth
-from portal.cluster.ingest import ingest_report, register_node
-from portal.cluster.models import Device, DeviceSample, Node
-from portal.cluster.state import cluster_state
+from portal.auth import user_auth
+from portal.cluster.models import Device, DeviceSample
 from portal.errors import ApiError, not_found
 
 cluster_router = Router(auth=user_auth, tags=["cluster"])
-agent_router = Router(auth=agent_auth, tags=["agents"])
 
 MAX_HISTORY_MINUTES = 24 * 60
-
-
-@cluster_router.get("/cluster", summary="Nodes, devices, latest samples and who holds each device")
-def get_cluster(request: HttpRequest) -> dict[str, Any]:
-    return cluster_state()
 
 
 class SampleOut(Schema):
@@ -77,18 +68,3 @@ def workloads(request: HttpRequest) -> list[dict[str, Any]]:
         {"name": w.name, "title": w.title, "description": w.description, "hyperparameters": w.schema()}
         for w in CATALOGUE.values()
     ]
-
-
-@agent_router.post("/register", response=RegistrationReply, summary="An agent registers its node")
-def register(request: HttpRequest, payload: NodeRegistration) -> RegistrationReply:
-    _, reply = register_node(payload)
-    return reply
-
-
-@agent_router.post("/report", summary="An agent's periodic report")
-def report(request: HttpRequest, payload: AgentReport) -> dict[str, bool]:
-    node = Node.objects.filter(name=payload.node).first()
-    if node is None:
-        raise ApiError(409, "unknown_node", f"node {payload.node!r} has not registered; register first")
-    ingest_report(node, payload)
-    return {"ok": True}

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from elastic.membership import GenerationPhase
 from portal.cluster.models import Device, Node
 from portal.jobs.states import JobState, check_transition
 
@@ -33,20 +34,13 @@ class Job(models.Model):
 
     state = models.CharField(max_length=12, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
     message = models.TextField(blank=True, help_text="why it is in its state, for people")
-    generation = models.PositiveIntegerField(default=0, help_text="membership generation")
-    launched_generation = models.PositiveIntegerField(default=0, help_text="the newest generation published")
+    generation = models.PositiveIntegerField(default=0, help_text="the newest membership generation planned")
     active_generation = models.PositiveIntegerField(
         default=0, help_text="the newest generation whose group formed: its workers hold the state"
     )
     master_port = models.PositiveIntegerField(null=True, blank=True)
     pinned_workers = models.PositiveIntegerField(null=True, blank=True, help_text="manual resize")
     pin_problem = models.CharField(max_length=300, blank=True, help_text="why the pin is not met")
-    restart_requested = models.BooleanField(
-        default=False, help_text="plan a new generation even if the devices do not change"
-    )
-    failed_devices = models.JSONField(
-        default=list, blank=True, help_text="ids of devices whose worker died; the next plan leaves them out if it can"
-    )
     restarts = models.PositiveIntegerField(default=0, help_text="generations that lost a worker")
     batch_size = models.PositiveIntegerField(
         null=True, blank=True, help_text="hybrid jobs: the global batch size the scheduler chose"
@@ -144,6 +138,39 @@ class Worker(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["job", "generation", "rank"], name="worker_unique_rank")
         ]
+
+
+class Generation(models.Model):
+    """One membership generation of a job and where it is in its life (the phases, their
+    transitions and deadlines: elastic.membership.GenerationPhase). Written only by
+    portal.jobs.lifecycle."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="generations")
+    number = models.PositiveIntegerField()
+    phase = models.CharField(
+        max_length=12, choices=[(p.value, p.value) for p in GenerationPhase], default=GenerationPhase.PLANNED.value
+    )
+    reason = models.CharField(max_length=40, help_text="why it was planned")
+    deadline_at = models.DateTimeField(null=True, blank=True, help_text="when its current phase expires")
+    planned_at = models.DateTimeField(default=timezone.now)
+    published_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True, help_text="when every joiner was seen ready")
+    formed_at = models.DateTimeField(null=True, blank=True)
+    settled_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    excluded_devices = models.JSONField(
+        default=list, blank=True,
+        help_text="ids of devices whose worker died or never got ready: the next plan leaves them out if it can",
+    )
+    end_reason = models.CharField(max_length=40, blank=True, help_text="lost/expired: why, for the next resize")
+    note = models.TextField(blank=True, help_text="what happened, for people")
+
+    class Meta:
+        ordering = ["job", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="generation_unique_number")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} generation {self.number} ({self.phase})"
 
 
 class ResizeEvent(models.Model):

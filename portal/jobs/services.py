@@ -7,15 +7,15 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.utils import timezone
 
 from elastic.spec import FieldError, SpecError, validate_spec
 from portal.cluster.models import Device, Node
 from portal.errors import ApiError, conflict
+from portal.jobs import lifecycle
 from portal.jobs.models import Job
-from portal.jobs.states import ACTIVE_STATES, JobState
+from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
-from portal.scheduling.trigger import request_schedule
+from portal.trigger import request_schedule
 
 
 def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
@@ -25,19 +25,7 @@ def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
     except SpecError as exc:
         raise ApiError(400, "invalid_spec", f"the job spec has {len(exc.errors)} invalid field(s)", exc.errors) from exc
     with transaction.atomic():
-        job = Job.objects.create(
-            owner=owner,
-            name=spec.name,
-            workload=spec.workload,
-            spec=spec.model_dump(mode="json"),
-            min_workers=spec.min_workers,
-            max_workers=spec.max_workers,
-            priority=spec.priority,
-            consistency=spec.consistency,
-            total_steps=spec.total_steps(),
-            message="waiting for the scheduler",
-        )
-        request_schedule(f"job {job.pk} submitted")
+        job = lifecycle.create_job(owner, spec)
         transaction.on_commit(lambda: broadcast.job_changed(job))
     return job
 
@@ -75,14 +63,7 @@ def request_resize(job: Job, workers: int | None) -> Job:
 def cancel_job(job: Job) -> Job:
     """Cancel a queued or running job: its devices are freed and its workers stopped. Raises
     ApiError 409 if it has already ended."""
-    from portal.scheduling.dispatch import stop_job_workers
-
-    with transaction.atomic():
-        job = Job.objects.select_for_update().get(pk=job.pk)
-        if job.state not in ACTIVE_STATES:
-            raise conflict(f"job {job.pk} is already {job.state}")
-        job.claim(JobState.CANCELLED, finished_at=timezone.now(), message="cancelled by its owner")
-        job.allocations.all().delete()
-        request_schedule(f"job {job.pk} cancelled")
-    stop_job_workers(job.pk, job.generation + 1, "cancel")
+    if job.state not in ACTIVE_STATES or not lifecycle.cancel(job):
+        job.refresh_from_db()
+        raise conflict(f"job {job.pk} is already {job.state}")
     return job

@@ -1,7 +1,8 @@
 """Pushing events to open sockets through the Channels layer. Two kinds of group: `cluster`
 (everyone logged in: device samples, allocations, job summaries) and `job-<id>` (the job's
 owner and staff: progress, logs, state). Sending never fails the caller: live updates are a
-view of the database, and a browser that missed one catches up on its next snapshot."""
+view of the database, and a browser that missed one catches up on its next snapshot. It imports
+no portal app: callers hand it what to send."""
 
 from __future__ import annotations
 
@@ -60,7 +61,6 @@ def job_changed(job: Job) -> None:
                              "pin_problem": job.pin_problem})
 
 
-def allocation_changed() -> None:
-    from portal.cluster.state import allocations
-
-    send(CLUSTER_GROUP, {"type": "allocations", "allocations": allocations()})
+def allocation_changed(allocations: list[dict[str, Any]]) -> None:
+    """Every device held by a job (portal.jobs.lifecycle.allocation_rows) to every board."""
+    send(CLUSTER_GROUP, {"type": "allocations", "allocations": allocations})

@@ -10,6 +10,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from portal.jobs.access import may_manage
+from portal.jobs.board import cluster_state
 from portal.jobs.models import Job
 from portal.live.broadcast import CLUSTER_GROUP, job_group
 
@@ -73,6 +74,4 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
 
     @database_sync_to_async
     def _cluster(self) -> dict[str, Any]:
-        from portal.cluster.state import cluster_state
-
         return cluster_state()

@@ -1,12 +1,13 @@
-"""One scheduling cycle: read the cluster from the database, ask the policy for a plan, write
-what changed as new generations, then publish them (dispatch.publish_generation). Running it
-twice on the same state changes nothing the second time.
+"""One scheduling cycle: snapshot -> policy -> lifecycle.plan(), then lifecycle.publish() for
+every job with a generation to publish. Running it twice on the same state changes nothing the
+second time.
 
-A job changes one generation at a time: while its joiners warm up (or its leavers are still on
-their way out), the plan waits, unless a worker of the job died (then the survivors wait for a
-new generation, which leaves the dead worker's device out if the job can do without it) or a
-device it holds was taken away. The workers that hold the training state keep the lowest ranks,
-so that rank 0, which leads the switch, is a survivor."""
+A job changes one generation at a time: while its newest generation is on its way to forming
+(or its leavers are still on their way out), the plan waits, unless that generation was lost or
+expired (then the job is planned again from the members that are alive, leaving out the devices
+whose worker died or never got ready, if the job can do without them) or a device it holds was
+taken away. The workers that hold the training state keep the lowest ranks, so that rank 0,
+which leads the switch, is a survivor."""
 
 from __future__ import annotations
 
@@ -14,23 +15,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from django.conf import settings
-from django.db import transaction
+from django.db.models import Q
 
 from elastic.scheduling import ClusterSnapshot, Plan
 from portal.cluster.models import Device, Node
-from portal.jobs.models import Allocation, Job, ResizeEvent, Worker
-from portal.jobs.states import ACTIVE_STATES, JobState
+from portal.jobs import lifecycle
+from portal.jobs.models import Generation, Job, Worker
+from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
 from portal.scheduling.decisions import record_decision, store_job_reasons
-from portal.scheduling.dispatch import publish_generation, stop_job_workers, stop_workers_on
 from portal.scheduling.policy import configured_policy, policy_name
 from portal.scheduling.snapshot import build_snapshot
 
 log = logging.getLogger(__name__)
-
-MASTER_PORT_SPAN = 5000
-
 
 @dataclass
 class CycleResult:
@@ -38,33 +35,6 @@ class CycleResult:
     launched_jobs: list[int] = field(default_factory=list)
     decision_ms: float = 0.0
     """How long the policy took to plan."""
-
-
-def _free_port(job: Job, generation: int) -> int:
-    base = settings.BUNGEE["MASTER_PORT_BASE"]
-    taken = set(
-        Job.objects.filter(state__in=ACTIVE_STATES).exclude(pk=job.pk).values_list("master_port", flat=True)
-    )
-    offset = (job.pk * 7 + generation) % MASTER_PORT_SPAN
-    for step in range(MASTER_PORT_SPAN):
-        port = base + (offset + step) % MASTER_PORT_SPAN
-        if port not in taken:
-            return port
-    raise RuntimeError(f"no free rendezvous port in [{base}, {base + MASTER_PORT_SPAN})")
-
-
-def _device_labels(device_ids: tuple[int, ...], names: dict[int, str]) -> list[str]:
-    return [names[d] for d in device_ids]
-
-
-def resize_in_flight(job: Job) -> bool:
-    """Whether the job's newest generation is published but its group has not formed yet, or
-    formed but a leaver is still on its way out (so that no newer plan takes it for a survivor)."""
-    if job.launched_generation == job.generation > job.active_generation:
-        return True
-    allocated = job.allocations.values_list("device__node_id", "device__index")
-    running = Worker.objects.filter(job=job, state=Worker.State.RUNNING).values_list("node_id", "device_index")
-    return bool(set(running) - set(allocated))
 
 
 def _holder_ranks(job_ids: list[int]) -> dict[int, dict[int, int]]:
@@ -79,21 +49,29 @@ def _holder_ranks(job_ids: list[int]) -> dict[int, dict[int, int]]:
     return holders
 
 
-def _target(job: Job, planned: tuple[int, ...], holders: dict[int, int]) -> tuple[int, ...]:
-    """The devices the job gets: the plan, without the devices whose worker died if the job
-    can run without them, the holders of the state first in their current rank order."""
-    kept = tuple(d for d in planned if d not in set(job.failed_devices))
-    target = kept if len(kept) >= job.min_workers else planned
+def _target(planned: tuple[int, ...], generation: Generation | None, min_workers: int,
+            holders: dict[int, int]) -> tuple[int, ...]:
+    """The devices the job gets: the plan, without the devices its lost or expired generation
+    left out (a worker died there, or never got ready) if the job can run without them, the
+    holders of the state first in their current rank order."""
+    excluded = set(generation.excluded_devices) if lifecycle.needs_replan(generation) and generation else set()
+    kept = tuple(d for d in planned if d not in excluded)
+    target = kept if len(kept) >= min_workers else planned
     order = {device: index for index, device in enumerate(target)}
     return tuple(sorted(target, key=lambda d: (0, holders[d]) if d in holders else (1, order[d])))
 
 
-def _resize_reason(job: Job, current: tuple[int, ...], available: set[int], plan: Plan) -> str:
-    """Why the job's membership changes, for its resize history."""
-    if not set(current) <= available:
+def _resize_reason(job: Job, generation: Generation | None, current: tuple[int, ...],
+                   devices: dict[int, Device], plan: Plan) -> str:
+    """Why the job's membership changes, for its resize history: the true cause, first the
+    generation that ended, then a device that went away (its node lost, or its owner back)."""
+    if lifecycle.needs_replan(generation) and generation is not None:
+        return generation.end_reason or str(generation.phase)
+    gone = [devices[d] for d in current if d in devices]
+    if any(not d.present or d.node.state == Node.State.LOST for d in gone):
+        return "node lost"
+    if any(d.owner_present for d in gone):
         return "owner reclaimed a device"
-    if job.restart_requested:
-        return "a worker exited"
     if any(action.job_id == job.pk and action.replacement is not None for action in plan.stragglers):
         return "straggler replaced"
     return "manual resize" if job.pinned_workers is not None else "scheduler"
@@ -120,97 +98,51 @@ def _unblocked(
 
 
 def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> list[int]:
-    """Write the plan: a new generation for every job whose devices change. Returns their ids."""
+    """Write the plan: a new generation for every job whose devices change, or whose newest
+    generation was lost or expired. Returns their ids."""
     current = {view.id: view.current for view in snapshot.jobs}
+    newest = lifecycle.newest_generations(plan.assignments)
     holders = _holder_ranks(list(plan.assignments))
     targets = {
-        job_id: _target(jobs[job_id], planned, holders[job_id]) for job_id, planned in plan.assignments.items()
+        job_id: _target(planned, newest.get(job_id), jobs[job_id].min_workers, holders[job_id])
+        for job_id, planned in plan.assignments.items()
     }
     available = {device.id for device in snapshot.devices if device.available}
+    replan = {job_id for job_id in plan.assignments if lifecycle.needs_replan(newest.get(job_id))}
     changing = [
         job_id
         for job_id, target in targets.items()
-        if (target != current[job_id] or jobs[job_id].restart_requested)
+        if (target != current[job_id] or job_id in replan)
         and (
-            jobs[job_id].restart_requested
-            or not resize_in_flight(jobs[job_id])
+            job_id in replan
+            or not lifecycle.resize_in_flight(jobs[job_id], newest.get(job_id))
             or not set(current[job_id]) <= available  # a device it holds is gone: no waiting
         )
     ]
     changing = _unblocked(changing, targets, current)
     if not changing:
         return []
-    names = {d.pk: str(d) for d in Device.objects.select_related("node").filter(
-        pk__in={d for job_id in changing for d in (*current[job_id], *targets[job_id])}
-    )}
-    changed: list[int] = []
-    with transaction.atomic():
-        locked = {
-            j.pk: j
-            for j in Job.objects.select_for_update().filter(pk__in=changing, state__in=ACTIVE_STATES)
-        }
-        # Only jobs nobody touched since the snapshot; the next cycle handles the others.
-        fresh = _unblocked(
-            [
-                job_id for job_id in changing
-                if job_id in locked and locked[job_id].generation == jobs[job_id].generation
-            ],
-            targets,
-            current,
+    devices = {d.pk: d for d in Device.objects.select_related("node").filter(
+        pk__in={d for job_id in changing for d in current[job_id]})}
+    plans = [
+        lifecycle.GenerationPlan(
+            job_id=job_id,
+            seen_generation=jobs[job_id].generation,
+            devices=targets[job_id],
+            devices_before=current[job_id],
+            reason=_resize_reason(jobs[job_id], newest.get(job_id), current[job_id], devices, plan),
         )
-        Allocation.objects.filter(job_id__in=fresh).delete()
-        for job_id in fresh:
-            job = locked[job_id]
-            target = targets[job_id]
-            generation = job.generation + 1
-            Allocation.objects.bulk_create(
-                Allocation(job=job, device_id=device_id, rank=rank, generation=generation)
-                for rank, device_id in enumerate(target)
-            )
-            has_workers = Worker.objects.filter(job=job, state=Worker.State.RUNNING).exists()
-            reason = _resize_reason(job, current[job_id], available, plan)
-            ResizeEvent.objects.create(
-                job=job,
-                generation=generation,
-                reason=reason,
-                workers_before=len(current[job_id]),
-                workers_after=len(target),
-                devices_before=_device_labels(current[job_id], names),
-                devices_after=_device_labels(target, names),
-            )
-            fields: dict[str, object] = {
-                "generation": generation,
-                "restart_requested": False,
-                "failed_devices": [],
-                "master_port": _free_port(job, generation) if target else None,
-            }
-            if not target:
-                fields["message"] = "waiting for devices"
-                if job.state != JobState.QUEUED:
-                    job.claim(JobState.QUEUED, **fields)
-                else:
-                    Job.objects.filter(pk=job_id).update(**fields)
-            elif job.state in (JobState.RUNNING, JobState.RESIZING):
-                fields["message"] = f"resizing to {len(target)} workers ({reason})"
-                if job.state == JobState.RUNNING:
-                    job.claim(JobState.RESIZING, **fields)
-                else:
-                    Job.objects.filter(pk=job_id).update(**fields)
-            else:
-                waiting = " once its stopping workers are gone" if has_workers else ""
-                fields["message"] = f"starting {len(target)} workers{waiting}"
-                Job.objects.filter(pk=job_id).update(**fields)
-            changed.append(job_id)
-    # After the commit, so that an agent that acts at once finds the generation stored; the
-    # cycle publishes the others (publish_generation).
-    for job_id in changed:
-        if not targets[job_id]:
-            stop_job_workers(job_id, jobs[job_id].generation + 1, "resize")
-    return changed
+        for job_id in changing
+    ]
+    return lifecycle.plan(plans, lambda fresh: _unblocked(fresh, targets, current))
 
 
 def run_cycle() -> CycleResult:
-    """One full cycle; returns which jobs got a new generation and which were launched."""
+    """One full cycle; returns which jobs got a new generation and which were launched. Lost
+    nodes and overdue generations are handled first, whatever asked for the cycle, so that no
+    deadline depends on the beat alone."""
+    lifecycle.nodes_lost()
+    lifecycle.expire_overdue()
     policy = configured_policy()
     snapshot, jobs = build_snapshot()
     started = time.perf_counter()
@@ -219,8 +151,11 @@ def run_cycle() -> CycleResult:
     explained = store_job_reasons(plan, jobs, snapshot)
     result = CycleResult(changed_jobs=apply_plan(plan, jobs, snapshot), decision_ms=decision_ms)
     record_decision(policy_name(), decision_ms, plan, jobs, snapshot, result.changed_jobs)
-    for job_id in Job.objects.filter(state__in=ACTIVE_STATES).values_list("pk", flat=True):
-        if publish_generation(job_id):
+    to_publish = Generation.objects.filter(
+        Q(phase=lifecycle.Phase.PLANNED), job__state__in=ACTIVE_STATES
+    ).values_list("job_id", flat=True)
+    for job_id in sorted(set(to_publish)):
+        if lifecycle.publish(job_id):
             result.launched_jobs.append(job_id)
     if result.changed_jobs:
         log.info("scheduler (%s, %.1f ms): new generations for jobs %s", policy_name(), decision_ms,
@@ -228,60 +163,5 @@ def run_cycle() -> CycleResult:
     for job in Job.objects.filter(pk__in={*result.changed_jobs, *explained}):
         broadcast.job_changed(job)
     if result.changed_jobs:
-        broadcast.allocation_changed()
+        broadcast.allocation_changed(lifecycle.allocation_rows())
     return result
-
-
-def mark_lost_nodes() -> list[str]:
-    """Nodes silent for longer than NODE_TIMEOUT_S become lost, and their workers exited.
-    Returns the names of the nodes this call marked."""
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    deadline = timezone.now() - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
-    lost = list(Node.objects.filter(state=Node.State.ONLINE, last_seen_at__lt=deadline))
-    for node in lost:
-        if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.LOST) == 1:
-            running = Worker.objects.filter(node=node, state=Worker.State.RUNNING)
-            # Their peers elsewhere wait for a generation without them.
-            Job.objects.filter(pk__in=running.values("job_id"), state__in=ACTIVE_STATES).update(
-                restart_requested=True
-            )
-            running.update(state=Worker.State.EXITED, reason="node lost", exited_at=timezone.now())
-            log.warning("node %s lost: no report for %ss", node.name, settings.BUNGEE["NODE_TIMEOUT_S"])
-    return [n.name for n in lost]
-
-
-def expire_stuck_resizes() -> list[int]:
-    """Gives up on joiners that have not become ready JOINER_TIMEOUT_S after their generation
-    was written: they are stopped and the job is planned again without their devices. Returns
-    the ids of the jobs concerned."""
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    deadline = timezone.now() - timedelta(seconds=settings.BUNGEE["JOINER_TIMEOUT_S"])
-    expired = []
-    for job in Job.objects.filter(state__in=ACTIVE_STATES, restart_requested=False):
-        if not resize_in_flight(job):
-            continue
-        if not ResizeEvent.objects.filter(job=job, generation=job.generation, requested_at__lt=deadline).exists():
-            continue
-        stuck = list(
-            Worker.objects.filter(job=job, state=Worker.State.RUNNING, joined_at__isnull=True).select_related("node")
-        )
-        devices = list(
-            Device.objects.filter(node__in=[w.node for w in stuck], index__in=[w.device_index for w in stuck])
-            .values_list("pk", flat=True)
-        )
-        claimed = Job.objects.filter(pk=job.pk, generation=job.generation, restart_requested=False).update(
-            restart_requested=True,
-            failed_devices=devices,
-            message=f"{len(stuck)} joiner(s) not ready after {settings.BUNGEE['JOINER_TIMEOUT_S']:.0f} s; replanning",
-        )
-        if claimed == 1:
-            log.warning("job %s: joiners %s never became ready; replanning without them", job.pk, devices)
-            stop_workers_on(job.pk, stuck, "resize")
-            expired.append(job.pk)
-    return expired

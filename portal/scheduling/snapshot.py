@@ -4,7 +4,7 @@ Each job's throughput curve is learned from what its workers report: rank 0's pr
 give samples per second in each generation, the generation's resize record gives its world size
 and nodes, so each generation is one measured step time at one configuration. Until a job has
 any, its curve is the generic prior (elastic.scheduling.ThroughputModel.prior). Attained service
-is accumulated as progress arrives (portal.cluster.ingest); remaining work is the steps left."""
+is accumulated as progress arrives (portal.jobs.ingest); remaining work is the steps left."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, ThroughputLearner, ThroughputModel
 from elastic.spec import JobSpec
 from elastic.workloads import CATALOGUE
-from portal.cluster.ingest import step_times_key
 from portal.cluster.models import Device, Node
+from portal.jobs.ingest import step_times_key
 from portal.jobs.models import Allocation, Job, JobMetric, ResizeEvent
 from portal.jobs.states import ACTIVE_STATES
 from portal.redis import client

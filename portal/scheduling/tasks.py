@@ -9,7 +9,7 @@ import logging
 from celery import shared_task
 
 from portal.redis import client, key
-from portal.scheduling.cycle import expire_stuck_resizes, mark_lost_nodes, run_cycle
+from portal.scheduling.cycle import run_cycle
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,5 @@ def schedule(reason: str = "") -> dict[str, list[int]]:
 
 @shared_task(name="portal.scheduling.tasks.tick", ignore_result=True)
 def tick() -> None:
-    """The beat: notice lost nodes and joiners that never got ready, then schedule."""
-    mark_lost_nodes()
-    expire_stuck_resizes()
+    """The beat: schedule, which first notices lost nodes and generations past their deadline."""
     schedule("tick")

@@ -9,7 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from portal.cluster.models import Device
-from portal.scheduling.trigger import request_schedule
+from portal.trigger import request_schedule
 
 
 class Command(BaseCommand):

@@ -1,0 +1,60 @@
+"""What agents send, taken apart: the node and its samples go to portal.cluster.ingest, the
+worker events to portal.jobs.ingest, and the node's workers after a (re)start to the lifecycle.
+Also the board's view of the cluster, which needs both."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.http import HttpRequest
+from ninja import Router
+
+from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
+from portal.auth import agent_auth, user_auth
+from portal.cluster.ingest import ingest_samples, node_seen, register_node
+from portal.cluster.models import Node
+from portal.errors import ApiError
+from portal.jobs import lifecycle
+from portal.jobs.board import cluster_state
+from portal.jobs.ingest import ingest_events
+from portal.live import broadcast
+
+board_router = Router(auth=user_auth, tags=["cluster"])
+agent_router = Router(auth=agent_auth, tags=["agents"])
+
+
+def register(registration: NodeRegistration) -> tuple[Node, RegistrationReply]:
+    """The node and its devices, then what becomes of the workers it ran."""
+    with transaction.atomic():
+        node, reply = register_node(registration)
+        lifecycle.node_registered(node, registration.running)
+    broadcast.allocation_changed(lifecycle.allocation_rows())
+    return node, reply
+
+
+def ingest_report(node: Node, report: AgentReport) -> None:
+    node_seen(node)
+    if report.samples:
+        ingest_samples(node, report.samples)
+    ingest_events(node, report.events)
+
+
+@board_router.get("/cluster", summary="Nodes, devices, latest samples and who holds each device")
+def get_cluster(request: HttpRequest) -> dict[str, Any]:
+    return cluster_state()
+
+
+@agent_router.post("/register", response=RegistrationReply, summary="An agent registers its node")
+def register_endpoint(request: HttpRequest, payload: NodeRegistration) -> RegistrationReply:
+    _, reply = register(payload)
+    return reply
+
+
+@agent_router.post("/report", summary="An agent's periodic report")
+def report(request: HttpRequest, payload: AgentReport) -> dict[str, bool]:
+    node = Node.objects.filter(name=payload.node).first()
+    if node is None:
+        raise ApiError(409, "unknown_node", f"node {payload.node!r} has not registered; register first")
+    ingest_report(node, payload)
+    return {"ok": True}

@@ -1,0 +1,47 @@
+"""The cluster as everyone sees it on the board: nodes, devices, their latest sample and which
+job holds each device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from portal.cluster.models import Device, Node
+from portal.cluster.state import device_holder, latest_samples
+from portal.jobs.models import Allocation
+
+
+def cluster_state() -> dict[str, Any]:
+    devices = list(Device.objects.select_related("node").order_by("node__name", "index"))
+    allocation_of = {a.device_id: a for a in Allocation.objects.select_related("job__owner").all()}
+    samples = latest_samples([d.pk for d in devices])
+    nodes: dict[int, dict[str, Any]] = {}
+    for node in Node.objects.all():
+        nodes[node.pk] = {
+            "id": node.pk,
+            "name": node.name,
+            "address": node.address,
+            "backend": node.backend,
+            "state": node.state,
+            "last_seen_at": node.last_seen_at.isoformat(),
+            "devices": [],
+        }
+    for device in devices:
+        allocation = allocation_of.get(device.pk)
+        nodes[device.node_id]["devices"].append(
+            {
+                "id": device.pk,
+                "index": device.index,
+                "name": device.name,
+                "kind": device.kind,
+                "memory_total_bytes": device.memory_total_bytes,
+                "holder": device_holder(device, allocation is not None),
+                "job": None if allocation is None else {
+                    "id": allocation.job_id,
+                    "name": allocation.job.name,
+                    "owner": allocation.job.owner.get_username(),
+                    "rank": allocation.rank,
+                },
+                "sample": samples.get(device.pk),
+            }
+        )
+    return {"nodes": list(nodes.values())}

@@ -1,0 +1,147 @@
+"""Worker events from the agents' reports, translated: lifecycle events (started, joined,
+resized, exited, form_failed) become calls of portal.jobs.lifecycle; progress, logs and step
+times become metrics, log lines and the live data the scheduler's straggler check reads."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from django.db.models import F
+
+from elastic.wire import WorkerEvent
+from portal.cluster.models import Node
+from portal.jobs import lifecycle
+from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent
+from portal.live import broadcast
+from portal.redis import client, key
+
+log = logging.getLogger(__name__)
+
+LOG_LINE_LIMIT = 2000
+SERVICE_GAP_CAP_S = 10.0
+STEP_TIMES_TTL_S = 30
+
+
+def _at(timestamp: float) -> datetime:
+    return datetime.fromtimestamp(timestamp, tz=UTC)
+
+
+def ingest_events(node: Node, events: list[WorkerEvent]) -> None:
+    for event in events:
+        job = Job.objects.select_related("owner").filter(pk=event.job_id).first()
+        if job is None:
+            log.warning("event for unknown job %s from %s", event.job_id, node.name)
+            continue
+        _HANDLERS[event.kind](node, job, event)
+
+
+def _service_since_last_report(job: Job, generation: int, at: datetime) -> float:
+    """Device-seconds the job trained since its previous progress report: the generation's
+    world size times the time between (capped, so that a queued stretch does not count)."""
+    if job.last_progress_at is None:
+        return 0.0
+    seconds = min(max((at - job.last_progress_at).total_seconds(), 0.0), SERVICE_GAP_CAP_S)
+    workers = (
+        ResizeEvent.objects.filter(job=job, generation=generation).values_list("workers_after", flat=True).first()
+    )
+    return seconds * (workers or 0)
+
+
+def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
+    at = _at(event.at)
+    # Survivors report under the generation they train in, which lags the newest one while
+    # joiners warm up; a report of a generation older than the one that formed is late.
+    updated = Job.objects.filter(pk=job.pk, active_generation__lte=event.generation).update(
+        steps_done=event.step or 0,
+        last_loss=event.loss,
+        samples_per_s=event.samples_per_s,
+        global_batch=event.global_batch,
+        learning_rate=event.lr,
+        last_progress_at=at,
+        attained_service_s=F("attained_service_s") + _service_since_last_report(job, event.generation, at),
+    )
+    if updated != 1:
+        return
+    JobMetric.objects.create(
+        job=job,
+        generation=event.generation,
+        step=event.step or 0,
+        epoch=event.epoch,
+        loss=event.loss,
+        samples_per_s=event.samples_per_s,
+        at=at,
+    )
+    broadcast.send(
+        broadcast.job_group(job.pk),
+        {
+            "type": "progress",
+            "job_id": job.pk,
+            "generation": event.generation,
+            "step": event.step,
+            "total_steps": event.total_steps or job.total_steps,
+            "epoch": event.epoch,
+            "loss": event.loss,
+            "samples_per_s": event.samples_per_s,
+            "global_batch": event.global_batch,
+            "learning_rate": event.lr,
+            "at": event.at,
+        },
+    )
+    broadcast.send(
+        broadcast.CLUSTER_GROUP,
+        {"type": "job_progress", "job_id": job.pk, "steps_done": event.step, "total_steps": job.total_steps},
+    )
+
+
+def step_times_key(job_id: int, generation: int, rank: int) -> str:
+    """Redis key of a rank's latest compute times per step (portal.scheduling.snapshot reads it)."""
+    return key("job", job_id, "step-times", generation, rank)
+
+
+def _on_step_times(node: Node, job: Job, event: WorkerEvent) -> None:
+    """A rank's latest compute times per step: kept in Redis (live data, not history) for the
+    scheduler's straggler check."""
+    client().set(
+        step_times_key(job.pk, event.generation, event.rank),
+        json.dumps(event.step_times or []),
+        ex=STEP_TIMES_TTL_S,
+    )
+
+
+def _on_log(node: Node, job: Job, event: WorkerEvent) -> None:
+    line = (event.message or "")[:LOG_LINE_LIMIT]
+    row = JobLog.objects.create(
+        job=job, generation=event.generation, rank=event.rank, at=_at(event.at), line=line
+    )
+    broadcast.send(
+        broadcast.job_group(job.pk),
+        {
+            "type": "log",
+            "id": row.pk,
+            "job_id": job.pk,
+            "rank": event.rank,
+            "generation": event.generation,
+            "line": line,
+            "at": event.at,
+        },
+    )
+
+
+def _on_form_failed(node: Node, job: Job, event: WorkerEvent) -> None:
+    _on_log(node, job, event)
+    lifecycle.form_failed(node, job, event)
+
+
+_HANDLERS: dict[str, Callable[[Node, Job, WorkerEvent], None]] = {
+    "started": lifecycle.worker_started,
+    "joined": lifecycle.worker_joined,
+    "resized": lifecycle.generation_reported,
+    "exited": lifecycle.worker_exited,
+    "form_failed": _on_form_failed,
+    "progress": _on_progress,
+    "log": _on_log,
+    "step_times": _on_step_times,
+}

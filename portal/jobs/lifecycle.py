@@ -1,0 +1,722 @@
+"""The life of a job and of its membership generations, in the database. This module is the only
+writer of `Job.state`, of the job's generation fields (`generation`, `active_generation`,
+`restarts`, `master_port`), of `Generation`, `Allocation` and `Worker` rows. Everything else
+asks it: the scheduling cycle hands it a plan (`plan`), the agents' reports are translated into
+its calls (portal.jobs.ingest), people's actions come through portal.jobs.services, and the tick
+calls `expire_overdue` and `nodes_lost`. What it decides to send goes through portal.dispatch.
+
+A generation's phases, their transitions and what each deadline means are in
+elastic.membership.GenerationPhase. The deadlines, from the settings:
+
+    PUBLISH_TIMEOUT_S  planned -> published: the job's stopping workers must have exited
+    WARMUP_TIMEOUT_S   published, a joiner not ready yet: its start-up (import torch, build the
+                       model) must end
+    FORM_TIMEOUT_S     published, every joiner ready (or none): the group must form
+    SETTLE_TIMEOUT_S   formed -> settled: the leavers must be gone and rank 0 must report
+
+A generation past its deadline is expired (settled, for a formed one whose leavers are then
+stopped) and the job is planned again from the members that are alive. Each passing deadline
+leaves a line in the job's log and message, so the job page says what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from elastic.membership import GenerationPhase, check_phase_transition
+from elastic.spec import JobSpec
+from elastic.wire import LaunchCommand, Member, Membership, RunningWorker, WorkerAssignment, WorkerEvent
+from portal import dispatch
+from portal.cluster.models import Device, Node
+from portal.jobs.models import Allocation, Generation, Job, JobLog, ResizeEvent, Worker
+from portal.jobs.states import ACTIVE_STATES, JobState
+from portal.live import broadcast
+from portal.trigger import request_schedule
+
+log = logging.getLogger(__name__)
+
+Phase = GenerationPhase
+MASTER_PORT_SPAN = 5000
+_OPEN_PHASES = [p.value for p in GenerationPhase if not p.final]
+
+
+def _deadline(name: str) -> datetime:
+    return timezone.now() + timedelta(seconds=settings.BUNGEE[name])
+
+
+def _at(timestamp: float) -> datetime:
+    return datetime.fromtimestamp(timestamp, tz=UTC)
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def current(job: Job) -> Generation | None:
+    """The job's newest generation, or None before its first plan."""
+    return Generation.objects.filter(job=job, number=job.generation).first()
+
+
+def newest_generations(job_ids: Iterable[int]) -> dict[int, Generation]:
+    """Per job of `job_ids` that has been planned, its newest generation."""
+    found: dict[int, Generation] = {}
+    for row in Generation.objects.filter(job_id__in=list(job_ids)).order_by("number"):
+        found[row.job_id] = row
+    return found
+
+
+def needs_replan(generation: Generation | None) -> bool:
+    """Whether a job whose newest generation is `generation` must be planned again even if its
+    devices do not change (a member died, or the generation expired)."""
+    return generation is not None and Phase(generation.phase).needs_replan
+
+
+def leavers(job: Job) -> list[Worker]:
+    """The job's running workers on devices its newest generation does not hold."""
+    allocated = set(job.allocations.values_list("device__node_id", "device__index"))
+    running = Worker.objects.filter(job=job, state=Worker.State.RUNNING).select_related("node")
+    return [row for row in running if (row.node_id, row.device_index) not in allocated]
+
+
+def resize_in_flight(job: Job, generation: Generation | None) -> bool:
+    """Whether the job's newest generation is on its way to forming, or formed but a leaver is
+    still on its way out (so that no newer plan takes it for a survivor)."""
+    if generation is not None and Phase(generation.phase).in_flight and job.allocations.exists():
+        return True  # a generation of no devices (the job waits for some) has nothing to form
+    return bool(leavers(job))
+
+
+def live_workers(job_id: int) -> dict[tuple[int, int], Worker]:
+    """The job's running worker processes by (node id, device index): one row each, the newest."""
+    rows = Worker.objects.filter(job_id=job_id, state=Worker.State.RUNNING).select_related("node")
+    return {(row.node_id, row.device_index): row for row in rows.order_by("generation")}
+
+
+def allocation_rows() -> list[dict[str, Any]]:
+    """Every device held by a job, for the board."""
+    return [
+        {"device_id": a.device_id, "job_id": a.job_id, "rank": a.rank, "generation": a.generation}
+        for a in Allocation.objects.all()
+    ]
+
+
+def run_dir(job: Job) -> str:
+    """The job's checkpoint directory. Named by id and submission time, so that a database
+    that starts over (ids reused) never resumes a job from another job's checkpoint."""
+    return f"{settings.BUNGEE['RUN_DIR']}/job-{job.pk}-{job.created_at:%Y%m%dT%H%M%S%f}"
+
+
+# --- writing: phases -----------------------------------------------------------------------------
+
+
+def move_phase(generation: Generation, target: GenerationPhase, **fields: Any) -> bool:
+    """Moves `generation` to `target` if it is still in the phase this object holds (a
+    conditional UPDATE), setting `fields`. Returns whether this call moved it. Raises
+    InvalidPhaseTransition for a move the phases do not allow."""
+    check_phase_transition(generation.phase, target)
+    if target.final:
+        fields.setdefault("ended_at", timezone.now())
+        fields.setdefault("deadline_at", None)
+    changed = Generation.objects.filter(pk=generation.pk, phase=generation.phase).update(phase=target, **fields)
+    if changed == 1:
+        generation.phase = target
+        for name, value in fields.items():
+            setattr(generation, name, value)
+    return changed == 1
+
+
+def _log(job: Job, generation: int, message: str) -> None:
+    """A line of the platform's own in the job's log (the job page shows it live)."""
+    row = JobLog.objects.create(job=job, generation=generation, rank=0, at=timezone.now(), line=message)
+    broadcast.send(
+        broadcast.job_group(job.pk),
+        {"type": "log", "id": row.pk, "job_id": job.pk, "rank": 0, "generation": generation,
+         "line": message, "at": row.at.timestamp()},
+    )
+
+
+def _end_generation(job: Job, target: GenerationPhase, end_reason: str, note: str,
+                    excluded: Iterable[int] = ()) -> bool:
+    """Moves the job's newest generation, if still open, to `target` (lost or expired), with the
+    devices the next plan should leave out; logs `note` and asks the scheduler to plan again.
+    Returns whether it moved (False: it had ended already; the devices are still added)."""
+    generation = current(job)
+    if generation is None:
+        return False
+    devices = sorted({*generation.excluded_devices, *excluded})
+    if Phase(generation.phase).final:
+        Generation.objects.filter(pk=generation.pk).update(excluded_devices=devices)
+        return False
+    moved = move_phase(generation, target, excluded_devices=devices, end_reason=end_reason[:40], note=note)
+    if moved:
+        log.warning("job %s: %s", job.pk, note)
+        _log(job, generation.number, note)
+        Job.objects.filter(pk=job.pk).update(message=note)
+        request_schedule(f"job {job.pk}: generation {generation.number} {target}")
+    return moved
+
+
+def _maybe_settle(job: Job, generation: Generation, note: str = "") -> None:
+    """A formed generation settles once rank 0 reported the resize and no leaver is left."""
+    if generation.phase != Phase.FORMED or leavers(job):
+        return
+    reported = ResizeEvent.objects.filter(job=job, generation=generation.number, completed_at__isnull=False)
+    if reported.exists() or note:
+        move_phase(generation, Phase.SETTLED, settled_at=timezone.now(), deadline_at=None, note=note)
+
+
+# --- jobs ----------------------------------------------------------------------------------------
+
+
+def create_job(owner: AbstractBaseUser, spec: JobSpec) -> Job:
+    """Stores a validated job, queued, and asks the scheduler to run."""
+    job = Job.objects.create(
+        owner=owner,
+        name=spec.name,
+        workload=spec.workload,
+        spec=spec.model_dump(mode="json"),
+        min_workers=spec.min_workers,
+        max_workers=spec.max_workers,
+        priority=spec.priority,
+        consistency=spec.consistency,
+        total_steps=spec.total_steps(),
+        message="waiting for the scheduler",
+    )
+    request_schedule(f"job {job.pk} submitted")
+    return job
+
+
+def _stop_all(job: Job, reason: str) -> None:
+    nodes = Worker.objects.filter(job=job, state=Worker.State.RUNNING).values_list("node__name", flat=True)
+    dispatch.stop(job.pk, nodes, job.generation + 1, reason)
+
+
+def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
+    """Moves an active job to a final state: its devices are freed, its newest generation ends
+    and its workers are asked to stop. Returns whether this call ended it."""
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.state not in ACTIVE_STATES:
+            return False
+        if not locked.claim(target, finished_at=timezone.now(), **fields):
+            return False
+        locked.allocations.all().delete()
+        generation = current(locked)
+        if generation is not None and not Phase(generation.phase).final:
+            move_phase(generation, Phase.ENDED)
+        request_schedule(f"job {job.pk} {target}")
+    _stop_all(locked, stop_reason)
+    broadcast.job_changed(locked)
+    broadcast.allocation_changed(allocation_rows())
+    job.refresh_from_db()
+    return True
+
+
+def cancel(job: Job) -> bool:
+    """Cancels an active job; returns whether this call did."""
+    return _end(job, JobState.CANCELLED, "cancel", message="cancelled by its owner")
+
+
+def finish(job: Job) -> bool:
+    """A worker trained the last step: the job succeeded."""
+    return _end(job, JobState.SUCCEEDED, "finished", message="trained every step", steps_done=job.total_steps)
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """A new generation for one job, as the scheduling cycle decided it."""
+
+    job_id: int
+    seen_generation: int
+    """The job's generation in the snapshot the plan was made from: a job that moved on since
+    is left for the next cycle."""
+    devices: tuple[int, ...]
+    """Device ids in rank order; empty: the job waits for devices."""
+    devices_before: tuple[int, ...]
+    reason: str
+
+
+def _free_port(job: Job, generation: int) -> int:
+    base = settings.BUNGEE["MASTER_PORT_BASE"]
+    taken = set(
+        Job.objects.filter(state__in=ACTIVE_STATES).exclude(pk=job.pk).values_list("master_port", flat=True)
+    )
+    offset = (job.pk * 7 + generation) % MASTER_PORT_SPAN
+    for step in range(MASTER_PORT_SPAN):
+        port = base + (offset + step) % MASTER_PORT_SPAN
+        if port not in taken:
+            return port
+    raise RuntimeError(f"no free rendezvous port in [{base}, {base + MASTER_PORT_SPAN})")
+
+
+def plan(plans: list[GenerationPlan], unblocked: Callable[[list[int]], list[int]]) -> list[int]:
+    """Writes a new generation for each plan whose job nobody touched since the snapshot and
+    that `unblocked` still lets through (its devices are free). Returns the job ids written."""
+    by_job = {p.job_id: p for p in plans}
+    names = {
+        d.pk: str(d)
+        for d in Device.objects.select_related("node").filter(
+            pk__in={d for p in plans for d in (*p.devices, *p.devices_before)}
+        )
+    }
+    changed: list[int] = []
+    with transaction.atomic():
+        locked = {
+            j.pk: j for j in Job.objects.select_for_update().filter(pk__in=list(by_job), state__in=ACTIVE_STATES)
+        }
+        fresh = unblocked(
+            [job_id for job_id, p in by_job.items() if job_id in locked and locked[job_id].generation == p.seen_generation]
+        )
+        Allocation.objects.filter(job_id__in=fresh).delete()
+        for job_id in fresh:
+            _write_generation(locked[job_id], by_job[job_id], names)
+            changed.append(job_id)
+    for job_id in changed:
+        if not by_job[job_id].devices:
+            _stop_all(locked[job_id], "resize")
+    return changed
+
+
+def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) -> None:
+    number = job.generation + 1
+    before = current(job)
+    if before is not None and not Phase(before.phase).final:
+        move_phase(before, Phase.SUPERSEDED)
+    Generation.objects.create(
+        job=job,
+        number=number,
+        reason=planned.reason[:40],
+        # A job with no devices waits for them: nothing to publish, nothing to expire.
+        deadline_at=_deadline("PUBLISH_TIMEOUT_S") if planned.devices else None,
+    )
+    Allocation.objects.bulk_create(
+        Allocation(job=job, device_id=device_id, rank=rank, generation=number)
+        for rank, device_id in enumerate(planned.devices)
+    )
+    ResizeEvent.objects.create(
+        job=job,
+        generation=number,
+        reason=planned.reason[:40],
+        workers_before=len(planned.devices_before),
+        workers_after=len(planned.devices),
+        devices_before=[names[d] for d in planned.devices_before],
+        devices_after=[names[d] for d in planned.devices],
+    )
+    fields: dict[str, Any] = {
+        "generation": number,
+        "master_port": _free_port(job, number) if planned.devices else None,
+    }
+    if not planned.devices:
+        fields["message"] = "waiting for devices"
+        if job.state != JobState.QUEUED:
+            job.claim(JobState.QUEUED, **fields)
+        else:
+            Job.objects.filter(pk=job.pk).update(**fields)
+    elif job.state in (JobState.RUNNING, JobState.RESIZING):
+        fields["message"] = f"resizing to {len(planned.devices)} workers ({planned.reason})"
+        if job.state == JobState.RUNNING:
+            job.claim(JobState.RESIZING, **fields)
+        else:
+            Job.objects.filter(pk=job.pk).update(**fields)
+    else:
+        has_workers = Worker.objects.filter(job=job, state=Worker.State.RUNNING).exists()
+        waiting = " once its stopping workers are gone" if has_workers else ""
+        fields["message"] = f"starting {len(planned.devices)} workers{waiting}"
+        Job.objects.filter(pk=job.pk).update(**fields)
+
+
+# --- publishing ----------------------------------------------------------------------------------
+
+
+def membership_record(job: Job, allocations: list[Allocation], live: dict[tuple[int, int], Worker]) -> Membership:
+    """The record of the job's newest generation: its allocations in rank order, each member a
+    joiner unless a worker that holds the state runs on its device. A worker that holds the
+    state but is not a member hands it over (the donor) when no member holds it."""
+    holders = sorted((row for row in live.values() if row.joined_at is not None), key=lambda row: row.rank)
+    members = []
+    for allocation in allocations:
+        device: Device = allocation.device
+        row = live.get((device.node_id, device.index))
+        members.append(
+            Member(
+                node=device.node.name,
+                device_index=device.index,
+                address=device.node.address,
+                joiner=row is None or row.joined_at is None,
+            )
+        )
+    donor = None
+    if holders and all(member.joiner for member in members):
+        donor = Member(node=holders[0].node.name, device_index=holders[0].device_index,
+                       address=holders[0].node.address, joiner=False)
+    return Membership(
+        job_id=job.pk,
+        generation=job.generation,
+        master_addr=allocations[0].device.node.address,
+        master_port=job.master_port or settings.BUNGEE["MASTER_PORT_BASE"],
+        members=members,
+        has_state=bool(holders),
+        donor=donor,
+        global_batch=job.batch_size if job.consistency == Job.Consistency.HYBRID else None,
+    )
+
+
+def publish(job_id: int) -> bool:
+    """Publishes the job's newest generation once (planned -> published): its record on the
+    board, then a launch to every node involved. A queued job waits until its old workers
+    (stopping) have exited. Returns whether this call published."""
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None or job.state not in ACTIVE_STATES:
+        return False
+    generation = current(job)
+    if generation is None or generation.phase != Phase.PLANNED:
+        return False
+    live = live_workers(job.pk)
+    if job.state == JobState.QUEUED and live:
+        return False
+    allocations = list(job.allocations.select_related("device__node").order_by("rank"))
+    if not allocations or any(a.generation != job.generation for a in allocations):
+        return False
+    record = membership_record(job, allocations, live)
+    joiners = [m for m in record.members if m.joiner]
+    with transaction.atomic():
+        if not move_phase(
+            generation,
+            Phase.PUBLISHED,
+            published_at=timezone.now(),
+            deadline_at=_deadline("WARMUP_TIMEOUT_S" if joiners else "FORM_TIMEOUT_S"),
+        ):
+            return False
+        if job.state == JobState.QUEUED:
+            job.claim(JobState.RUNNING, started_at=job.started_at or timezone.now(), message="workers starting")
+    nodes: dict[str, tuple[list[WorkerAssignment], list[int]]] = {}
+    for row in live.values():
+        nodes.setdefault(row.node.name, ([], []))
+    for rank, allocation in enumerate(allocations):
+        device = allocation.device
+        starting, members = nodes.setdefault(device.node.name, ([], []))
+        members.append(device.index)
+        if (device.node_id, device.index) not in live:
+            starting.append(WorkerAssignment(rank=rank, device_index=device.index))
+    launches = {
+        node_name: LaunchCommand(
+            job_id=job.pk,
+            generation=job.generation,
+            world_size=len(allocations),
+            master_addr=record.master_addr,
+            master_port=record.master_port,
+            workers=starting,
+            members=members,
+            spec=job.spec,
+            run_dir=run_dir(job),
+            coordination_key=dispatch.board(job.pk).key,
+        )
+        for node_name, (starting, members) in nodes.items()
+    }
+    dispatch.publish(record, launches)
+    log.info("job %s: published generation %s on %s (%s to start)", job.pk, job.generation,
+             record.keys(), sum(len(starting) for starting, _ in nodes.values()))
+    broadcast.job_changed(job)
+    return True
+
+
+# --- what the workers report ---------------------------------------------------------------------
+
+
+def _running_row(node: Node, job: Job, event: WorkerEvent, **fields: Any) -> None:
+    """Writes the row of `event`'s worker in its generation as running, with `fields`."""
+    Worker.objects.update_or_create(
+        job=job,
+        generation=event.generation,
+        rank=event.rank,
+        defaults={
+            "node": node,
+            "device_index": event.device_index or 0,
+            "pid": event.pid,
+            "state": Worker.State.RUNNING,
+            **fields,
+        },
+    )
+
+
+def worker_started(node: Node, job: Job, event: WorkerEvent) -> None:
+    """The agent spawned a joiner; it warms up."""
+    _running_row(node, job, event, started_at=_at(event.at))
+
+
+def worker_joined(node: Node, job: Job, event: WorkerEvent) -> None:
+    """A worker formed generation `event.generation` as rank `event.rank`: a joiner that got the
+    state, or a survivor that switched (its older row becomes `switched`, same pid). The first
+    one to say so forms the generation (published -> formed)."""
+    at = _at(event.at)
+    earlier = Worker.objects.filter(
+        job=job, node=node, pid=event.pid, state=Worker.State.RUNNING, generation__lt=event.generation
+    )
+    first = earlier.order_by("generation").first()
+    earlier.update(state=Worker.State.SWITCHED)
+    _running_row(node, job, event, started_at=first.started_at if first is not None else at, joined_at=at)
+    Job.objects.filter(pk=job.pk, active_generation__lt=event.generation).update(
+        active_generation=event.generation
+    )
+    generation = Generation.objects.filter(job=job, number=event.generation).first()
+    if generation is not None and generation.phase == Phase.PUBLISHED:
+        move_phase(generation, Phase.FORMED, formed_at=at, deadline_at=_deadline("SETTLE_TIMEOUT_S"))
+
+
+def generation_reported(node: Node, job: Job, event: WorkerEvent) -> None:
+    """Rank 0's account of a generation taking over (its pause, phases, bytes moved): the
+    resize is complete, and the job runs again."""
+    ResizeEvent.objects.filter(job=job, generation=event.generation).update(
+        completed_at=_at(event.at),
+        pause_s=event.pause_s,
+        step=event.step,
+        members_before=event.members_before or [],
+        members_after=event.members_after or [],
+        bytes_moved=event.bytes_moved,
+        phases=event.phases or {},
+    )
+    job.refresh_from_db()
+    if event.generation != job.generation:
+        return  # a newer generation is under way
+    generation = current(job)
+    if generation is not None:
+        _maybe_settle(job, generation)
+    message = f"running on {job.allocations.count()} workers"
+    if job.state == JobState.RESIZING:
+        job.claim(JobState.RUNNING, message=message)
+    elif job.state == JobState.RUNNING:
+        Job.objects.filter(pk=job.pk).update(message=message)
+    broadcast.job_changed(job)
+
+
+def form_failed(node: Node, job: Job, event: WorkerEvent) -> None:
+    """A member could not form its generation's group in time: if that is still the job's
+    newest generation and has not formed, it expires at once."""
+    number = event.failed_generation
+    generation = Generation.objects.filter(job=job, number=number).first()
+    if number != job.generation or generation is None or generation.phase != Phase.PUBLISHED:
+        return
+    _end_generation(
+        job, Phase.EXPIRED, "its group did not form",
+        f"generation {number} expired: {event.message or 'its group did not form'}; planning again",
+    )
+
+
+def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
+    """A worker process is gone. The last step trained: the job succeeded. A crash: the newest
+    generation is lost (the survivors hold the state of the last step) and the job is planned
+    again without the device, if it can do without it. A worker that left although its device
+    is still the job's: planned again, with a new worker there."""
+    row = Worker.objects.filter(job=job, generation=event.generation, rank=event.rank).first()
+    was_running = row is not None and row.state == Worker.State.RUNNING
+    Worker.objects.update_or_create(
+        job=job,
+        generation=event.generation,
+        rank=event.rank,
+        defaults={
+            "node": node,
+            "device_index": event.device_index or 0,
+            "state": Worker.State.EXITED,
+            "exit_code": event.exit_code,
+            "reason": event.reason or "",
+            "exited_at": _at(event.at),
+        },
+    )
+    device = Device.objects.filter(node=node, index=event.device_index).values_list("pk", flat=True).first()
+    if job.state in ACTIVE_STATES and event.reason == "completed":
+        finish(job)
+    elif job.state in ACTIVE_STATES and was_running and event.reason == "failed":
+        _worker_failed(job, event, device)
+    elif job.state in (JobState.RUNNING, JobState.RESIZING) and was_running and device is not None:
+        held = job.allocations.filter(device_id=device).exists()
+        replaced = Worker.objects.filter(
+            job=job, node=node, device_index=event.device_index, state=Worker.State.RUNNING
+        ).exists()
+        if held and not replaced:
+            _end_generation(
+                job, Phase.LOST, "a worker exited",
+                f"worker on {node.name}/{event.device_index} {event.reason} although its device is still "
+                f"the job's; planning again",
+            )
+    generation = current(job)
+    if generation is not None:
+        _maybe_settle(job, generation)
+    publish(job.pk)
+
+
+def _worker_failed(job: Job, event: WorkerEvent, device: int | None) -> None:
+    """Every generation a failure ends counts once towards MAX_RESTARTS."""
+    what = f"worker rank {event.rank} of generation {event.generation} failed (exit code {event.exit_code})"
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(pk=job.pk)
+        if locked.state not in ACTIVE_STATES:
+            return
+        first = _end_generation(
+            locked, Phase.LOST, "a worker exited", f"{what}; planning again without it",
+            [device] if device is not None else [],
+        )
+        if not first:
+            return
+        locked.restarts += 1
+        Job.objects.filter(pk=job.pk).update(restarts=locked.restarts)
+    if locked.restarts > settings.BUNGEE["MAX_RESTARTS"]:
+        _end(locked, JobState.FAILED, "finished", message=f"{what}; gave up after {locked.restarts - 1} restarts")
+    broadcast.job_changed(locked)
+
+
+# --- nodes ---------------------------------------------------------------------------------------
+
+
+def _workers_gone(rows: QuerySet[Worker], reason: str, end_reason: str, note: str) -> list[int]:
+    """Marks `rows` exited with `reason`; the newest generation of each active job they served
+    is lost, leaving their devices out of the next plan. Returns those jobs' ids."""
+    rows = rows.filter(state=Worker.State.RUNNING).select_related("node")
+    devices: dict[int, set[int]] = {}
+    for row in rows:
+        device = Device.objects.filter(node=row.node, index=row.device_index).values_list("pk", flat=True).first()
+        devices.setdefault(row.job_id, set()).update([device] if device is not None else [])
+    rows.update(state=Worker.State.EXITED, reason=reason, exited_at=timezone.now())
+    for job in Job.objects.filter(pk__in=list(devices), state__in=ACTIVE_STATES):
+        _end_generation(job, Phase.LOST, end_reason, note, devices[job.pk])
+    return list(devices)
+
+
+def node_registered(node: Node, adopted: list[RunningWorker]) -> None:
+    """The node's agent (re)started. Its workers that it did not re-adopt are gone; a job with
+    devices on the node whose workers there were not all re-adopted is planned again (a launch
+    sent while the agent was away may be lost)."""
+    kept = {(w.job_id, w.generation, w.rank, w.pid) for w in adopted}
+    running = Worker.objects.filter(node=node, state=Worker.State.RUNNING)
+    gone = [row.pk for row in running if (row.job_id, row.generation, row.rank, row.pid) not in kept]
+    note = f"the agent of {node.name} restarted without its workers; planning again"
+    touched = set(_workers_gone(Worker.objects.filter(pk__in=gone), "agent restarted", "agent restarted", note))
+    adopted_jobs = {w.job_id for w in adopted}
+    for job in Job.objects.filter(state__in=ACTIVE_STATES, allocations__device__node=node).distinct():
+        if job.pk not in touched and job.pk not in adopted_jobs:
+            _end_generation(job, Phase.LOST, "agent restarted", note)
+
+
+def node_lost(node: Node) -> list[int]:
+    """The node is gone, its workers with it. Returns the jobs planned again."""
+    note = f"node {node.name} lost: no report for {settings.BUNGEE['NODE_TIMEOUT_S']:.0f} s; planning again"
+    return _workers_gone(Worker.objects.filter(node=node), "node lost", "node lost", note)
+
+
+# --- deadlines -----------------------------------------------------------------------------------
+
+
+def _joiner_devices(job: Job, record: Membership | None) -> dict[str, int]:
+    """The joiners of the job's newest generation: member key -> device id."""
+    if record is None:
+        return {}
+    keys = {m.key for m in record.members if m.joiner}
+    found = {}
+    for allocation in job.allocations.select_related("device__node"):
+        key = f"{allocation.device.node.name}/{allocation.device.index}"
+        if key in keys:
+            found[key] = allocation.device_id
+    return found
+
+
+def expire_overdue() -> list[int]:
+    """Ends every open generation whose phase is past its deadline (see the module docstring).
+    A published one whose joiners all became ready gets the FORM deadline from then. Returns
+    the ids of the jobs concerned."""
+    now = timezone.now()
+    touched = []
+    open_generations = Generation.objects.filter(
+        job__state__in=ACTIVE_STATES, phase__in=_OPEN_PHASES, deadline_at__isnull=False
+    ).select_related("job")
+    for generation in open_generations:
+        job = generation.job
+        if generation.number != job.generation:
+            continue
+        if generation.phase == Phase.PUBLISHED:
+            board = dispatch.board(job.pk)
+            joiners = _joiner_devices(job, board.record(generation.number))
+            ready = board.ready(generation.number)
+            if generation.ready_at is None and set(joiners) <= ready:
+                Generation.objects.filter(pk=generation.pk).update(
+                    ready_at=now, deadline_at=min(generation.deadline_at, _deadline("FORM_TIMEOUT_S"))
+                )
+                continue
+            if generation.deadline_at > now:
+                continue
+            late = {key: device for key, device in joiners.items() if key not in ready}
+            _expire_published(job, generation, late)
+        elif generation.deadline_at <= now:
+            if generation.phase == Phase.PLANNED:
+                _end_generation(
+                    job, Phase.EXPIRED, "stopping workers did not exit",
+                    f"generation {generation.number} expired: the job's stopping workers did not exit within "
+                    f"{settings.BUNGEE['PUBLISH_TIMEOUT_S']:.0f} s; stopping them again",
+                )
+                _stop_all(job, "resize")
+            elif generation.phase == Phase.FORMED:
+                _settle_overdue(job, generation)
+            else:
+                continue
+        else:
+            continue
+        touched.append(job.pk)
+    return touched
+
+
+def _expire_published(job: Job, generation: Generation, late: dict[str, int]) -> None:
+    if late:
+        what = (f"{len(late)} joiner(s) ({', '.join(sorted(late))}) not ready within "
+                f"{settings.BUNGEE['WARMUP_TIMEOUT_S']:.0f} s")
+        end_reason = "a joiner never got ready"
+    else:
+        what = f"the group did not form within {settings.BUNGEE['FORM_TIMEOUT_S']:.0f} s of its joiners being ready"
+        end_reason = "its group did not form"
+    _end_generation(job, Phase.EXPIRED, end_reason,
+                    f"generation {generation.number} expired: {what}; planning again without them",
+                    late.values())
+    stuck = list(Worker.objects.filter(job=job, state=Worker.State.RUNNING, joined_at__isnull=True)
+                 .select_related("node"))
+    per_node: dict[str, list[int]] = {}
+    for worker in stuck:
+        if f"{worker.node.name}/{worker.device_index}" in late:
+            per_node.setdefault(worker.node.name, []).append(worker.device_index)
+    dispatch.stop_devices(job.pk, per_node, generation.number + 1, "resize")
+
+
+def _settle_overdue(job: Job, generation: Generation) -> None:
+    """A formed generation whose leavers linger (or whose report never came) settles at its
+    deadline; the leavers still running are stopped."""
+    lingering = leavers(job)
+    per_node: dict[str, list[int]] = {}
+    for worker in lingering:
+        per_node.setdefault(worker.node.name, []).append(worker.device_index)
+    dispatch.stop_devices(job.pk, per_node, generation.number, "resize")
+    note = (f"generation {generation.number} settled at its deadline "
+            f"({settings.BUNGEE['SETTLE_TIMEOUT_S']:.0f} s after it formed)"
+            + (f"; stopping {len(lingering)} leaver(s) still running" if lingering else ""))
+    if move_phase(generation, Phase.SETTLED, settled_at=timezone.now(), deadline_at=None, note=note):
+        _log(job, generation.number, note)
+
+
+def nodes_lost() -> list[str]:
+    """Nodes silent for longer than NODE_TIMEOUT_S become lost, and their workers gone.
+    Returns the names of the nodes this call marked."""
+    deadline = timezone.now() - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
+    marked = []
+    for node in Node.objects.filter(state=Node.State.ONLINE, last_seen_at__lt=deadline):
+        if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.LOST) == 1:
+            log.warning("node %s lost: no report for %ss", node.name, settings.BUNGEE["NODE_TIMEOUT_S"])
+            node_lost(node)
+            marked.append(node.name)
+    return marked
