@@ -30,6 +30,7 @@ SPEC = {
     "hyperparameters": {"batch_size": BATCH, "hidden": 128},
 }
 ENDLESS = 10_000_000
+WARMUP_TIMEOUT_S = 40
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory, record: Path) -> Any:
         # These tests are about the runtime: with the fair policy no straggler or locality move
         # adds a generation of its own (the bungee policy's moves have their own tests).
         "BUNGEE_POLICY": "fair",
+        # A joiner that hangs is given up on after this (a loaded machine starts one in 15-20 s).
+        "BUNGEE_WARMUP_TIMEOUT_S": str(WARMUP_TIMEOUT_S),
     }
     with running_platform(tmp_path_factory.mktemp("platform"), {"node-a": 2, "node-b": 1}, env) as running:
         alice = running.api("alice")
@@ -75,7 +78,9 @@ def live_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
     return [w for w in job["workers_history"] if w["state"] == "running"]
 
 
-def settled(platform: Platform, job_id: int, workers: int, after_generation: int = 0) -> dict[str, Any]:
+def settled(
+    platform: Platform, job_id: int, workers: int, after_generation: int = 0, timeout_s: float = 120
+) -> dict[str, Any]:
     """Waits until the job runs on `workers` workers of a generation newer than `after_generation`
     that formed, with no resize pending and no leaver left; returns the job."""
 
@@ -92,7 +97,7 @@ def settled(platform: Platform, job_id: int, workers: int, after_generation: int
         )
         return job if done else None
 
-    return platform.wait_for(f"job {job_id} settled on {workers} workers", check, timeout_s=120)
+    return platform.wait_for(f"job {job_id} settled on {workers} workers", check, timeout_s=timeout_s)
 
 
 def assert_true_allocation(job: dict[str, Any]) -> None:
@@ -215,6 +220,51 @@ def test_a_joiner_killed_while_warming_up(platform: Platform, record: Path) -> N
     cancel(platform, job_id)
     Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, virtual_workers=3)
     assert loss_fell(platform, job_id)
+
+
+def test_a_joiner_that_hangs_while_warming_up_is_expired(platform: Platform, record: Path) -> None:
+    job_id = submit(platform, 2)
+    job = settled(platform, job_id, 2)
+    survivors = {row["pid"] for row in live_rows(job)}
+    pin(platform, job_id, 3)
+
+    def joiner() -> dict[str, Any] | None:
+        rows = [row for row in live_rows(detail(platform, job_id)) if row["pid"] not in survivors]
+        return rows[0] if rows else None
+
+    hung = platform.wait_for("the joiner to start", joiner, every_s=0.05)
+    os.kill(hung["pid"], signal.SIGSTOP)  # alive, but it never answers again
+    try:
+        hung_at = detail(platform, job_id)
+        line = platform.wait_for(
+            "the generation to expire",
+            lambda: [entry for entry in logs(platform, job_id) if "not ready within" in entry],
+            timeout_s=WARMUP_TIMEOUT_S + 30,
+        )
+        assert f"generation {hung_at['generation']} expired" in line[0]
+        # The survivors trained on meanwhile; the device comes back with a new joiner once the
+        # agent has killed the hung one (SIGTERM cannot reach a stopped process; SIGKILL does).
+        steps_past(platform, job_id, hung_at["steps_done"] + 50)
+        job = settled(platform, job_id, 3, hung_at["generation"], timeout_s=150)
+    finally:
+        if _alive(hung["pid"]):
+            os.kill(hung["pid"], signal.SIGCONT)
+    assert survivors <= {row["pid"] for row in live_rows(job)} and hung["pid"] not in {
+        row["pid"] for row in live_rows(job)
+    }
+    assert job["restarts"] == 0, "a joiner planned out is no failure of the job"
+    assert "a joiner never got ready" in [r["reason"] for r in job["resizes"]]
+    assert_true_allocation(job)
+    cancel(platform, job_id)
+    Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, virtual_workers=3)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_survivor_killed_mid_step(platform: Platform, record: Path) -> None:

@@ -535,9 +535,14 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         },
     )
     device = Device.objects.filter(node=node, index=event.device_index).values_list("pk", flat=True).first()
+    # A death matters to the job if the worker was a member of its newest generation or held
+    # the state; a joiner already planned out (one that hung while warming up) does not.
+    mattered = was_running and row is not None and (
+        row.joined_at is not None or job.allocations.filter(device_id=device).exists()
+    )
     if job.state in ACTIVE_STATES and event.reason == "completed":
         finish(job)
-    elif job.state in ACTIVE_STATES and was_running and event.reason == "failed":
+    elif job.state in ACTIVE_STATES and mattered and event.reason == "failed":
         _worker_failed(job, event, device)
     elif job.state in (JobState.RUNNING, JobState.RESIZING) and was_running and device is not None:
         held = job.allocations.filter(device_id=device).exists()
