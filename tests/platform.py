@@ -49,6 +49,17 @@ class Platform:
             "--name", name, "--devices", str(devices), "--backend", "simulated",
         )
 
+    def restart_agent(self, name: str, devices: int) -> None:
+        """SIGKILLs the agent `name` (its workers, in sessions of their own, are not signalled)
+        and starts it again as `start_agent` does, as a crashed agent that comes back would be.
+        Its log goes on in the same file. Raises StopIteration if no agent of that name runs."""
+        old = next(p for p in self.group.processes if p.name == f"agent-{name}")
+        old.process.kill()
+        old.process.wait(10)
+        old.log_file.close()
+        self.group.processes.remove(old)
+        self.start_agent(name, devices)
+
     def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = 60, every_s: float = 0.3) -> Any:
         """Polls `check` until it returns something truthy; returns that. Fails with the
         platform's logs if it does not happen in time or a process died."""
