@@ -1,11 +1,13 @@
 """Cluster endpoints for people (state, device history, the workload catalogue) and for agents
-(registration and reports, with an agent token)."""
+(registration and reports, with an agent token, each for the one node it registered: see
+portal.cluster.binding)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
 
+from django.db import transaction
 from django.http import HttpRequest
 from django.utils import timezone
 from ninja import Router, Schema
@@ -13,8 +15,9 @@ from ninja import Router, Schema
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
 from elastic.workloads import CATALOGUE
 from portal.auth import agent_auth, user_auth
+from portal.cluster.binding import bind, check_claim, reporting_node
 from portal.cluster.ingest import ingest_report, register_node
-from portal.cluster.models import Device, DeviceSample, Node
+from portal.cluster.models import Device, DeviceSample
 from portal.cluster.state import cluster_state
 from portal.errors import ApiError, not_found
 
@@ -81,14 +84,20 @@ def workloads(request: HttpRequest) -> list[dict[str, Any]]:
 
 @agent_router.post("/register", response=RegistrationReply, summary="An agent registers its node")
 def register(request: HttpRequest, payload: NodeRegistration) -> RegistrationReply:
-    _, reply = register_node(payload)
+    """The first registration with a token claims the node's name for it; 403 if another token
+    holds the name or this token serves another node."""
+    token = request.api_token  # type: ignore[attr-defined]
+    with transaction.atomic():
+        check_claim(payload.name, token)
+        node, reply = register_node(payload)
+        bind(node, token)
     return reply
 
 
 @agent_router.post("/report", summary="An agent's periodic report")
 def report(request: HttpRequest, payload: AgentReport) -> dict[str, bool]:
-    node = Node.objects.filter(name=payload.node).first()
-    if node is None:
-        raise ApiError(409, "unknown_node", f"node {payload.node!r} has not registered; register first")
+    """403 if the report names a node other than the token's; 409 "unknown_node" if the token
+    has not registered it and no other token holds it (the agent then registers)."""
+    node = reporting_node(payload.node, request.api_token)  # type: ignore[attr-defined]
     ingest_report(node, payload)
     return {"ok": True}
