@@ -141,8 +141,34 @@ def _ingest_event(node: Node, event: WorkerEvent) -> None:
     if job is None:
         log.warning("event for unknown job %s from %s", event.job_id, node.name)
         return
+    if not _worker_is_on(node, job, event):
+        return
     handler = _EVENT_HANDLERS[event.kind]
     handler(node, job, event)
+
+
+_WORKER_ROW_EVENTS = frozenset({"started", "joined", "exited"})
+
+
+def _worker_is_on(node: Node, job: Job, event: WorkerEvent) -> bool:
+    """False, with a warning, for an event that writes a worker's row when the database places
+    that worker (its job, generation and rank) on another node: a node speaks only for its own
+    workers, and must not move or end another node's."""
+    if event.kind not in _WORKER_ROW_EVENTS:
+        return True
+    elsewhere = (
+        Worker.objects.filter(job=job, generation=event.generation, rank=event.rank)
+        .exclude(node=node)
+        .select_related("node")
+        .first()
+    )
+    if elsewhere is None:
+        return True
+    log.warning(
+        "ignored a %r event from %s for job %s generation %s rank %s: that worker is on %s",
+        event.kind, node.name, job.pk, event.generation, event.rank, elsewhere.node.name,
+    )
+    return False
 
 
 def _running_row(node: Node, job: Job, event: WorkerEvent, **fields: Any) -> None:
