@@ -1,5 +1,6 @@
 """API authentication: a session (browsers; ninja checks CSRF for it) or a bearer token
-(scripts use a user token, agents an agent token)."""
+(scripts use a user token, agents an agent token). A user token on an agent endpoint is
+refused with 403: it is a valid token, just not one that may speak for a node."""
 
 from __future__ import annotations
 
@@ -11,18 +12,30 @@ from django.utils import timezone
 from ninja.security import HttpBearer, django_auth
 
 from portal.accounts.models import ApiToken
+from portal.errors import forbidden
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
 class TokenAuth(HttpBearer):
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, refuse_other_roles: bool = False) -> None:
+        """`refuse_other_roles`: a valid token of another role gets 403 rather than falling
+        through to the next authenticator (and a 401)."""
         super().__init__()
-        self.role = role
+        self.role = str(role)
+        self.refuse_other_roles = refuse_other_roles
 
     def authenticate(self, request: HttpRequest, token: str) -> Any:
+        """The token's user, or None (401) for an unknown token. Raises ApiError 403 for a
+        token of another role where `refuse_other_roles`."""
         found = ApiToken.lookup(token)
-        if found is None or found.role != self.role:
+        if found is None:
+            return None
+        if found.role != self.role:
+            if self.refuse_other_roles:
+                raise forbidden(
+                    f"this token's role is {found.role!r}; this endpoint takes a token of role {self.role!r}"
+                )
             return None
         now = timezone.now()
         if found.last_used_at is None or now - found.last_used_at > LAST_USED_RESOLUTION:
@@ -33,4 +46,4 @@ class TokenAuth(HttpBearer):
 
 
 user_auth = [TokenAuth(ApiToken.Role.USER), django_auth]
-agent_auth = TokenAuth(ApiToken.Role.AGENT)
+agent_auth = TokenAuth(ApiToken.Role.AGENT, refuse_other_roles=True)

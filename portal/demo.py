@@ -99,8 +99,9 @@ def main() -> None:
         print("migrating the database…")
         group.run("manage.py", "migrate", "--noinput")
         group.run("manage.py", "ensure_user", DEMO_USER, "--password", DEMO_PASSWORD, "--staff")
+        node_name = socket.gethostname().split(".")[0] or "node-1"
         agent_token = group.run("manage.py", "create_token", DEMO_USER, "--role", "agent",
-                                "--label", "demo agent").strip()
+                                "--label", f"agent of {node_name}", "--replace").strip()
         user_token = group.run("manage.py", "create_token", DEMO_USER, "--label", "demo script").strip()
         commands = platform_commands(args.port, os.environ.get("BUNGEE_CELERY_QUEUE", "bungee"), data_dir)
         for name, command in commands.items():
@@ -108,8 +109,8 @@ def main() -> None:
         base = f"http://127.0.0.1:{args.port}"
         _wait_http(base + "/login/", 60, group)
         group.python(
-            "agent", "-m", "agent", "--portal", base, "--token", agent_token, "--name",
-            socket.gethostname().split(".")[0] or "node-1", "--devices", str(args.devices),
+            "agent", "-m", "agent", "--portal", base, "--token", agent_token, "--name", node_name,
+            "--devices", str(args.devices),
         )
         if not args.no_jobs:
             for spec in EXAMPLE_JOBS:

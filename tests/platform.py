@@ -44,8 +44,16 @@ class Platform:
         )
 
     def start_agent(self, name: str, devices: int) -> None:
+        """Starts node `name`'s agent with `devices` simulated devices and an agent token of its
+        own, `tokens["agent-NAME"]`, made the first time (an agent token serves one node)."""
+        token = self.tokens.get(f"agent-{name}")
+        if token is None:
+            token = self.group.run(
+                "manage.py", "create_token", "alice", "--role", "agent", "--label", f"agent of {name}"
+            ).strip()
+            self.tokens[f"agent-{name}"] = token
         self.group.python(
-            f"agent-{name}", "-m", "agent", "--portal", self.base_url, "--token", self.tokens["agent"],
+            f"agent-{name}", "-m", "agent", "--portal", self.base_url, "--token", token,
             "--name", name, "--devices", str(devices), "--backend", "simulated",
         )
 
@@ -107,7 +115,6 @@ def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str
         for user in ("alice", "bob"):
             group.run("manage.py", "ensure_user", user, "--password", f"{user}-pass")
             tokens[user] = group.run("manage.py", "create_token", user).strip()
-        tokens["agent"] = group.run("manage.py", "create_token", "alice", "--role", "agent").strip()
         for name, command in platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp).items():
             group.python(name, *command)
         platform = Platform(f"http://127.0.0.1:{port}", group, tokens, env)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from portal.cluster.models import Node
 from portal.jobs.models import Job
 from tests.conftest import VALID_SPEC
 
@@ -60,8 +61,17 @@ def test_anonymous_and_bad_tokens_are_refused(api: dict, path: str) -> None:
 
 
 def test_user_token_cannot_act_as_agent(api: dict) -> None:
+    """A user token is a valid token, just not one that may speak for a node: 403, not 401."""
     body = {"name": "evil", "address": "1.2.3.4", "backend": "simulated", "devices": []}
-    assert api["alice"].post("/api/agent/register", body).status_code == 401
+    report = {"node": "evil", "samples": [], "events": [], "running": []}
+    for path, payload in (("/api/agent/register", body), ("/api/agent/report", report)):
+        for user in ("alice", "staff"):
+            reply = api[user].post(path, payload)
+            assert reply.status_code == 403, (path, user, reply.content)
+            assert reply.json()["error"]["message"] == (
+                "this token's role is 'user'; this endpoint takes a token of role 'agent'"
+            )
+    assert not Node.objects.exists()
     assert api["agent"].post("/api/agent/register", body).status_code == 200
 
 

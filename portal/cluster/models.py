@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from portal.accounts.models import ApiToken
+
 
 class Node(models.Model):
     class State(models.TextChoices):
@@ -16,6 +18,15 @@ class Node(models.Model):
     state = models.CharField(max_length=10, choices=State.choices, default=State.ONLINE)
     registered_at = models.DateTimeField(auto_now_add=True)
     last_seen_at = models.DateTimeField()
+    agent_token = models.OneToOneField(
+        ApiToken,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="node",
+        help_text="the agent token that registered the node: only it may register or report for it; "
+        "deleting the token frees the node for another",
+    )
 
     class Meta:
         ordering = ["name"]

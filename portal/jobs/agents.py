@@ -12,9 +12,9 @@ from ninja import Router
 
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
 from portal.auth import agent_auth, user_auth
+from portal.cluster.binding import bind, check_claim, reporting_node
 from portal.cluster.ingest import ingest_samples, node_seen, register_node
 from portal.cluster.models import Node
-from portal.errors import ApiError
 from portal.jobs import lifecycle
 from portal.jobs.board import cluster_state
 from portal.jobs.ingest import ingest_events
@@ -47,14 +47,20 @@ def get_cluster(request: HttpRequest) -> dict[str, Any]:
 
 @agent_router.post("/register", response=RegistrationReply, summary="An agent registers its node")
 def register_endpoint(request: HttpRequest, payload: NodeRegistration) -> RegistrationReply:
-    _, reply = register(payload)
+    """The first registration with a token claims the node's name for it; 403 if another token
+    holds the name or this token serves another node (portal.cluster.binding)."""
+    token = request.api_token  # type: ignore[attr-defined]
+    with transaction.atomic():
+        check_claim(payload.name, token)
+        node, reply = register(payload)
+        bind(node, token)
     return reply
 
 
 @agent_router.post("/report", summary="An agent's periodic report")
 def report(request: HttpRequest, payload: AgentReport) -> dict[str, bool]:
-    node = Node.objects.filter(name=payload.node).first()
-    if node is None:
-        raise ApiError(409, "unknown_node", f"node {payload.node!r} has not registered; register first")
+    """403 if the report names a node other than the token's; 409 "unknown_node" if the token
+    has not registered it and no other token holds it (the agent then registers)."""
+    node = reporting_node(payload.node, request.api_token)  # type: ignore[attr-defined]
     ingest_report(node, payload)
     return {"ok": True}

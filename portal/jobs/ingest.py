@@ -14,7 +14,7 @@ from django.db.models import F
 from elastic.wire import WorkerEvent
 from portal.cluster.models import Node
 from portal.jobs import lifecycle
-from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent
+from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent, Worker
 from portal.live import broadcast
 from portal.redis import client, key
 
@@ -35,7 +35,33 @@ def ingest_events(node: Node, events: list[WorkerEvent]) -> None:
         if job is None:
             log.warning("event for unknown job %s from %s", event.job_id, node.name)
             continue
+        if not _worker_is_on(node, job, event):
+            continue
         _HANDLERS[event.kind](node, job, event)
+
+
+_WORKER_ROW_EVENTS = frozenset({"started", "joined", "exited"})
+
+
+def _worker_is_on(node: Node, job: Job, event: WorkerEvent) -> bool:
+    """False, with a warning, for an event that writes a worker's row when the database places
+    that worker (its job, generation and rank) on another node: a node speaks only for its own
+    workers, and must not move or end another node's."""
+    if event.kind not in _WORKER_ROW_EVENTS:
+        return True
+    elsewhere = (
+        Worker.objects.filter(job=job, generation=event.generation, rank=event.rank)
+        .exclude(node=node)
+        .select_related("node")
+        .first()
+    )
+    if elsewhere is None:
+        return True
+    log.warning(
+        "ignored a %r event from %s for job %s generation %s rank %s: that worker is on %s",
+        event.kind, node.name, job.pk, event.generation, event.rank, elsewhere.node.name,
+    )
+    return False
 
 
 def _service_since_last_report(job: Job, generation: int, at: datetime) -> float:

@@ -521,6 +521,8 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     is still the job's: planned again, with a new worker there."""
     row = Worker.objects.filter(job=job, generation=event.generation, rank=event.rank).first()
     was_running = row is not None and row.state == Worker.State.RUNNING
+    if event.device_index is None and row is not None:
+        event = event.model_copy(update={"device_index": row.device_index})
     Worker.objects.update_or_create(
         job=job,
         generation=event.generation,
