@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,11 +15,18 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from elastic.wire import AgentReport, DeviceSample, NodeRegistration, RegistrationReply, WorkerEvent
+from elastic.wire import (
+    AgentReport,
+    DeviceSample,
+    NodeRegistration,
+    RegistrationReply,
+    RunningWorker,
+    WorkerEvent,
+)
 from portal.cluster.models import Device, Node
 from portal.cluster.models import DeviceSample as DeviceSampleRow
 from portal.cluster.state import latest_key
-from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent, Worker
+from portal.jobs.models import Allocation, Job, JobLog, JobMetric, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
 from portal.redis import client, key
@@ -37,9 +45,36 @@ def _at(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp, tz=UTC)
 
 
+@dataclass(frozen=True)
+class WorkerRow:
+    """A running worker as the database has it."""
+
+    id: int
+    job_id: int
+    device_index: int
+    pid: int | None
+
+
+def workers_gone_at_registration(
+    rows: list[WorkerRow], readopted: list[RunningWorker], allocated: set[tuple[int, int]]
+) -> tuple[set[int], set[int]]:
+    """An agent registered with the workers it re-adopted, `readopted`: returns the ids of the
+    `rows` (the workers the portal thought ran on the node) that are gone, and the jobs that must
+    be planned again: those that lost a worker here, and those with a device here, (job id,
+    device index) in `allocated`, on which no worker runs any more. A row is matched by job,
+    device and pid, not by generation and rank, which lag by a "joined" event still on its way."""
+    alive = {(worker.job_id, worker.device_index, worker.pid) for worker in readopted}
+    gone = {row for row in rows if (row.job_id, row.device_index, row.pid) not in alive}
+    kept = {(row.job_id, row.device_index) for row in rows if row not in gone}
+    unmanned = {job_id for job_id, index in allocated if (job_id, index) not in kept}
+    replan = {row.job_id for row in gone} | unmanned
+    return {row.id for row in gone}, replan
+
+
 def register_node(registration: NodeRegistration) -> tuple[Node, RegistrationReply]:
     """Create or refresh the node and its devices. A device the agent no longer reports is
-    marked absent (its history is kept). Asks the scheduler to run."""
+    marked absent (its history is kept). The workers the agent re-adopted keep running; any
+    other worker of the node is gone (workers_gone_at_registration). Asks the scheduler to run."""
     now = timezone.now()
     with transaction.atomic():
         node, _ = Node.objects.update_or_create(
@@ -66,14 +101,23 @@ def register_node(registration: NodeRegistration) -> tuple[Node, RegistrationRep
             )
             reported.add(info.index)
         node.devices.exclude(index__in=reported).update(present=False)
-        # The agent restarted: whatever workers we thought it ran are gone.
-        Worker.objects.filter(node=node, state=Worker.State.RUNNING).update(
-            state=Worker.State.EXITED, reason="agent restarted", exited_at=now
+        rows = [
+            WorkerRow(*fields)
+            for fields in Worker.objects.filter(node=node, state=Worker.State.RUNNING).values_list(
+                "pk", "job_id", "device_index", "pid"
+            )
+        ]
+        allocated = set(
+            Allocation.objects.filter(job__state__in=ACTIVE_STATES, device__node=node).values_list(
+                "job_id", "device__index"
+            )
         )
-        # Launched generations on this node must be launched again.
-        Job.objects.filter(state__in=ACTIVE_STATES, allocations__device__node=node).update(
-            restart_requested=True
+        gone, replan = workers_gone_at_registration(rows, registration.running, allocated)
+        Worker.objects.filter(pk__in=gone).update(
+            state=Worker.State.EXITED, reason="agent restart: gone", exited_at=now
         )
+        # Their generations must be planned and launched again.
+        Job.objects.filter(pk__in=replan, state__in=ACTIVE_STATES).update(restart_requested=True)
         request_schedule(f"node {node.name} registered")
     reply = RegistrationReply(
         node_id=node.pk,

@@ -24,6 +24,7 @@ from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
 from portal.scheduling.decisions import record_decision, store_job_reasons
 from portal.scheduling.dispatch import publish_generation, stop_job_workers, stop_workers_on
+from portal.scheduling.heartbeats import beating
 from portal.scheduling.policy import configured_policy, policy_name
 from portal.scheduling.snapshot import build_snapshot
 
@@ -90,8 +91,13 @@ def _target(job: Job, planned: tuple[int, ...], holders: dict[int, int]) -> tupl
 
 def _resize_reason(job: Job, current: tuple[int, ...], available: set[int], plan: Plan) -> str:
     """Why the job's membership changes, for its resize history."""
-    if not set(current) <= available:
+    taken = Device.objects.filter(pk__in=set(current) - available).select_related("node")
+    if any(device.owner_present for device in taken):
         return "owner reclaimed a device"
+    if any(device.node.state == Node.State.LOST for device in taken):
+        return "node lost"
+    if taken:
+        return "device gone"  # its agent does not report it any more
     if job.restart_requested:
         return "a worker exited"
     if any(action.job_id == job.pk and action.replacement is not None for action in plan.stragglers):
@@ -233,24 +239,35 @@ def run_cycle() -> CycleResult:
 
 
 def mark_lost_nodes() -> list[str]:
-    """Nodes silent for longer than NODE_TIMEOUT_S become lost, and their workers exited.
-    Returns the names of the nodes this call marked."""
+    """Nodes silent for longer than NODE_TIMEOUT_S become lost, and their workers exited, unless
+    a worker of theirs still beats (portal.scheduling.heartbeats): then only the agent is gone,
+    the workers train on, and the node is unreachable, its workers and plan untouched, until the
+    agent reports again or the heartbeats stop too. Returns the names of the nodes this call
+    marked lost."""
     from datetime import timedelta
 
     from django.utils import timezone
 
     deadline = timezone.now() - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
-    lost = list(Node.objects.filter(state=Node.State.ONLINE, last_seen_at__lt=deadline))
-    for node in lost:
-        if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.LOST) == 1:
-            running = Worker.objects.filter(node=node, state=Worker.State.RUNNING)
+    silent = Node.objects.filter(
+        state__in=(Node.State.ONLINE, Node.State.UNREACHABLE), last_seen_at__lt=deadline
+    )
+    lost = []
+    for node in silent:
+        running = Worker.objects.filter(node=node, state=Worker.State.RUNNING)
+        if beating(node.name, list(running.values_list("job_id", "device_index", "pid"))):
+            if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.UNREACHABLE):
+                log.warning("node %s: agent unreachable, its workers train on", node.name)
+            continue
+        if Node.objects.filter(pk=node.pk, state=node.state).update(state=Node.State.LOST) == 1:
             # Their peers elsewhere wait for a generation without them.
             Job.objects.filter(pk__in=running.values("job_id"), state__in=ACTIVE_STATES).update(
                 restart_requested=True
             )
             running.update(state=Worker.State.EXITED, reason="node lost", exited_at=timezone.now())
             log.warning("node %s lost: no report for %ss", node.name, settings.BUNGEE["NODE_TIMEOUT_S"])
-    return [n.name for n in lost]
+            lost.append(node.name)
+    return lost
 
 
 def expire_stuck_resizes() -> list[int]:
