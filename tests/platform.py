@@ -49,6 +49,16 @@ class Platform:
             "--name", name, "--devices", str(devices), "--backend", "simulated",
         )
 
+    def kill_agent(self, name: str) -> None:
+        """SIGKILLs the agent named `name`, as a crash would: its workers train on. The group
+        forgets the process, so that `wait_for` does not take it for a failure; `start_agent`
+        with the same name starts it again, on the same state directory."""
+        [managed] = [p for p in self.group.processes if p.name == f"agent-{name}"]
+        managed.process.kill()
+        managed.process.wait()
+        managed.log_file.close()
+        self.group.processes.remove(managed)
+
     def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = 60, every_s: float = 0.3) -> Any:
         """Polls `check` until it returns something truthy; returns that. Fails with the
         platform's logs if it does not happen in time or a process died."""
