@@ -1,10 +1,13 @@
 """The agent's entry point: parse the command line, build the parts, run until told to stop.
 
-`Agent.run` registers the node (retrying until the portal answers), follows the node's command
-stream, and every report interval sends the portal fresh device samples, the workers' events
-and the running workers; a worker's exit is reported at once, since the job's survivors wait
-for the portal's next generation. The portal may go away and come back: events wait in a bounded buffer
-meanwhile, and nothing stops the agent but a signal or a refused token.
+`Agent.run` re-adopts the workers an earlier agent of this node left running (their records are
+in the state directory, see agent.supervisor), registers the node with them (retrying until the
+portal answers), follows the node's command stream, and every report interval sends the portal
+fresh device samples, the workers' events and the running workers; a worker's exit is reported
+at once, since the job's survivors wait for the portal's next generation. The portal may go away
+and come back: events wait in a bounded buffer meanwhile, and nothing stops the agent but a
+signal or a refused token. A SIGTERM stops the workers; an agent that dies (SIGKILL, a crash)
+leaves them training, for the next agent to take back.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 from pydantic import ValidationError
@@ -44,6 +48,7 @@ MAX_RETRY_DELAY_S = 10.0
 FAILURE_LOG_EVERY_S = 30.0
 UNKNOWN_NODE_CODE = "unknown_node"
 """The portal's error code for a report from a node it has no record of: register again."""
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class ExitCode(enum.IntEnum):
@@ -72,6 +77,14 @@ class AgentConfig:
     stop_grace_s: float
     worker_module: str
     log_level: str
+    state_dir: Path
+
+
+def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
+    """The agent's state directory when none is given: agent/<node> under BUNGEE_DATA_DIR, or
+    under the project's var/ (the portal's default data directory)."""
+    data_dir = environ.get("BUNGEE_DATA_DIR") or str(PROJECT_ROOT / "var")
+    return Path(data_dir).resolve() / "agent" / node_name
 
 
 def _positive_int(text: str) -> int:
@@ -160,6 +173,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "the module each worker runs as `python -m MODULE`",
     )
     flag(
+        "--state-dir",
+        "BUNGEE_AGENT_STATE_DIR",
+        None,
+        "where the workers' output and records live, so that a restarted agent takes its workers "
+        "back (default: BUNGEE_DATA_DIR/agent/NAME, or var/agent/NAME in the project)",
+    )
+    flag(
         "--log-level",
         "BUNGEE_LOG_LEVEL",
         "INFO",
@@ -193,6 +213,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         stop_grace_s=args.stop_grace,
         worker_module=args.worker_module,
         log_level=args.log_level,
+        state_dir=Path(args.state_dir).resolve() if args.state_dir else default_state_dir(environ, args.name),
     )
 
 
@@ -257,6 +278,9 @@ class Agent:
             self._shut_down()
 
     def _run(self) -> ExitCode:
+        adopted = self.supervisor.adopt()
+        if adopted:
+            log.info("took back %d workers an earlier agent of this node left running", len(adopted))
         try:
             reply = self._register()
             if reply is None:
@@ -299,8 +323,9 @@ class Agent:
             else:
                 known_url, known_stream = self.config.redis_url, command_stream(self.config.node_name)
             mark = StreamMark.take(known_url, known_stream)
+            registration = self._registration.model_copy(update={"running": self.supervisor.running()})
             try:
-                reply = self.client.register(self._registration)
+                reply = self.client.register(registration)
             except PortalUnavailableError as err:
                 failures.failed(err)
                 self.stopping.wait(delay)
@@ -358,9 +383,17 @@ class Agent:
                 return
             log.error("the portal refused a report, dropping its %d events: %s", len(events), err)
             self._pending.remove(events)
+            self._delivered()
             return
         self._report_failures.succeeded()
         self._pending.remove(events)
+        self._delivered()
+
+    def _delivered(self) -> None:
+        """Tells the supervisor once every event it handed over has reached the portal, so that
+        its records move on (what a restarted agent would report again)."""
+        if not len(self._pending):
+            self.supervisor.events_delivered()
 
     # --- shutdown ----------------------------------------------------------------------------
 
@@ -374,12 +407,14 @@ class Agent:
         self._pending.extend(self.supervisor.drain_events())
         if len(self._pending):
             # One try, so that the portal learns of the exits now rather than by timeout.
+            events = self._pending.peek(MAX_EVENTS_PER_REPORT)
             try:
-                self.client.report(
-                    AgentReport(node=self.config.node_name, events=self._pending.peek(MAX_EVENTS_PER_REPORT))
-                )
+                self.client.report(AgentReport(node=self.config.node_name, events=events))
             except (PortalUnavailableError, PortalRejectedError, AgentAuthError) as err:
-                log.warning("could not send the final report: %s", err)
+                log.warning("could not send the final report (the next agent sends it): %s", err)
+            else:
+                self._pending.remove(events)
+                self._delivered()
         self.backend.close()
         self.client.close()
         log.info("agent stopped")
@@ -412,7 +447,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.DEVICES_UNAVAILABLE
     supervisor = WorkerSupervisor(
         SupervisorConfig(
-            worker_module=config.worker_module, stop_grace_s=config.stop_grace_s, node_name=config.node_name
+            worker_module=config.worker_module,
+            stop_grace_s=config.stop_grace_s,
+            node_name=config.node_name,
+            state_dir=config.state_dir,
         ),
         on_exit=report_now.set,
     )

@@ -1,10 +1,13 @@
-"""Starts, watches and stops this node's elastic workers.
+"""Starts, watches and stops this node's elastic workers, and takes them back after the agent
+itself died and started again.
 
 Each worker is `python -m elastic.worker` in its own session, told what to do by a WorkerConfig
-in its environment. Its stdout (stderr merged in) is read line by line: a line that starts with
-WORKER_EVENT_PREFIX is a structured event, any other line becomes a log event. The supervisor
-adds the lifecycle events itself: "started" right after the spawn, "exited" once the process
-and its output are gone, with the reason its exit code gives.
+in its environment. Its stdout and stderr are appended to a file in the agent's state directory,
+never to a pipe, so that a worker trains on when its agent dies (nothing the agent holds can kill
+it: no pipe to break, no shared process group, no parent-death signal). The supervisor tails the
+file: a line that starts with WORKER_EVENT_PREFIX is a structured event, any other line becomes a
+log event. The supervisor adds the lifecycle events itself: "started" right after the spawn,
+"exited" once the process and its output are gone, with the reason its exit code gives.
 
 Commands are versioned by the job's generation. Per job the supervisor remembers the highest
 generation it launched and the generation below which it was told to stop; a launch that is
@@ -17,19 +20,32 @@ rank, with the same pid. Workers of the job on devices the launch does not keep 
 they read the membership record and exit with LEFT_EXIT_CODE at the switch; one still running
 `leave_grace_s` later is killed. A stop (cancel, finish, agent shutdown) is SIGTERM, SIGKILL
 after the grace period.
+
+Re-adoption (agent.records): every worker has a record on disk: its key, pid and process start
+time, its output file and how far the portal has its events, and its job's generations. A new
+supervisor on the same state directory `adopt()`s the workers whose process still runs: it tails
+their output from where the portal's knowledge ends and watches their exit through a pidfd, as it
+is not their parent. Their exit status is then the code of the "exiting" event they write last;
+one that vanished without it failed, with an unknown code. Records of workers that ended while no
+agent ran are reported as exited once. A record goes when the "exited" event of its worker has
+reached the portal (`events_delivered`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +56,7 @@ from pydantic import ValidationError
 import elastic
 from agent.devices import DeviceBackend, DeviceError
 from agent.events import EventBuffer
+from agent.records import RecordStore, WorkerRecord, open_process, process_start_time
 from elastic.wire import (
     WORKER_EVENT_PREFIX,
     ExitReason,
@@ -57,8 +74,10 @@ log = logging.getLogger(__name__)
 MAX_LOG_CHARS = 2000
 """A log line longer than this is cut, so that one runaway print cannot swell a report."""
 _MAX_READ_BYTES = 64 * 1024
-_WORKER_KINDS = ("joined", "resized", "progress", "log", "step_times", "form_failed")
+_WORKER_KINDS = ("joined", "resized", "progress", "log", "step_times", "exiting", "form_failed")
 _REAP_AFTER_KILL_S = 10.0
+_TAIL_EVERY_S = 0.05
+"""How often a worker's output file is read while it has nothing new."""
 _PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
 
 
@@ -80,6 +99,53 @@ def exit_reason(exit_code: int, stop_requested: bool = False) -> ExitReason:
 
 
 @dataclass(frozen=True)
+class ExitOutcome:
+    """How a worker ended, as its "exited" event says it."""
+
+    exit_code: int | None
+    """Its exit code (the one it announced, where that says more than its status); None if
+    unknown."""
+    reason: ExitReason
+    message: str
+
+
+def settle_exit(
+    exit_code: int | None, announced: int | None, stop_requested: str | None = None, finished: bool = False
+) -> ExitOutcome:
+    """Returns how a worker ended from its exit status `exit_code` (None: unknown, as for a
+    worker this supervisor re-adopted and so is not the parent of), the code its "exiting" event
+    `announced` (None: it wrote none), why it was asked to stop, if it was, and whether its last
+    reported step was the job's last (`finished`).
+
+    The announced code counts where the status says less: the status is unknown, or a signal
+    ended the process after it announced (the "finished" stop's SIGTERM landing in the
+    interpreter's teardown of a worker that completed does not make it "stopped"). A worker
+    that reached the job's last step completed, whatever ended it. With neither a status nor an
+    announcement the worker failed, and the message says its code is unknown."""
+    if announced is not None and (exit_code is None or exit_code < 0):
+        reason = exit_reason(announced)
+        said = f"exit code {announced} ({reason})"
+        if exit_code is None:
+            return ExitOutcome(announced, reason, f"{said}, as it announced")
+        after = f" after {stop_requested}" if stop_requested else ""
+        return ExitOutcome(announced, reason, f"{said}; then {_killed_by(exit_code)} in its teardown{after}")
+    if exit_code is None:
+        if finished:
+            return ExitOutcome(None, "completed", "exit code unknown; its last step was the job's last")
+        return ExitOutcome(
+            None,
+            "failed",
+            "exit code unknown: it ended while its agent was away (a re-adopted worker is not the "
+            "agent's child) and announced none",
+        )
+    reason = exit_reason(exit_code, stop_requested is not None)
+    message = _describe_exit(exit_code, stop_requested)
+    if finished and reason != "completed":
+        return ExitOutcome(exit_code, "completed", f"{message}, after the job's last step")
+    return ExitOutcome(exit_code, reason, message)
+
+
+@dataclass(frozen=True)
 class SupervisorConfig:
     worker_module: str = "elastic.worker"
     """The module run as `python -m <worker_module>`; tests put a stand-in here."""
@@ -93,6 +159,10 @@ class SupervisorConfig:
     """This node's name, as the portal knows it: workers are named by it in membership records."""
     event_capacity: int = 10_000
     """Events held between two drains; see EventBuffer for what is dropped first."""
+    state_dir: Path | None = None
+    """Where the workers' output files and records live (agent.records): a supervisor started
+    on the directory an earlier one used re-adopts the workers it left. None: a temporary
+    directory of this supervisor's own, so nothing outlives it."""
 
 
 @dataclass
@@ -101,9 +171,19 @@ class _Worker:
     generation: int
     rank: int
     device_index: int
-    process: subprocess.Popen[bytes]
+    pid: int
+    stem: str
+    """Names its output file and its record (agent.records)."""
+    start_time: int | None
+    process: subprocess.Popen[bytes] | None = None
+    """None for a worker this supervisor re-adopted: it is not its parent."""
+    pidfd: int | None = None
+    """A re-adopted worker's process while it runs: waited on and signalled without a pid race."""
     done: threading.Event = field(default_factory=threading.Event)
     """Set once the worker is reaped and its "exited" event is out."""
+    gone: threading.Event = field(default_factory=threading.Event)
+    """Set once the process has exited and its leftover children are killed: its output is
+    complete."""
     # Held while signalling or reaping, so that a signal never reaches a recycled pid.
     lock: threading.Lock = field(default_factory=threading.Lock)
     reaped: bool = False
@@ -111,14 +191,25 @@ class _Worker:
     kill_timer: threading.Timer | None = None
     leave_timer: threading.Timer | None = None
     last_step: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
+    total_steps: int | None = None
+    announced_exit: int | None = None
+    exit_code: int | None = None
+    """Its exit status, once this supervisor (or the one that started it) reaped it."""
+    read_offset: int = 0
+    """Bytes of its output read so far, whole lines: their events are in the buffer or out."""
+    delivered_offset: int = 0
+    """Bytes of its output whose events reached the portal."""
 
     @property
     def key(self) -> dict[str, int]:
         return {"job_id": self.job_id, "generation": self.generation, "rank": self.rank}
+
+    @property
+    def finished(self) -> bool:
+        """Whether its last reported step was the job's last."""
+        return (
+            self.last_step is not None and self.total_steps is not None and self.last_step >= self.total_steps
+        )
 
     def event(self, kind: str, **fields: Any) -> WorkerEvent:
         return WorkerEvent(
@@ -146,12 +237,25 @@ class WorkerSupervisor:
     ) -> None:
         self.config = config or SupervisorConfig()
         self._on_exit = on_exit
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        state_dir = self.config.state_dir
+        if state_dir is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="bungee-agent-", ignore_cleanup_errors=True)
+            state_dir = Path(self._scratch.name)
+        self._records = RecordStore(state_dir / "workers")
         self._jobs: dict[int, _Job] = {}
         self._workers: list[_Worker] = []
         self._threads: set[threading.Thread] = set()
         self._events = EventBuffer(self.config.event_capacity)
         self._closed = False
         self._lock = threading.RLock()
+        self._ended: list[_Worker] = []
+        """Workers whose "exited" event is in the buffer."""
+        self._drained: dict[str, tuple[_Worker, int]] = {}
+        """Since the last events_delivered: per worker, how far its output was read at the latest
+        drain."""
+        self._drained_ended: list[_Worker] = []
+        """Since the last events_delivered: workers whose "exited" event was drained."""
 
     # --- commands ----------------------------------------------------------------------------
 
@@ -188,6 +292,7 @@ class WorkerSupervisor:
                     self._cancel_leave(worker)
                 else:
                     self._expect_to_leave(worker, command.generation)
+                self._persist(worker)
             # Spawning under the lock: a stop that arrives now sees every new worker.
             busy = {worker.device_index for worker in mine if worker.leave_timer is None}
             for assignment in command.workers:
@@ -241,11 +346,85 @@ class WorkerSupervisor:
 
     def drain_events(self) -> list[WorkerEvent]:
         """Removes and returns the events since the last drain, oldest first."""
-        return self._events.take()
+        with self._lock:
+            events = self._events.take()
+            for worker in self._workers:
+                self._drained[worker.stem] = (worker, worker.read_offset)
+            self._drained_ended += self._ended
+            self._ended = []
+        return events
+
+    def events_delivered(self) -> None:
+        """Says that every event drained so far reached the portal (or was given up on): a
+        supervisor that re-adopts the workers reads their output on from there, and the records
+        of workers whose "exited" event was among them are removed."""
+        with self._lock:
+            drained, self._drained = self._drained, {}
+            ended, self._drained_ended = self._drained_ended, []
+            for worker, offset in drained.values():
+                if offset > worker.delivered_offset and worker not in ended:
+                    worker.delivered_offset = offset
+                    self._persist(worker)
+            for worker in ended:
+                self._records.remove(worker.stem)
 
     @property
     def dropped_events(self) -> int:
         return self._events.dropped
+
+    def adopt(self) -> list[RunningWorker]:
+        """Takes over the workers an earlier supervisor on the same state directory left (see
+        the module's docstring). Those still running are watched and their output is read on
+        from where the portal's knowledge of it ends; those that ended meanwhile are reported as
+        exited. Returns the workers now running. Call it once, before the first launch."""
+        adopted: list[_Worker] = []
+        with self._lock:
+            for stem, record in self._records.load().items():
+                job = self._jobs.setdefault(record.job_id, _Job())
+                job.launched_generation = max(job.launched_generation, record.launched_generation)
+                job.stop_before_generation = max(job.stop_before_generation, record.stop_before_generation)
+                pidfd = open_process(record.pid, record.start_time) if record.exit_code is None else None
+                worker = _Worker(
+                    job_id=record.job_id,
+                    generation=record.generation,
+                    rank=record.rank,
+                    device_index=record.device_index,
+                    pid=record.pid,
+                    stem=stem,
+                    start_time=record.start_time,
+                    pidfd=pidfd,
+                    reaped=pidfd is None,
+                    stop_requested=record.stop_requested,
+                    last_step=record.last_step,
+                    total_steps=record.total_steps,
+                    announced_exit=record.announced_exit,
+                    exit_code=record.exit_code,
+                    read_offset=record.offset,
+                    delivered_offset=record.offset,
+                )
+                self._workers.append(worker)
+                adopted.append(worker)
+                log.info(
+                    "job %d generation %d rank %d (pid %d): %s",
+                    worker.job_id,
+                    worker.generation,
+                    worker.rank,
+                    worker.pid,
+                    "re-adopted" if pidfd is not None else "ended while no agent ran",
+                )
+        for worker in adopted:
+            reader = self._start_thread(f"read-{worker.pid}", functools.partial(self._tail, worker))
+            self._start_thread(f"watch-{worker.pid}", functools.partial(self._watch_adopted, worker, reader))
+            if worker.stop_requested is not None and not worker.reaped:
+                with worker.lock:
+                    self._arm_kill(worker, self.config.stop_grace_s)
+        return [
+            RunningWorker(
+                job_id=w.job_id, generation=w.generation, rank=w.rank, pid=w.pid, device_index=w.device_index
+            )
+            for w in adopted
+            if not w.reaped
+        ]
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Refuses further launches, stops every worker (SIGTERM, SIGKILL after `grace_s`,
@@ -317,16 +496,21 @@ class WorkerSupervisor:
             "PYTHONPATH": python_path,
         }
         argv = [self.config.python, "-m", self.config.worker_module]
+        stem = f"job{command.job_id}-gen{command.generation}-rank{assignment.rank}-{uuid.uuid4().hex[:8]}"
         try:
-            process = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            # A file, not a pipe: the worker must outlive the agent. Its own session keeps it out
+            # of the agent's process group and away from the agent's terminal.
+            with self._records.output_path(stem).open("ab") as output:
+                process = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         except OSError as err:
+            self._records.remove(stem)
             failed(f"cannot start {' '.join(argv)}: {err}")
             return
         if placement.cpu_affinity:
@@ -341,9 +525,13 @@ class WorkerSupervisor:
             generation=command.generation,
             rank=assignment.rank,
             device_index=assignment.device_index,
+            pid=process.pid,
+            stem=stem,
+            start_time=process_start_time(process.pid),
             process=process,
         )
         self._workers.append(worker)
+        self._persist(worker)
         log.info(
             "started job %d generation %d rank %d on device %d: pid %d",
             worker.job_id,
@@ -353,8 +541,8 @@ class WorkerSupervisor:
             worker.pid,
         )
         self._events.add(worker.event("started", pid=worker.pid, device_index=worker.device_index))
-        reader = self._start_thread(f"read-{worker.pid}", lambda: self._read(worker))
-        self._start_thread(f"watch-{worker.pid}", lambda: self._watch(worker, reader))
+        reader = self._start_thread(f"read-{worker.pid}", lambda: self._tail(worker))
+        self._start_thread(f"watch-{worker.pid}", lambda: self._watch_child(worker, reader))
 
     def _start_thread(self, name: str, target: Callable[[], None]) -> threading.Thread:
         def run() -> None:
@@ -372,64 +560,142 @@ class WorkerSupervisor:
         thread.start()
         return thread
 
+    def _persist(self, worker: _Worker) -> None:
+        """Writes the worker's record as it stands. Never call it holding `worker.lock`."""
+        with self._lock:
+            job = self._jobs.get(worker.job_id, _Job())
+            record = WorkerRecord(
+                job_id=worker.job_id,
+                generation=worker.generation,
+                rank=worker.rank,
+                device_index=worker.device_index,
+                pid=worker.pid,
+                start_time=worker.start_time,
+                output=str(self._records.output_path(worker.stem)),
+                offset=worker.delivered_offset,
+                launched_generation=job.launched_generation,
+                stop_before_generation=job.stop_before_generation,
+                stop_requested=worker.stop_requested,
+                exit_code=worker.exit_code,
+                announced_exit=worker.announced_exit,
+                last_step=worker.last_step,
+                total_steps=worker.total_steps,
+            )
+            try:
+                self._records.save(worker.stem, record)
+            except OSError as err:
+                log.error(
+                    "could not save the record of pid %d (it cannot be re-adopted): %s", worker.pid, err
+                )
+
     # --- watching ----------------------------------------------------------------------------
 
-    def _read(self, worker: _Worker) -> None:
-        stdout = worker.process.stdout
-        assert stdout is not None
-        with stdout:
-            for raw in iter(lambda: stdout.readline(_MAX_READ_BYTES), b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                if not line.strip():
+    def _tail(self, worker: _Worker) -> None:
+        """Reads the worker's output from `read_offset` as it grows, until the process is gone
+        and every line is read."""
+        try:
+            output = self._records.output_path(worker.stem).open("rb")
+        except OSError as err:
+            log.error("cannot read the output of pid %d: %s", worker.pid, err)
+            return
+        with output:
+            output.seek(worker.read_offset)
+            while True:
+                complete = worker.gone.is_set()  # before reading: a read after it gets everything
+                raw = output.readline(_MAX_READ_BYTES)
+                if raw.endswith(b"\n") or len(raw) == _MAX_READ_BYTES or (raw and complete):
+                    self._take_line(worker, raw, output.tell())
                     continue
-                event = parse_worker_line(worker.key, line)
-                if event.kind == "progress" and event.step is not None:
-                    worker.last_step = event.step
-                elif event.kind == "joined":
-                    with self._lock:
-                        worker.generation, worker.rank = event.generation, event.rank
-                    event = event.model_copy(update={"pid": worker.pid, "device_index": worker.device_index})
-                self._events.add(event)
+                if raw:  # the worker is still writing this line
+                    output.seek(-len(raw), os.SEEK_CUR)
+                if complete:
+                    return
+                worker.gone.wait(_TAIL_EVERY_S)
 
-    def _watch(self, worker: _Worker, reader: threading.Thread) -> None:
+    def _take_line(self, worker: _Worker, raw: bytes, offset: int) -> None:
+        """Turns one output line, which ends at `offset` in the file, into an event."""
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        changed = False
+        with self._lock:
+            worker.read_offset = offset
+            if not line.strip():
+                return
+            event = parse_worker_line(worker.key, line)
+            if event.kind == "exiting":
+                worker.announced_exit = event.exit_code
+                changed = True
+            elif event.kind == "progress" and event.step is not None:
+                worker.last_step = event.step
+                worker.total_steps = event.total_steps or worker.total_steps
+            elif event.kind == "joined":
+                worker.generation, worker.rank = event.generation, event.rank
+                event = event.model_copy(update={"pid": worker.pid, "device_index": worker.device_index})
+                changed = True
+            if event.kind != "exiting":
+                self._events.add(event)
+        if changed:
+            self._persist(worker)
+
+    def _watch_child(self, worker: _Worker, reader: threading.Thread) -> None:
+        assert worker.process is not None
         try:
             # Wait without reaping, so that the pid (and its process group) stays ours.
             os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)
         except ChildProcessError:
             pass
         with worker.lock:
-            # Children the worker left behind would hold its stdout open; they are orphans.
+            # Children the worker left behind are orphans that would hold on to its device.
             _signal_group(worker.pid, signal.SIGKILL)
+        worker.gone.set()
         reader.join(timeout=_REAP_AFTER_KILL_S)
         with worker.lock:
             exit_code = worker.process.wait()
             worker.reaped = True
-            for timer in (worker.kill_timer, worker.leave_timer):
-                if timer is not None:
-                    timer.cancel()
-        reason = exit_reason(exit_code, worker.stop_requested is not None)
-        message = _describe_exit(exit_code, worker.stop_requested)
+            self._cancel_timers(worker)
+        self._report_exit(worker, exit_code)
+
+    def _watch_adopted(self, worker: _Worker, reader: threading.Thread) -> None:
+        if worker.pidfd is not None:
+            select.select([worker.pidfd], [], [])  # readable once the process has exited
+            with worker.lock:
+                worker.reaped = True
+                # Its process group outlives it while a child it left is in it: still ours.
+                _signal_group(worker.pid, signal.SIGKILL)
+                os.close(worker.pidfd)
+                worker.pidfd = None
+        worker.gone.set()
+        reader.join(timeout=_REAP_AFTER_KILL_S)
+        with worker.lock:
+            self._cancel_timers(worker)
+        self._report_exit(worker, worker.exit_code)
+
+    def _report_exit(self, worker: _Worker, exit_code: int | None) -> None:
+        outcome = settle_exit(exit_code, worker.announced_exit, worker.stop_requested, worker.finished)
         log.info(
             "job %d generation %d rank %d (pid %d) exited: %s",
             worker.job_id,
             worker.generation,
             worker.rank,
             worker.pid,
-            message,
+            outcome.message,
         )
-        self._events.add(
-            worker.event(
-                "exited",
-                pid=worker.pid,
-                device_index=worker.device_index,
-                exit_code=exit_code,
-                reason=reason,
-                step=worker.last_step,
-                message=message,
-            )
-        )
+        worker.exit_code = exit_code
+        # Kept until the event reaches the portal: an agent that dies first reports it again.
+        self._persist(worker)
         with self._lock:
+            self._events.add(
+                worker.event(
+                    "exited",
+                    pid=worker.pid,
+                    device_index=worker.device_index,
+                    exit_code=outcome.exit_code,
+                    reason=outcome.reason,
+                    step=worker.last_step,
+                    message=outcome.message,
+                )
+            )
             self._workers.remove(worker)
+            self._ended.append(worker)
         worker.done.set()
         if self._on_exit is not None:
             self._on_exit()
@@ -452,12 +718,26 @@ class WorkerSupervisor:
                 why,
             )
             try:
-                os.kill(worker.pid, signal.SIGTERM)
+                if worker.pidfd is not None:
+                    signal.pidfd_send_signal(worker.pidfd, signal.SIGTERM)
+                else:
+                    os.kill(worker.pid, signal.SIGTERM)
             except ProcessLookupError:
                 return
-            worker.kill_timer = threading.Timer(grace, self._kill, args=(worker, grace))
-            worker.kill_timer.daemon = True
-            worker.kill_timer.start()
+            self._arm_kill(worker, grace)
+        self._persist(worker)
+
+    def _arm_kill(self, worker: _Worker, grace_s: float) -> None:
+        """Arms the SIGKILL of a worker asked to stop, `grace_s` from now (worker.lock held)."""
+        worker.kill_timer = threading.Timer(grace_s, self._kill, args=(worker, grace_s))
+        worker.kill_timer.daemon = True
+        worker.kill_timer.start()
+
+    @staticmethod
+    def _cancel_timers(worker: _Worker) -> None:
+        for timer in (worker.kill_timer, worker.leave_timer):
+            if timer is not None:
+                timer.cancel()
 
     def _expect_to_leave(self, worker: _Worker, generation: int) -> None:
         """Arms the kill of a leaver that has not left `leave_grace_s` from now (lock held)."""
@@ -518,7 +798,8 @@ def parse_worker_line(key: Mapping[str, int], line: str) -> WorkerEvent:
     """Returns the event a worker's output line stands for. `key` holds the worker's job_id,
     generation and rank as the supervisor launched it.
 
-    A line of WORKER_EVENT_PREFIX and a JSON object of kind "progress" or "log" is that event;
+    A line of WORKER_EVENT_PREFIX and a JSON object of a kind a worker writes (joined, resized,
+    progress, log, step_times, exiting) is that event;
     fields it leaves out are taken from `key` (job, generation, rank) or the clock (`at`).
     Any other line, a malformed event or one of the kinds only the supervisor emits included,
     is a log event carrying the whole line. Log messages are cut at MAX_LOG_CHARS."""
@@ -544,14 +825,16 @@ def _cut(text: str) -> str:
     return f"{text[:MAX_LOG_CHARS]}… [{len(text) - MAX_LOG_CHARS} more characters cut]"
 
 
+def _killed_by(exit_code: int) -> str:
+    """Says which signal a negative exit status stands for."""
+    try:
+        return f"killed by {signal.Signals(-exit_code).name}"
+    except ValueError:
+        return f"killed by signal {-exit_code}"
+
+
 def _describe_exit(exit_code: int, stop_requested: str | None) -> str:
-    if exit_code < 0:
-        try:
-            what = f"killed by {signal.Signals(-exit_code).name}"
-        except ValueError:
-            what = f"killed by signal {-exit_code}"
-    else:
-        what = f"exit code {exit_code} ({exit_reason(exit_code)})"
+    what = _killed_by(exit_code) if exit_code < 0 else f"exit code {exit_code} ({exit_reason(exit_code)})"
     return f"{what} after {stop_requested}" if stop_requested else what
 
 

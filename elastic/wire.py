@@ -1,6 +1,7 @@
 """The messages that cross a process boundary: agent to portal (HTTP, JSON), portal to agent
 (commands on a per-node Redis stream), portal to workers (the job's membership record in Redis,
-see elastic.worker.membership) and worker to agent (JSON lines on the worker's stdout).
+see elastic.worker.membership) and worker to agent (JSON lines on the worker's stdout, which the
+agent reads from a file).
 
 Both sides import these models, so a field renamed here is renamed everywhere at once. Commands
 and membership records carry the job's membership generation; an agent ignores a command older
@@ -66,6 +67,30 @@ class DeviceSample(_Message):
 # --- agent to portal -------------------------------------------------------------------------
 
 
+class WorkerKey(_Message):
+    job_id: int
+    generation: int
+    rank: int
+
+
+class RunningWorker(WorkerKey):
+    pid: int
+    device_index: int
+
+
+class NodeRegistration(_Message):
+    """An agent (re)starting. `running`: the workers it runs already, those a previous agent of
+    the node started and this one took over (re-adopted); the portal keeps their rows, and any
+    other worker it thought ran on the node is gone."""
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
+    address: str = Field(min_length=1, max_length=255, description="host workers of other nodes reach")
+    backend: str
+    devices: list[DeviceInfo]
+    agent_version: str = "1"
+    running: list[RunningWorker] = Field(
+        default_factory=list, description="workers of an earlier agent of this node that this one re-adopted"
+    )
 
 
 class RegistrationReply(_Message):
@@ -73,12 +98,6 @@ class RegistrationReply(_Message):
     commands_redis_url: str
     commands_stream: str
     report_interval_s: float
-
-
-class WorkerKey(_Message):
-    job_id: int
-    generation: int
-    rank: int
 
 
 ExitReason = Literal["completed", "stopped", "left", "failed"]
@@ -98,11 +117,17 @@ class WorkerEvent(WorkerKey):
     - exited: exit_code, reason (completed, stopped, left, failed), step (last completed step)
     - step_times (every rank): step_times, its compute seconds (step start to all-reduce) of
       its latest steps, oldest first: the portal finds stragglers from them
+    - exiting (worker to agent only): exit_code, the code the worker is about to exit with, its
+      last line. The agent keeps it and reports "exited": it is how an agent that is not the
+      worker's parent (one that re-adopted it) learns the code, and what a worker cut short by a
+      signal during its teardown meant to say.
     - form_failed: the group of generation `failed_generation` did not form within its
       rendezvous deadline (message says why); the portal expires that generation at once
     """
 
-    kind: Literal["started", "joined", "resized", "progress", "log", "exited", "step_times", "form_failed"]
+    kind: Literal[
+        "started", "joined", "resized", "progress", "log", "exited", "step_times", "exiting", "form_failed"
+    ]
     at: float
     pid: int | None = None
     device_index: int | None = None
@@ -125,22 +150,6 @@ class WorkerEvent(WorkerKey):
     failed_generation: int | None = Field(None, ge=1, description="form_failed: the generation that did not form")
     global_batch: int | None = Field(None, ge=1, description="progress: the global batch of the last step")
     lr: float | None = Field(None, ge=0, description="progress: the learning rate of the last step")
-
-
-class RunningWorker(WorkerKey):
-    pid: int
-    device_index: int
-
-
-class NodeRegistration(_Message):
-    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
-    address: str = Field(min_length=1, max_length=255, description="host workers of other nodes reach")
-    backend: str
-    devices: list[DeviceInfo]
-    agent_version: str = "1"
-    running: list[RunningWorker] = Field(
-        default_factory=list, description="workers a restarted agent re-adopted: they train on"
-    )
 
 
 class AgentReport(_Message):

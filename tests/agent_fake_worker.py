@@ -1,13 +1,17 @@
 """A stand-in for `python -m elastic.worker` in the agent's tests: no torch, fast, and told by
 its spec how to behave. It reads its WorkerConfig like the real worker, prints one plain line
 describing where it runs, then a progress event per step. SIGTERM makes it stop at the next
-step boundary with STOPPED_EXIT_CODE, as the real worker does.
+step boundary with STOPPED_EXIT_CODE, as the real worker does, and like it, it announces its exit
+code in an "exiting" event as its last line.
 
 Spec keys: steps (default 1000), step_s (default 0.02), busy (spin the CPU instead of
 sleeping), crash_at_step and crash_code (exit with that code at that step), joins_at_step and
 joins_generation (say it joined that generation, with its rank, after that step), sigterm ("stop",
 the default; "ignore"; "die": the default action, as before a handler is installed), child
-(start a sleeping child process and name its pid), long_line (print a line this long).
+(start a sleeping child process and name its pid), long_line (print a line this long), exit_file
+and exit_code (exit with that code, default 0, at the first step boundary where that file exists),
+teardown_s (after announcing its exit, print "tearing down" and take this long to exit, with
+SIGTERM's default action back, as in the interpreter's teardown).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
 from elastic.worker import STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
+from elastic.worker.events import announce_exit
 
 
 def main() -> int:
@@ -70,6 +75,8 @@ def main() -> int:
                 pass
         else:
             time.sleep(step_s)
+        if spec.get("exit_file") and os.path.exists(spec["exit_file"]):
+            return int(spec.get("exit_code", 0))
         if spec.get("crash_at_step") == step:
             print("fake worker crashing", flush=True)
             return int(spec.get("crash_code", 3))
@@ -84,4 +91,13 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    announce_exit(code)
+    teardown_s = float(
+        WorkerConfig.model_validate_json(os.environ[WORKER_CONFIG_ENV]).spec.get("teardown_s", 0)
+    )
+    if teardown_s:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print("tearing down", flush=True)
+        time.sleep(teardown_s)
+    sys.exit(code)

@@ -57,15 +57,21 @@ class Platform:
             "--name", name, "--devices", str(devices), "--backend", "simulated",
         )
 
+    def kill_agent(self, name: str) -> None:
+        """SIGKILLs the agent named `name`, as a crash would: its workers train on. The group
+        forgets the process, so that `wait_for` does not take it for a failure; `start_agent`
+        with the same name starts it again, on the same state directory."""
+        [managed] = [p for p in self.group.processes if p.name == f"agent-{name}"]
+        managed.process.kill()
+        managed.process.wait()
+        managed.log_file.close()
+        self.group.processes.remove(managed)
+
     def restart_agent(self, name: str, devices: int) -> None:
         """SIGKILLs the agent `name` (its workers, in sessions of their own, are not signalled)
         and starts it again as `start_agent` does, as a crashed agent that comes back would be.
-        Its log goes on in the same file. Raises StopIteration if no agent of that name runs."""
-        old = next(p for p in self.group.processes if p.name == f"agent-{name}")
-        old.process.kill()
-        old.process.wait(10)
-        old.log_file.close()
-        self.group.processes.remove(old)
+        Its log goes on in the same file."""
+        self.kill_agent(name)
         self.start_agent(name, devices)
 
     def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = 60, every_s: float = 0.3) -> Any:

@@ -32,6 +32,7 @@ def test_the_flags() -> None:
         "--report-interval",
         "--stop-grace",
         "--worker-module",
+        "--state-dir",
         "--log-level",
     }
 
@@ -59,7 +60,13 @@ def test_defaults_need_only_a_token() -> None:
         stop_grace_s=30.0,
         worker_module="elastic.worker",
         log_level="INFO",
+        state_dir=ROOT / "var" / "agent" / socket.gethostname(),
     )
+
+
+def test_the_state_dir_defaults_to_the_data_dir() -> None:
+    config = parse_config(["--token", "t", "--name", "n-1"], {"BUNGEE_DATA_DIR": "/srv/bungee"})
+    assert config.state_dir == Path("/srv/bungee/agent/n-1")
 
 
 ENVIRONMENT = {
@@ -74,6 +81,7 @@ ENVIRONMENT = {
     "BUNGEE_STOP_GRACE_S": "10",
     "BUNGEE_WORKER_MODULE": "my.worker",
     "BUNGEE_LOG_LEVEL": "DEBUG",
+    "BUNGEE_AGENT_STATE_DIR": "/var/lib/agent-state",
 }
 
 
@@ -90,6 +98,7 @@ def test_every_flag_falls_back_to_its_environment_variable() -> None:
         stop_grace_s=10.0,
         worker_module="my.worker",
         log_level="DEBUG",
+        state_dir=Path("/var/lib/agent-state"),
     )
 
 

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
 
@@ -192,7 +193,8 @@ def start_agent(portal: FakePortal, node: str, tmp_path: Path) -> Iterator[Calla
     started: list[AgentProcess] = []
 
     def start(*extra: str, token: str = TOKEN) -> AgentProcess:
-        agent = AgentProcess(portal.url, node, tmp_path / f"agent-{len(started)}.log", token, *extra)
+        state = ("--state-dir", str(tmp_path / "state"))
+        agent = AgentProcess(portal.url, node, tmp_path / f"agent-{len(started)}.log", token, *state, *extra)
         started.append(agent)
         return agent
 
@@ -277,6 +279,41 @@ def test_runs_a_worker_and_stops_it_on_sigterm(
     assert (exited.pid, exited.exit_code, exited.reason) == (running.pid, 75, "stopped")
     with pytest.raises(ProcessLookupError):
         os.kill(running.pid, 0)
+
+
+def test_a_killed_agent_leaves_its_worker_training_and_the_next_one_takes_it_back(
+    portal: FakePortal, node: str, start_agent: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    agent = start_agent()
+    portal.wait_for(lambda: portal.reports, "a first report")
+    exit_file = tmp_path / "exit-now"
+    send(node, worker_launch(steps=1_000_000, step_s=0.02, exit_file=str(exit_file)))
+    [running] = portal.wait_for(lambda: portal.reports[-1].running, "a running worker")
+    portal.wait_for(lambda: any(e.kind == "progress" for e in portal.events()), "progress")
+    agent.kill()
+    worker = psutil.Process(running.pid)
+    try:
+        assert worker.status() != psutil.STATUS_ZOMBIE, "the worker died with its agent"
+        seen = len(portal.events())
+        successor = start_agent()
+        [again] = portal.wait_for(lambda: portal.registrations[1:], "the second agent's registration")
+        assert again.running == [running], "it registers with the worker it took back"
+        portal.wait_for(lambda: portal.reports[-1].running == [running], "the worker in its reports")
+        portal.wait_for(
+            lambda: [e for e in portal.events()[seen:] if e.kind == "progress"], "the worker's progress"
+        )
+        exit_file.touch()
+        [exited] = portal.wait_for(
+            lambda: [e for e in portal.events()[seen:] if e.kind == "exited"], "the worker's exit"
+        )
+        assert (exited.pid, exited.exit_code, exited.reason) == (running.pid, 0, "completed")
+        assert "started" not in [e.kind for e in portal.events()[seen:]]
+        assert successor.stop() == 0
+    finally:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def test_waits_for_the_portal_and_keeps_events_while_it_is_away(

@@ -23,6 +23,7 @@ from agent.supervisor import (
     WorkerSupervisor,
     exit_reason,
     parse_worker_line,
+    settle_exit,
 )
 from elastic.wire import (
     WORKER_EVENT_PREFIX,
@@ -419,6 +420,79 @@ def test_a_very_long_line_is_cut() -> None:
 )
 def test_exit_reasons(code: int, stop_requested: bool, reason: str) -> None:
     assert exit_reason(code, stop_requested) == reason
+
+
+@pytest.mark.parametrize(
+    ("status", "announced", "stop_requested", "finished", "outcome"),
+    [
+        (0, 0, None, False, (0, "completed", "exit code 0 (completed)")),
+        (-15, None, "stop (resize)", False, (-15, "stopped", "killed by SIGTERM after stop (resize)")),
+        # The "finished" stop's SIGTERM lands in the teardown of a worker that completed.
+        (
+            -15,
+            0,
+            "stop (finished)",
+            False,
+            (
+                0,
+                "completed",
+                "exit code 0 (completed); then killed by SIGTERM in its teardown after stop (finished)",
+            ),
+        ),
+        (
+            -9,
+            75,
+            "stop (cancel)",
+            False,
+            (
+                75,
+                "stopped",
+                "exit code 75 (stopped); then killed by SIGKILL in its teardown after stop (cancel)",
+            ),
+        ),
+        (1, 0, None, False, (1, "failed", "exit code 1 (failed)")),
+        (
+            -15,
+            None,
+            "stop (finished)",
+            True,
+            (-15, "completed", "killed by SIGTERM after stop (finished), after the job's last step"),
+        ),
+        (None, 3, None, False, (3, "failed", "exit code 3 (failed), as it announced")),
+        (None, None, None, True, (None, "completed", "exit code unknown; its last step was the job's last")),
+    ],
+)
+def test_exit_outcomes(
+    status: int | None,
+    announced: int | None,
+    stop_requested: str | None,
+    finished: bool,
+    outcome: tuple[Any, ...],
+) -> None:
+    settled = settle_exit(status, announced, stop_requested, finished)
+    assert (settled.exit_code, settled.reason, settled.message) == outcome
+
+
+def test_an_exit_of_unknown_code_without_a_word_failed() -> None:
+    settled = settle_exit(None, None)
+    assert (settled.exit_code, settled.reason) == (None, "failed")
+    assert settled.message.startswith("exit code unknown")
+
+
+def test_a_worker_that_completed_is_not_made_stopped_by_the_finished_stop_in_its_teardown(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(steps=3, teardown_s=30), backend, REDIS_URL)
+    recorder.wait_for(lambda _: "tearing down" in [e.message for e in recorder.of("log")])
+    supervisor.stop(StopCommand(job_id=1, before_generation=2, reason="finished"))
+    recorder.wait_for(recorder.exits(1))
+    [exited] = recorder.of("exited")
+    assert (exited.exit_code, exited.reason, exited.step) == (0, "completed", 3)
+    assert (
+        exited.message
+        == "exit code 0 (completed); then killed by SIGTERM in its teardown after stop (finished)"
+    )
 
 
 # --- the real worker -------------------------------------------------------------------------

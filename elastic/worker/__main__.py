@@ -1,5 +1,10 @@
 """`python -m elastic.worker`: read the WorkerConfig from the environment, train, exit with the
-code that says how it ended (elastic.worker)."""
+code that says how it ended (elastic.worker).
+
+The last line the worker writes is an "exiting" event with that code (events.announce_exit): an
+agent that re-adopted the worker is not its parent and cannot read its exit status, and a signal
+that cuts the interpreter's teardown short must not hide that the job completed. A heartbeat
+(elastic.worker.heartbeat) says the worker lives from before torch loads until it exits."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import sys
 import traceback
 
 from elastic.worker import FAILED_EXIT_CODE, LEFT_EXIT_CODE, WORKER_CONFIG_ENV
+from elastic.worker.events import announce_exit
 
 
 def main() -> int:
@@ -17,10 +23,12 @@ def main() -> int:
 
     stop = StopRequest()
     stop.install()
+    heartbeat = None
+    code = FAILED_EXIT_CODE
     try:
         from elastic.wire import WorkerConfig
         from elastic.worker.events import EventWriter
-        from elastic.worker.runner import WorkerRun
+        from elastic.worker.heartbeat import Heartbeat
         from elastic.worker.settings import WorkerSettings
 
         raw_config = os.environ.get(WORKER_CONFIG_ENV)
@@ -28,17 +36,22 @@ def main() -> int:
             raise RuntimeError(f"{WORKER_CONFIG_ENV} is not set")
         config = WorkerConfig.model_validate_json(raw_config)
         settings = WorkerSettings.from_env(os.environ)
+        heartbeat = Heartbeat.connect(config.redis_url, config.coordination_key, config.member_key).start()
+        from elastic.worker.runner import WorkerRun
+
         code = WorkerRun(config, settings, EventWriter(config), stop).run()
     except Exception:
         traceback.print_exc()
-        return FAILED_EXIT_CODE
+        code = FAILED_EXIT_CODE
     finally:
-        sys.stdout.flush()
+        if heartbeat is not None:
+            heartbeat.stop()
+        sys.stderr.flush()
+        announce_exit(code)
     if code == LEFT_EXIT_CODE:
         # A leaver holds nothing to save and its device is wanted at once (an owner may be
         # waiting for it): skip the interpreter's teardown of torch and gloo, which takes a
         # good part of a second on a busy machine.
-        sys.stderr.flush()
         os._exit(code)
     return code
 

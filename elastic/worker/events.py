@@ -4,6 +4,7 @@ line to the agent."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from typing import Any, Literal, TextIO
@@ -46,6 +47,15 @@ class EventWriter:
     def log(self, message: str) -> WorkerEvent:
         """Write a log event carrying `message`; return it."""
         return self.emit("log", message=message)
+
+
+def announce_exit(exit_code: int, stream: TextIO | None = None) -> None:
+    """Write the worker's last line, the "exiting" event with the code it is about to exit with,
+    and flush. It carries no job, generation or rank (the agent fills them in), so that it can be
+    written however early the worker fails."""
+    out = stream if stream is not None else sys.stdout
+    out.write(WORKER_EVENT_PREFIX + json.dumps({"kind": "exiting", "exit_code": exit_code}) + "\n")
+    out.flush()
 
 
 class ProgressReporter:

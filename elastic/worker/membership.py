@@ -7,6 +7,10 @@ Keys, under the job's coordination key K (elastic.wire.coordination_key):
     K:latest           the newest G published; it only ever grows
     K:ready:<G>        set of member keys ("node/device_index") of joiners ready for G
     K:go:<G>           list; the running group pushes tokens here when it switches to G
+    K:alive:<member>   the pid of the worker process on that device, refreshed every
+                       HEARTBEAT_EVERY_S by a thread of the worker and expiring HEARTBEAT_TTL_S
+                       after the last refresh: how the portal knows a silent agent's workers
+                       still live (elastic.worker.heartbeat)
 
 The protocol, one generation G at a time:
 
@@ -39,6 +43,10 @@ from elastic.wire import Membership
 log = logging.getLogger(__name__)
 
 RECORD_TTL_S = 24 * 3600
+HEARTBEAT_EVERY_S = 2.0
+HEARTBEAT_TTL_S = 10.0
+"""A worker whose heartbeat is older than this is taken for dead (by whoever has no better
+source: the portal, while the worker's agent is silent)."""
 _ADVANCE_LATEST = """
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 if current < tonumber(ARGV[1]) then
@@ -51,6 +59,12 @@ return 0
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def heartbeat_key(key: str, member: str) -> str:
+    """The heartbeat key of the worker `member` ("node/device_index") of the job whose
+    coordination key is `key`."""
+    return f"{key}:alive:{member}"
 
 
 class MembershipBoard:
@@ -118,6 +132,17 @@ class MembershipBoard:
         """Takes one go token of `generation`, waiting up to `timeout_s`; returns whether one
         came."""
         return self.client.blpop([f"{self.key}:go:{generation}"], timeout=timeout_s) is not None
+
+    # --- heartbeats ---------------------------------------------------------------------------
+
+    def beat(self, member: str, pid: int, ttl_s: float = HEARTBEAT_TTL_S) -> None:
+        """Says that the worker `member`, process `pid`, lives, for the next `ttl_s` seconds."""
+        self.client.set(heartbeat_key(self.key, member), pid, px=int(ttl_s * 1000))
+
+    def alive(self, member: str) -> int | None:
+        """Returns the pid of `member` if its heartbeat is fresh, else None."""
+        value = self.client.get(heartbeat_key(self.key, member))
+        return None if value is None else int(_text(value))
 
     def close(self) -> None:
         self.client.close()

@@ -9,13 +9,18 @@ from portal.accounts.models import ApiToken
 
 class Node(models.Model):
     class State(models.TextChoices):
+        """online -> unreachable (its agent is silent but its workers' heartbeats are fresh) ->
+        lost (silent, and no worker beats); unreachable or lost -> online (the agent reports or
+        registers again); online -> lost."""
+
         ONLINE = "online"
+        UNREACHABLE = "unreachable", "agent unreachable"
         LOST = "lost"
 
     name = models.CharField(max_length=100, unique=True)
     address = models.CharField(max_length=255)
     backend = models.CharField(max_length=30)
-    state = models.CharField(max_length=10, choices=State.choices, default=State.ONLINE)
+    state = models.CharField(max_length=12, choices=State.choices, default=State.ONLINE)
     registered_at = models.DateTimeField(auto_now_add=True)
     last_seen_at = models.DateTimeField()
     agent_token = models.OneToOneField(

@@ -38,6 +38,7 @@ from elastic.spec import JobSpec
 from elastic.wire import LaunchCommand, Member, Membership, RunningWorker, WorkerAssignment, WorkerEvent
 from portal import dispatch
 from portal.cluster.models import Device, Node
+from portal.jobs.heartbeats import beating
 from portal.jobs.models import Allocation, Generation, Job, JobLog, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
@@ -600,19 +601,52 @@ def _workers_gone(rows: QuerySet[Worker], reason: str, end_reason: str, note: st
     return list(devices)
 
 
+@dataclass(frozen=True)
+class WorkerRow:
+    """A running worker as the database has it."""
+
+    id: int
+    job_id: int
+    device_index: int
+    pid: int | None
+
+
+def workers_gone_at_registration(
+    rows: list[WorkerRow], readopted: list[RunningWorker], allocated: set[tuple[int, int]]
+) -> tuple[set[int], set[int]]:
+    """An agent registered with the workers it re-adopted, `readopted`: returns the ids of the
+    `rows` (the workers the portal thought ran on the node) that are gone, and the jobs that must
+    be planned again: those that lost a worker here, and those with a device here, (job id,
+    device index) in `allocated`, on which no worker runs any more (a launch sent while the
+    agent was away is lost). A row is matched by job, device and pid, not by generation and
+    rank, which lag by a "joined" event still on its way."""
+    alive = {(worker.job_id, worker.device_index, worker.pid) for worker in readopted}
+    gone = {row for row in rows if (row.job_id, row.device_index, row.pid) not in alive}
+    kept = {(row.job_id, row.device_index) for row in rows if row not in gone}
+    unmanned = {job_id for job_id, index in allocated if (job_id, index) not in kept}
+    return {row.id for row in gone}, {row.job_id for row in gone} | unmanned
+
+
 def node_registered(node: Node, adopted: list[RunningWorker]) -> None:
-    """The node's agent (re)started. Its workers that it did not re-adopt are gone; a job with
-    devices on the node whose workers there were not all re-adopted is planned again (a launch
-    sent while the agent was away may be lost)."""
-    kept = {(w.job_id, w.generation, w.rank, w.pid) for w in adopted}
-    running = Worker.objects.filter(node=node, state=Worker.State.RUNNING)
-    gone = [row.pk for row in running if (row.job_id, row.generation, row.rank, row.pid) not in kept]
-    note = f"the agent of {node.name} restarted without its workers; planning again"
-    touched = set(_workers_gone(Worker.objects.filter(pk__in=gone), "agent restarted", "agent restarted", note))
-    adopted_jobs = {w.job_id for w in adopted}
-    for job in Job.objects.filter(state__in=ACTIVE_STATES, allocations__device__node=node).distinct():
-        if job.pk not in touched and job.pk not in adopted_jobs:
-            _end_generation(job, Phase.LOST, "agent restarted", note)
+    """The node's agent (re)started with the workers it re-adopted: they train on; any other
+    worker the portal thought ran there is gone, and each job that lost one, or has a device
+    there without a worker, is planned again."""
+    rows = [
+        WorkerRow(*fields)
+        for fields in Worker.objects.filter(node=node, state=Worker.State.RUNNING).values_list(
+            "pk", "job_id", "device_index", "pid"
+        )
+    ]
+    allocated = set(
+        Allocation.objects.filter(job__state__in=ACTIVE_STATES, device__node=node).values_list(
+            "job_id", "device__index"
+        )
+    )
+    gone, replan = workers_gone_at_registration(rows, adopted, allocated)
+    note = f"the agent of {node.name} restarted without some of the job's workers; planning again"
+    touched = set(_workers_gone(Worker.objects.filter(pk__in=gone), "agent restart: gone", "agent restarted", note))
+    for job in Job.objects.filter(pk__in=replan - touched, state__in=ACTIVE_STATES):
+        _end_generation(job, Phase.LOST, "agent restarted", note)
 
 
 def node_lost(node: Node) -> list[int]:
@@ -717,12 +751,21 @@ def _settle_overdue(job: Job, generation: Generation) -> None:
 
 
 def nodes_lost() -> list[str]:
-    """Nodes silent for longer than NODE_TIMEOUT_S become lost, and their workers gone.
-    Returns the names of the nodes this call marked."""
+    """Nodes silent for longer than NODE_TIMEOUT_S become lost, and their workers gone, unless a
+    worker of theirs still beats (portal.jobs.heartbeats): then only the agent is gone, the
+    workers train on, and the node is unreachable, its workers and plan untouched, until the
+    agent reports again or the heartbeats stop too. Returns the names of the nodes this call
+    marked lost."""
     deadline = timezone.now() - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
+    silent = Node.objects.filter(state__in=(Node.State.ONLINE, Node.State.UNREACHABLE), last_seen_at__lt=deadline)
     marked = []
-    for node in Node.objects.filter(state=Node.State.ONLINE, last_seen_at__lt=deadline):
-        if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.LOST) == 1:
+    for node in silent:
+        running = Worker.objects.filter(node=node, state=Worker.State.RUNNING)
+        if beating(node.name, list(running.values_list("job_id", "device_index", "pid"))):
+            if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.UNREACHABLE):
+                log.warning("node %s: agent unreachable, its workers train on", node.name)
+            continue
+        if Node.objects.filter(pk=node.pk, state=node.state).update(state=Node.State.LOST) == 1:
             log.warning("node %s lost: no report for %ss", node.name, settings.BUNGEE["NODE_TIMEOUT_S"])
             node_lost(node)
             marked.append(node.name)

@@ -67,11 +67,13 @@ def _resize_reason(job: Job, generation: Generation | None, current: tuple[int, 
     generation that ended, then a device that went away (its node lost, or its owner back)."""
     if lifecycle.needs_replan(generation) and generation is not None:
         return generation.end_reason or str(generation.phase)
-    gone = [devices[d] for d in current if d in devices]
-    if any(not d.present or d.node.state == Node.State.LOST for d in gone):
-        return "node lost"
-    if any(d.owner_present for d in gone):
+    held = [devices[d] for d in current if d in devices]
+    if any(d.owner_present for d in held):
         return "owner reclaimed a device"
+    if any(d.node.state == Node.State.LOST for d in held):
+        return "node lost"
+    if any(not d.present for d in held):
+        return "device gone"  # its agent does not report it any more
     if any(action.job_id == job.pk and action.replacement is not None for action in plan.stragglers):
         return "straggler replaced"
     return "manual resize" if job.pinned_workers is not None else "scheduler"

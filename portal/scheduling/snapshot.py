@@ -120,11 +120,17 @@ def worker_step_times(
 
 def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
     """Returns the snapshot and the active jobs it names, by id."""
+    # A node whose agent is unreachable keeps the devices its jobs hold (their workers train
+    # on) and gets no new worker: no agent would start it.
+    held = set(Allocation.objects.values_list("device_id", flat=True))
     devices = tuple(
         DeviceView(
             id=d.pk,
             node=d.node.name,
-            usable=d.present and d.node.state == Node.State.ONLINE,
+            usable=d.present
+            and (
+                d.node.state == Node.State.ONLINE or (d.node.state == Node.State.UNREACHABLE and d.pk in held)
+            ),
             owner=d.owner or None,
             owner_present=d.owner_present,
         )

@@ -1,0 +1,39 @@
+"""Whether a node's workers live while its agent is silent: every worker refreshes a short-lived
+heartbeat key on its job's membership board (elastic.worker.heartbeat). Only what an agent cannot
+say is read from there; the agent's reports stay the source of what its workers do."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from django.conf import settings
+
+from elastic.wire import coordination_key, member_key
+from elastic.worker.membership import heartbeat_key
+from portal.redis import client
+
+log = logging.getLogger(__name__)
+
+
+def beating(node: str, workers: list[tuple[int, int, int | None]]) -> set[tuple[int, int]]:
+    """Returns the (job id, device index) of those `workers` (job id, device index, pid) on the
+    node named `node` whose heartbeat is fresh and names their pid. None if Redis does not
+    answer: then nothing is known to live."""
+    if not workers:
+        return set()
+    prefix = settings.BUNGEE["REDIS_PREFIX"]
+    keys = [
+        heartbeat_key(coordination_key(job_id, prefix), member_key(node, index))
+        for job_id, index, _ in workers
+    ]
+    try:
+        pids = client().mget(keys)
+    except redis.RedisError as err:
+        log.warning("cannot read the heartbeats of %s's workers: %s", node, err)
+        return set()
+    return {
+        (job_id, index)
+        for (job_id, index, pid), beat in zip(workers, pids, strict=True)
+        if beat is not None and pid is not None and int(beat) == pid
+    }
