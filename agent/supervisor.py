@@ -152,6 +152,9 @@ class SupervisorConfig:
     python: str = sys.executable
     stop_grace_s: float = 30.0
     """How long a worker has, after SIGTERM, to finish its step and save before SIGKILL."""
+    warming_stop_grace_s: float = 3.0
+    """The same for a worker that never joined a group: it holds no state, so it has nothing to
+    save (it exits at once on SIGTERM); one that hangs while warming up is killed this soon."""
     leave_grace_s: float = 120.0
     """How long a leaver may go on after the launch that left it out: the switch waits for the
     joiners to warm up, so this is generous. A leaver still there afterwards is killed."""
@@ -192,6 +195,8 @@ class _Worker:
     leave_timer: threading.Timer | None = None
     last_step: int | None = None
     total_steps: int | None = None
+    joined: bool = False
+    """It said "joined" (or was re-adopted, and may have): it may hold the training state."""
     announced_exit: int | None = None
     exit_code: int | None = None
     """Its exit status, once this supervisor (or the one that started it) reaped it."""
@@ -324,7 +329,8 @@ class WorkerSupervisor:
                 and (command.devices is None or worker.device_index in command.devices)
             ]
         for worker in targets:
-            self._terminate(worker, f"stop ({command.reason})")
+            grace = None if worker.joined else min(self.config.warming_stop_grace_s, self.config.stop_grace_s)
+            self._terminate(worker, f"stop ({command.reason})", grace)
         return len(targets)
 
     # --- state -------------------------------------------------------------------------------
@@ -397,6 +403,7 @@ class WorkerSupervisor:
                     stop_requested=record.stop_requested,
                     last_step=record.last_step,
                     total_steps=record.total_steps,
+                    joined=True,
                     announced_exit=record.announced_exit,
                     exit_code=record.exit_code,
                     read_offset=record.offset,
@@ -628,7 +635,7 @@ class WorkerSupervisor:
                 worker.last_step = event.step
                 worker.total_steps = event.total_steps or worker.total_steps
             elif event.kind == "joined":
-                worker.generation, worker.rank = event.generation, event.rank
+                worker.generation, worker.rank, worker.joined = event.generation, event.rank, True
                 event = event.model_copy(update={"pid": worker.pid, "device_index": worker.device_index})
                 changed = True
             if event.kind != "exiting":

@@ -288,6 +288,27 @@ def test_a_worker_killed_by_a_signal_failed(supervisor: WorkerSupervisor, backen
     assert (exited.exit_code, exited.reason, exited.message) == (-9, "failed", "killed by SIGKILL")
 
 
+def test_a_worker_that_never_joined_gets_the_short_grace(backend: SimulatedBackend) -> None:
+    """A joiner that hangs while warming up holds no state: it is killed after the warming grace,
+    while a worker that joined keeps the full one to save its state."""
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=60.0, warming_stop_grace_s=0.3)
+    )
+    recorder = Recorder(supervisor)
+    try:
+        supervisor.launch(launch(ranks=2, sigterm="ignore", joins_at_step=1, joins_generation=1, start=[0]),
+                          backend, REDIS_URL)
+        supervisor.launch(launch(generation=2, ranks=2, sigterm="ignore", start=[1]), backend, REDIS_URL)
+        recorder.wait_for(lambda _: len(recorder.of("joined")) == 1 and len(recorder.of("progress", 2)) >= 1)
+        assert supervisor.stop(StopCommand(job_id=1, before_generation=3, reason="cancel")) == 2
+        recorder.wait_for(recorder.exits(1))
+        [exited] = recorder.of("exited")
+        assert (exited.generation, exited.exit_code) == (2, -9), "the warming one goes first"
+        assert len(supervisor.running()) == 1, "the joined one still has its grace period"
+    finally:
+        supervisor.shutdown(grace_s=0.5)
+
+
 def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(backend: SimulatedBackend) -> None:
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=0.5))
     recorder = Recorder(supervisor)
