@@ -10,7 +10,7 @@ Commands are versioned by the job's generation. Per job the supervisor remembers
 generation it launched and the generation below which it was told to stop; a launch that is
 not newer than both is ignored, so a repeated or late command changes nothing.
 
-A resize happens in place (elastic.worker.membership): a newer launch starts only the joiners it
+A resize happens in place (elastic.membership.redis): a newer launch starts only the joiners it
 lists and leaves every running worker alone. Survivors switch generation by themselves and say
 so with a "joined" event, after which the supervisor reports them under their new generation and
 rank, with the same pid. Workers of the job on devices the launch does not keep are leavers:

@@ -432,7 +432,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
-    from elastic.worker.membership import MembershipBoard
+    from elastic.membership.redis import RedisBoard
 
     supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0, node_name="node-t"))
     recorder = Recorder(supervisor)
@@ -450,7 +450,7 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
         run_dir=str(tmp_path),
         coordination_key=key,
     )
-    board = MembershipBoard.connect(REDIS_URL, key)
+    board = RedisBoard.connect(REDIS_URL, key)
     board.publish(
         Membership(
             job_id=9,

@@ -1,5 +1,5 @@
-"""`python -m elastic.worker`: read the WorkerConfig from the environment, train, exit with the
-code that says how it ended (elastic.worker)."""
+"""`python -m elastic.worker`: read the WorkerConfig from the environment, connect to the job's
+membership board in Redis, train, exit with the code that says how it ended (elastic.worker)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def main() -> int:
     stop = StopRequest()
     stop.install()
     try:
+        from elastic.membership.redis import RedisBoard
         from elastic.wire import WorkerConfig
         from elastic.worker.events import EventWriter
         from elastic.worker.runner import WorkerRun
@@ -28,7 +29,11 @@ def main() -> int:
             raise RuntimeError(f"{WORKER_CONFIG_ENV} is not set")
         config = WorkerConfig.model_validate_json(raw_config)
         settings = WorkerSettings.from_env(os.environ)
-        code = WorkerRun(config, settings, EventWriter(config), stop).run()
+        board = RedisBoard.connect(config.redis_url, config.coordination_key)
+        try:
+            code = WorkerRun(config, settings, EventWriter(config), stop, board).run()
+        finally:
+            board.close()
     except Exception:
         traceback.print_exc()
         return FAILED_EXIT_CODE

@@ -1,6 +1,6 @@
 """Run a job's workers on this machine, coordinated the way the portal and the agents do it: one
 `python -m elastic.worker` process per slot on CPU (or one GPU per slot), membership records on the job's board in
-Redis, a free localhost port per generation, events parsed from the workers' stdout. For tests
+Redis (elastic.membership.redis), a free localhost port per generation, events parsed from the workers' stdout. For tests
 and benchmarks; the platform has its own scheduler and supervision.
 
 `LocalJob.start` publishes the first generation; `resize` publishes the next one, starting
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from elastic.membership.redis import RedisBoard
 from elastic.wire import WORKER_EVENT_PREFIX, Member, Membership, WorkerConfig, WorkerEvent, member_key
 from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
-from elastic.worker.membership import MembershipBoard
 
 LOCALHOST = "127.0.0.1"
 NODE = "local"
@@ -89,7 +89,7 @@ class LocalJob:
         self.device = device
         """"cpu", or "cuda": slot i is then GPU i."""
         self.key = board_key or f"bungee-local-{uuid.uuid4().hex[:10]}:job:{job_id}"
-        self.board = MembershipBoard.connect(redis_url, self.key)
+        self.board = RedisBoard.connect(redis_url, self.key)
         self.outputs: list[WorkerOutput] = []
         """Every process started, in start order."""
         self.records: list[Membership] = []

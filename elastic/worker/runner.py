@@ -1,5 +1,5 @@
 """One worker's life, across every resize of its job. The worker process is never restarted
-while it is a member; the protocol with the portal is in elastic.worker.membership.
+while it is a member; the protocol with the portal is in elastic.membership.redis.
 
     build     import torch; build the model, the optimiser and the data pipeline
     join      wait for a generation that names this worker (ready, then go) and form its group
@@ -25,16 +25,15 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import redis
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from elastic.membership.api import Board, BoardUnavailable
 from elastic.spec import JobSpec
 from elastic.wire import Membership, WorkerConfig
 from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE
@@ -42,7 +41,6 @@ from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_check
 from elastic.worker.data import SampleStream, share_bounds
 from elastic.worker.events import EventWriter, ProgressReporter
 from elastic.worker.hybrid import HybridSchedule, HybridTrainer
-from elastic.worker.membership import MembershipBoard
 from elastic.worker.settings import WorkerSettings
 from elastic.worker.step_clock import StepClock
 from elastic.worker.stop import StopRequest
@@ -99,7 +97,7 @@ class MembershipWatcher:
     running group (`group`) said it is ready; 0 until then."""
 
     def __init__(
-        self, board: MembershipBoard, generation: int, group: list[str], every_s: float, events: EventWriter
+        self, board: Board, generation: int, group: list[str], every_s: float, events: EventWriter
     ) -> None:
         self.pending = 0
         self._board = board
@@ -122,7 +120,7 @@ class MembershipWatcher:
             try:
                 self._check()
                 failures = 0
-            except redis.RedisError as err:
+            except BoardUnavailable as err:
                 failures += 1
                 if failures == 1:
                     self._events.log(f"cannot read the membership board, training on: {err}")
@@ -188,7 +186,8 @@ def _detached_copy(value: Any) -> Any:
 
 
 class WorkerRun:
-    """One worker process of one job; `run` returns the exit code."""
+    """One worker process of one job, meeting the others on `board`; `run` returns the exit
+    code. The caller owns `board` (and closes it)."""
 
     def __init__(
         self,
@@ -196,13 +195,13 @@ class WorkerRun:
         settings: WorkerSettings,
         events: EventWriter,
         stop: StopRequest,
-        board: MembershipBoard | None = None,
+        board: Board,
     ) -> None:
         self.config = config
         self.settings = settings
         self.events = events
         self.stop = stop
-        self.board = board or MembershipBoard.connect(config.redis_url, config.coordination_key)
+        self.board = board
         self.spec = JobSpec(**config.spec)
         self.workload = CATALOGUE[self.spec.workload]
         self.hyperparameters = self.workload.hyperparameters.model_validate(self.spec.hyperparameters)
@@ -250,7 +249,6 @@ class WorkerRun:
             self._stop_watcher()
             self._finish_saving()
             self._leave_group()
-            self.board.close()
 
     def _live(self) -> int:
         record = self._await_generation(newer_than=self.config.generation - 1)
@@ -359,7 +357,7 @@ class WorkerRun:
         be formed: at once for a holder of the state (it wakes the joiners), after the go for a
         joiner. Raises _Exit if a record leaves this worker out or a stop is asked."""
         while True:
-            record = self._read(self.board.latest)
+            record = self.board.latest()
             if record is None or record.generation <= newer_than:
                 self._sleep(self.settings.membership_poll_s)
                 continue
@@ -373,16 +371,16 @@ class WorkerRun:
                 if not self._await_ready(record.generation, joiners):
                     newer_than = record.generation
                     continue
-                self._read(self.board.send_go, record.generation, len(joiners))
+                self.board.send_go(record.generation, len(joiners))
                 return record
-            self._read(self.board.mark_ready, record.generation, self.me)
+            self.board.mark_ready(record.generation, self.me)
             if not record.has_state:
                 return record
             while True:
                 self._check_stop()
-                if self._read(self.board.wait_go, record.generation, _GO_WAIT_S):
+                if self.board.wait_go(record.generation, _GO_WAIT_S):
                     return record
-                if self._read(self.board.latest_generation) > record.generation:
+                if self.board.latest_generation() > record.generation:
                     newer_than = record.generation
                     break
 
@@ -393,27 +391,14 @@ class WorkerRun:
         is published instead: the portal expires a generation whose joiners are not ready by
         its deadline (elastic.membership.GenerationPhase) and plans one without them."""
         announced = False
-        while not joiners <= self._read(self.board.ready, generation):
-            if self._read(self.board.latest_generation) > generation:
+        while not joiners <= self.board.ready(generation):
+            if self.board.latest_generation() > generation:
                 return False
             if not announced:
                 self._log_any(f"waiting for {len(joiners)} joiner(s) of generation {generation} to warm up")
                 announced = True
             self._sleep(self.settings.membership_poll_s)
         return True
-
-    def _read(self, call: Callable[..., Any], *args: Any) -> Any:
-        """Returns call(*args), a board method, retrying while Redis is away (a stop still ends
-        the wait)."""
-        failures = 0
-        while True:
-            try:
-                return call(*args)
-            except redis.RedisError as err:
-                failures += 1
-                if failures == 1:
-                    self.events.log(f"cannot reach the membership board, retrying: {err}")
-                self._sleep(min(2.0, 0.1 * failures))
 
     def _sleep(self, seconds: float) -> None:
         self._check_stop()
@@ -706,12 +691,12 @@ class WorkerRun:
         """After the agreed step: returns the record to form, or raises _Exit for a leaver."""
         self._switch_started = time.perf_counter()
         self._stop_watcher()
-        record = self._read(self.board.record, generation)
+        record = self.board.record(generation)
         if record is None:
             raise RuntimeError(f"generation {generation} was agreed but its record is gone")
         if self.rank == 0:
             joiners = [key for key in record.keys() if key not in self._group_keys]
-            self._read(lambda: self.board.send_go(generation, len(joiners)))
+            self.board.send_go(generation, len(joiners))
         is_donor = record.donor is not None and record.donor.key == self.me
         if record.rank_of(self.me) is None and not is_donor:
             self._leave_group()

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from elastic.membership.redis import RedisBoard as MembershipBoard
 from elastic.wire import (
     LaunchCommand,
     Member,
@@ -24,7 +25,6 @@ from elastic.wire import (
     command_stream,
     coordination_key,
 )
-from elastic.worker.membership import MembershipBoard
 from portal.cluster.models import Device
 from portal.jobs.models import Allocation, Job, Worker
 from portal.jobs.states import JobState
