@@ -1,8 +1,9 @@
 """Starts, watches and stops this node's elastic workers.
 
 Each worker is `python -m elastic.worker` in its own session, told what to do by a WorkerConfig
-in its environment. Its stdout (stderr merged in) is read line by line: a line that starts with
-WORKER_EVENT_PREFIX is a structured event, any other line becomes a log event. The supervisor
+in its environment. Its stdout (stderr merged in) is read line by line and decoded by
+elastic.membership.codec: a line that starts with WORKER_EVENT_PREFIX is a structured event, any
+other line becomes a log event. The supervisor
 adds the lifecycle events itself: "started" right after the spawn, "exited" once the process
 and its output are gone, with the reason its exit code gives.
 
@@ -21,7 +22,6 @@ after the grace period.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -30,18 +30,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
+from typing import Any, Literal
 
 import elastic
 from agent.devices import DeviceBackend, DeviceError
 from agent.events import EventBuffer
+from elastic.membership.codec import decode
 from elastic.wire import (
-    WORKER_EVENT_PREFIX,
     ExitReason,
     LaunchCommand,
     RunningWorker,
@@ -54,10 +52,7 @@ from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_COD
 
 log = logging.getLogger(__name__)
 
-MAX_LOG_CHARS = 2000
-"""A log line longer than this is cut, so that one runaway print cannot swell a report."""
 _MAX_READ_BYTES = 64 * 1024
-_WORKER_KINDS = ("joined", "resized", "progress", "log", "step_times", "form_failed")
 _REAP_AFTER_KILL_S = 10.0
 _PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
 
@@ -120,12 +115,12 @@ class _Worker:
     def key(self) -> dict[str, int]:
         return {"job_id": self.job_id, "generation": self.generation, "rank": self.rank}
 
-    def event(self, kind: str, **fields: Any) -> WorkerEvent:
+    def event(self, kind: Literal["started", "exited"], **fields: Any) -> WorkerEvent:
         return WorkerEvent(
             job_id=self.job_id,
             generation=self.generation,
             rank=self.rank,
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             at=time.time(),
             **fields,
         )
@@ -382,7 +377,7 @@ class WorkerSupervisor:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 if not line.strip():
                     continue
-                event = parse_worker_line(worker.key, line)
+                event = decode(worker.key, line)
                 if event.kind == "progress" and event.step is not None:
                     worker.last_step = event.step
                 elif event.kind == "joined":
@@ -512,36 +507,6 @@ class WorkerSupervisor:
         for worker in workers:
             if not worker.done.wait(timeout=max(0.0, deadline - time.monotonic())):
                 log.error("pid %d did not go away even after SIGKILL", worker.pid)
-
-
-def parse_worker_line(key: Mapping[str, int], line: str) -> WorkerEvent:
-    """Returns the event a worker's output line stands for. `key` holds the worker's job_id,
-    generation and rank as the supervisor launched it.
-
-    A line of WORKER_EVENT_PREFIX and a JSON object of kind "progress" or "log" is that event;
-    fields it leaves out are taken from `key` (job, generation, rank) or the clock (`at`).
-    Any other line, a malformed event or one of the kinds only the supervisor emits included,
-    is a log event carrying the whole line. Log messages are cut at MAX_LOG_CHARS."""
-    event = None
-    if line.startswith(WORKER_EVENT_PREFIX):
-        try:
-            payload = json.loads(line[len(WORKER_EVENT_PREFIX) :])
-        except ValueError:
-            payload = None
-        if isinstance(payload, dict) and payload.get("kind") in _WORKER_KINDS:
-            try:
-                event = WorkerEvent.model_validate({**key, "at": time.time(), **payload})
-            except ValidationError:
-                event = None
-    if event is None:
-        event = WorkerEvent.model_validate({**key, "kind": "log", "at": time.time(), "message": line})
-    if event.message is not None and len(event.message) > MAX_LOG_CHARS:
-        event = event.model_copy(update={"message": _cut(event.message)})
-    return event
-
-
-def _cut(text: str) -> str:
-    return f"{text[:MAX_LOG_CHARS]}… [{len(text) - MAX_LOG_CHARS} more characters cut]"
 
 
 def _describe_exit(exit_code: int, stop_requested: str | None) -> str:
