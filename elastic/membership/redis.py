@@ -9,7 +9,7 @@ Keys, under the job's coordination key K (elastic.wire.coordination_key):
     K:ready:<G>        set of member keys ("node/device_index") of joiners ready for G
     K:go:<G>           list; the holders of the state push a token per joiner when they form G
 
-The protocol, one generation G at a time (the worker's side is elastic.worker.runner):
+The protocol, one generation G at a time (the worker's side is elastic.worker.rendezvous):
 
 1. The portal publishes the record of G, then starts the joiners (new processes) through the
    agents. Survivors are not told anything; leavers are not either.
