@@ -29,6 +29,7 @@ demo: install
 
 test: install $(TEST_LIBS)
 	$(PY) -m ruff check .
+	$(PY) -m mypy elastic agent
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -5,9 +5,10 @@ Each worker is `python -m elastic.worker` in its own session, told what to do by
 in its environment. Its stdout and stderr are appended to a file in the agent's state directory,
 never to a pipe, so that a worker trains on when its agent dies (nothing the agent holds can kill
 it: no pipe to break, no shared process group, no parent-death signal). The supervisor tails the
-file: a line that starts with WORKER_EVENT_PREFIX is a structured event, any other line becomes a
-log event. The supervisor adds the lifecycle events itself: "started" right after the spawn,
-"exited" once the process and its output are gone, with the reason its exit code gives.
+file and decodes each line with elastic.membership.codec: a line that starts with
+WORKER_EVENT_PREFIX is a structured event, any other line becomes a log event. The supervisor
+adds the lifecycle events itself: "started" right after the spawn, "exited" once the process and
+its output are gone, with the reason its exit code gives.
 
 Commands are versioned by the job's generation. Per job the supervisor remembers the highest
 generation it launched and the generation below which it was told to stop; a launch that is
@@ -34,7 +35,6 @@ reached the portal (`events_delivered`).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import select
@@ -46,19 +46,17 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from pydantic import ValidationError
 
 import elastic
 from agent.devices import DeviceBackend, DeviceError
 from agent.events import EventBuffer
 from agent.records import RecordStore, WorkerRecord, open_process, process_start_time
+from elastic.membership.codec import decode
 from elastic.wire import (
-    WORKER_EVENT_PREFIX,
     ExitReason,
     LaunchCommand,
     RunningWorker,
@@ -71,10 +69,7 @@ from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_COD
 
 log = logging.getLogger(__name__)
 
-MAX_LOG_CHARS = 2000
-"""A log line longer than this is cut, so that one runaway print cannot swell a report."""
 _MAX_READ_BYTES = 64 * 1024
-_WORKER_KINDS = ("joined", "resized", "progress", "log", "step_times", "exiting", "form_failed")
 _REAP_AFTER_KILL_S = 10.0
 _TAIL_EVERY_S = 0.05
 """How often a worker's output file is read while it has nothing new."""
@@ -627,7 +622,7 @@ class WorkerSupervisor:
             worker.read_offset = offset
             if not line.strip():
                 return
-            event = parse_worker_line(worker.key, line)
+            event = decode(worker.key, line)
             if event.kind == "exiting":
                 worker.announced_exit = event.exit_code
                 changed = True
@@ -799,37 +794,6 @@ class WorkerSupervisor:
         for worker in workers:
             if not worker.done.wait(timeout=max(0.0, deadline - time.monotonic())):
                 log.error("pid %d did not go away even after SIGKILL", worker.pid)
-
-
-def parse_worker_line(key: Mapping[str, int], line: str) -> WorkerEvent:
-    """Returns the event a worker's output line stands for. `key` holds the worker's job_id,
-    generation and rank as the supervisor launched it.
-
-    A line of WORKER_EVENT_PREFIX and a JSON object of a kind a worker writes (joined, resized,
-    progress, log, step_times, exiting) is that event;
-    fields it leaves out are taken from `key` (job, generation, rank) or the clock (`at`).
-    Any other line, a malformed event or one of the kinds only the supervisor emits included,
-    is a log event carrying the whole line. Log messages are cut at MAX_LOG_CHARS."""
-    event = None
-    if line.startswith(WORKER_EVENT_PREFIX):
-        try:
-            payload = json.loads(line[len(WORKER_EVENT_PREFIX) :])
-        except ValueError:
-            payload = None
-        if isinstance(payload, dict) and payload.get("kind") in _WORKER_KINDS:
-            try:
-                event = WorkerEvent.model_validate({**key, "at": time.time(), **payload})
-            except ValidationError:
-                event = None
-    if event is None:
-        event = WorkerEvent.model_validate({**key, "kind": "log", "at": time.time(), "message": line})
-    if event.message is not None and len(event.message) > MAX_LOG_CHARS:
-        event = event.model_copy(update={"message": _cut(event.message)})
-    return event
-
-
-def _cut(text: str) -> str:
-    return f"{text[:MAX_LOG_CHARS]}… [{len(text) - MAX_LOG_CHARS} more characters cut]"
 
 
 def _killed_by(exit_code: int) -> str:

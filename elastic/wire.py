@@ -1,6 +1,6 @@
 """The messages that cross a process boundary: agent to portal (HTTP, JSON), portal to agent
 (commands on a per-node Redis stream), portal to workers (the job's membership record in Redis,
-see elastic.worker.membership) and worker to agent (JSON lines on the worker's stdout, which the
+see elastic.membership.redis) and worker to agent (JSON lines on the worker's stdout, which the
 agent reads from a file).
 
 Both sides import these models, so a field renamed here is renamed everywhere at once. Commands
@@ -331,5 +331,5 @@ def command_stream(node_name: str, prefix: str = "bungee") -> str:
 
 
 def coordination_key(job_id: int, prefix: str = "bungee") -> str:
-    """The Redis key prefix of a job's membership records (elastic.worker.membership)."""
+    """The Redis key prefix of a job's membership records (elastic.membership.redis)."""
     return f"{prefix}:job:{job_id}"

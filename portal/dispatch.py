@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 from django.conf import settings
 
+from elastic.membership.redis import RedisBoard
 from elastic.wire import LaunchCommand, Membership, StopCommand, command_stream, coordination_key
-from elastic.worker.membership import MembershipBoard
 from portal.redis import client
 
 STREAM_MAXLEN = 10_000
@@ -27,9 +27,9 @@ def send(node_name: str, command: LaunchCommand | StopCommand) -> None:
     )
 
 
-def board(job_id: int) -> MembershipBoard:
+def board(job_id: int) -> RedisBoard:
     """The job's membership board in the portal's Redis."""
-    return MembershipBoard(client(), coordination_key(job_id, settings.BUNGEE["REDIS_PREFIX"]))
+    return RedisBoard(client(), coordination_key(job_id, settings.BUNGEE["REDIS_PREFIX"]))
 
 
 def publish(record: Membership, launches: dict[str, LaunchCommand]) -> None:

@@ -17,14 +17,7 @@ import pytest
 
 from agent.devices import make_backend
 from agent.devices.simulated import SimulatedBackend
-from agent.supervisor import (
-    MAX_LOG_CHARS,
-    SupervisorConfig,
-    WorkerSupervisor,
-    exit_reason,
-    parse_worker_line,
-    settle_exit,
-)
+from agent.supervisor import SupervisorConfig, WorkerSupervisor, exit_reason, settle_exit
 from elastic.wire import (
     WORKER_EVENT_PREFIX,
     LaunchCommand,
@@ -36,7 +29,6 @@ from elastic.wire import (
 )
 
 FAKE_WORKER = "tests.agent_fake_worker"
-KEY = {"job_id": 5, "generation": 2, "rank": 1}
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 
 
@@ -391,40 +383,7 @@ def test_shutdown_stops_every_worker_and_refuses_new_launches(backend: Simulated
     assert not supervisor.launch(launch(job_id=3), backend, REDIS_URL)
 
 
-# --- output lines and exit codes -------------------------------------------------------------
-
-
-def test_an_event_line_becomes_that_event_with_the_missing_key_filled_in() -> None:
-    event = parse_worker_line(KEY, WORKER_EVENT_PREFIX + '{"kind": "progress", "step": 4, "loss": 0.5}')
-    assert (event.kind, event.step, event.loss) == ("progress", 4, 0.5)
-    assert (event.job_id, event.generation, event.rank) == (5, 2, 1)
-    own = WorkerEvent(job_id=5, generation=3, rank=0, kind="log", at=1.0, message="hi")
-    assert parse_worker_line(KEY, WORKER_EVENT_PREFIX + own.model_dump_json()) == own
-
-
-@pytest.mark.parametrize(
-    "line",
-    [
-        "plain output",
-        WORKER_EVENT_PREFIX + "{broken",
-        WORKER_EVENT_PREFIX + "[1, 2]",
-        WORKER_EVENT_PREFIX + '{"kind": "progress", "step": "many"}',
-        WORKER_EVENT_PREFIX + '{"kind": "exited", "exit_code": 0}',
-        WORKER_EVENT_PREFIX + '{"kind": "started", "pid": 1}',
-    ],
-)
-def test_any_other_line_is_a_log_line(line: str) -> None:
-    event = parse_worker_line(KEY, line)
-    assert (event.kind, event.message, event.job_id, event.rank) == ("log", line, 5, 1)
-
-
-def test_a_very_long_line_is_cut() -> None:
-    event = parse_worker_line(KEY, "y" * (MAX_LOG_CHARS + 500))
-    assert event.message is not None
-    assert event.message.startswith("y" * MAX_LOG_CHARS)
-    assert event.message.endswith("[500 more characters cut]")
-    long_log = WORKER_EVENT_PREFIX + '{"kind": "log", "message": "' + "z" * (MAX_LOG_CHARS + 1) + '"}'
-    assert (parse_worker_line(KEY, long_log).message or "").endswith("[1 more characters cut]")
+# --- exit codes (the worker's output lines: tests/test_worker_event_codec.py) -----------------
 
 
 @pytest.mark.parametrize(
@@ -527,7 +486,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
-    from elastic.worker.membership import MembershipBoard
+    from elastic.membership.redis import RedisBoard
 
     supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0, node_name="node-t"))
     recorder = Recorder(supervisor)
@@ -545,7 +504,7 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
         run_dir=str(tmp_path),
         coordination_key=key,
     )
-    board = MembershipBoard.connect(REDIS_URL, key)
+    board = RedisBoard.connect(REDIS_URL, key)
     board.publish(
         Membership(
             job_id=9,

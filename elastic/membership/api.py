@@ -40,6 +40,7 @@ from elastic.wire import Member, Membership
 
 __all__ = [
     "Board",
+    "BoardUnavailable",
     "GenerationPhase",
     "InvalidPhaseTransition",
     "Member",
@@ -101,10 +102,14 @@ def check_phase_transition(source: str, target: str) -> None:
         raise InvalidPhaseTransition(source, target)
 
 
+class BoardUnavailable(RuntimeError):  # noqa: N818 - the name the Board docstrings use
+    """The store behind a Board did not answer (after the retries its client makes)."""
+
+
 class Board(abc.ABC):
     """A job's membership board: where the portal publishes each generation's record and where
     joiners and the running group agree on the moment of a switch. Every method raises
-    BoardUnavailable (or the store's own error) if the store does not answer."""
+    BoardUnavailable if the store does not answer."""
 
     @abc.abstractmethod
     def publish(self, record: Membership) -> bool:

@@ -14,6 +14,7 @@ opportunistic jobs, before any shared device does; guaranteed jobs draw on the s
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from elastic.scheduling.api import ClusterSnapshot, DeviceView, JobView, Plan
 
@@ -70,6 +71,20 @@ def _worker_counts(jobs: list[JobView], budget: _Budget, plan: Plan) -> dict[int
     return counts
 
 
+def _growth_order(
+    usable: dict[int, DeviceView], own: Counter[str], spare: Counter[str]
+) -> Callable[[int], tuple[bool, int, int, str, int]]:
+    """The sort key of the free devices a job grows onto: lent ones first, then those on the
+    nodes it is on (`own`: its devices per node), then those on the nodes with the most free
+    devices (`spare`); ties by node name and device id."""
+
+    def key(device_id: int) -> tuple[bool, int, int, str, int]:
+        device = usable[device_id]
+        return (not device.lent, -own[device.node], -spare[device.node], device.node, device_id)
+
+    return key
+
+
 def fair_share(snapshot: ClusterSnapshot) -> Plan:
     """Returns the target devices of every job in the snapshot (see the module docstring)."""
     plan = Plan()
@@ -107,13 +122,7 @@ def fair_share(snapshot: ClusterSnapshot) -> Plan:
             free_per_node = Counter(usable[d].node for d in free)
             chosen = sorted(
                 (d for d in free if allowed(job, usable[d])),
-                key=lambda d, own=own_nodes, spare=free_per_node: (
-                    not usable[d].lent,
-                    -own[usable[d].node],
-                    -spare[usable[d].node],
-                    usable[d].node,
-                    d,
-                ),
+                key=_growth_order(usable, own_nodes, free_per_node),
             )[:missing]
             devices = devices + chosen
             free.difference_update(chosen)

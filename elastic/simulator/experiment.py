@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -85,8 +85,21 @@ def run_experiment(
 
 def mean_summary(summaries: Sequence[Summary]) -> Summary:
     """The field-by-field mean over workloads (how the Pollux paper reports its figures)."""
-    fields = summaries[0].as_dict()
-    means = {k: float(np.mean([s.as_dict()[k] for s in summaries])) for k in fields}
-    means["jobs"] = int(sum(s.jobs for s in summaries))
-    means["unfinished"] = int(sum(s.unfinished for s in summaries))
-    return replace(summaries[0], **means)
+
+    def mean(name: str) -> float:
+        return float(np.mean([s.as_dict()[name] for s in summaries]))
+
+    return Summary(
+        jobs=sum(s.jobs for s in summaries),
+        unfinished=sum(s.unfinished for s in summaries),
+        avg_jct_s=mean("avg_jct_s"),
+        p50_jct_s=mean("p50_jct_s"),
+        p99_jct_s=mean("p99_jct_s"),
+        makespan_s=mean("makespan_s"),
+        avg_queueing_s=mean("avg_queueing_s"),
+        allocated_utilization=mean("allocated_utilization"),
+        useful_utilization=mean("useful_utilization"),
+        resizes_per_job=mean("resizes_per_job"),
+        decision_p50_ms=mean("decision_p50_ms"),
+        decision_p95_ms=mean("decision_p95_ms"),
+    )

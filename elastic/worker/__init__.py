@@ -21,10 +21,20 @@ LEFT_EXIT_CODE = 76
 """Left the job at a resize: the newest membership record does not name it. Its state, if it had
 any, lives on in the survivors; its device is free."""
 
+
+class WorkerExit(Exception):  # noqa: N818 - a way out, not an error
+    """Ends the worker's life with exit code `code`; its message, if any, is logged first."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 __all__ = [
     "COMPLETED_EXIT_CODE",
     "FAILED_EXIT_CODE",
     "LEFT_EXIT_CODE",
     "STOPPED_EXIT_CODE",
     "WORKER_CONFIG_ENV",
+    "WorkerExit",
 ]

@@ -1,5 +1,5 @@
-"""`python -m elastic.worker`: read the WorkerConfig from the environment, train, exit with the
-code that says how it ended (elastic.worker).
+"""`python -m elastic.worker`: read the WorkerConfig from the environment, connect to the job's
+membership board in Redis, train, exit with the code that says how it ended (elastic.worker).
 
 The last line the worker writes is an "exiting" event with that code (events.announce_exit): an
 agent that re-adopted the worker is not its parent and cannot read its exit status, and a signal
@@ -26,6 +26,7 @@ def main() -> int:
     heartbeat = None
     code = FAILED_EXIT_CODE
     try:
+        from elastic.membership.redis import RedisBoard
         from elastic.wire import WorkerConfig
         from elastic.worker.events import EventWriter
         from elastic.worker.heartbeat import Heartbeat
@@ -39,7 +40,11 @@ def main() -> int:
         heartbeat = Heartbeat.connect(config.redis_url, config.coordination_key, config.member_key).start()
         from elastic.worker.runner import WorkerRun
 
-        code = WorkerRun(config, settings, EventWriter(config), stop).run()
+        board = RedisBoard.connect(config.redis_url, config.coordination_key)
+        try:
+            code = WorkerRun(config, settings, EventWriter(config), stop, board).run()
+        finally:
+            board.close()
     except Exception:
         traceback.print_exc()
         code = FAILED_EXIT_CODE

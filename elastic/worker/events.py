@@ -1,5 +1,5 @@
 """The worker's structured output: elastic.wire.WorkerEvent objects written to stdout as single
-lines behind WORKER_EVENT_PREFIX, which the agent parses; any other stdout line is a plain log
+lines (elastic.membership.codec), which the agent decodes; any other stdout line is a plain log
 line to the agent."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
+from elastic.membership.codec import WorkerKind, encode
 from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
 
 
@@ -27,9 +28,7 @@ class EventWriter:
         self.generation = generation
         self.rank = rank
 
-    def emit(
-        self, kind: Literal["joined", "resized", "progress", "log", "step_times", "form_failed"], **fields: Any
-    ) -> WorkerEvent:
+    def emit(self, kind: WorkerKind, **fields: Any) -> WorkerEvent:
         """Write one event and flush; return it. Raises pydantic.ValidationError if a field
         does not belong to WorkerEvent."""
         event = WorkerEvent(
@@ -40,7 +39,7 @@ class EventWriter:
             at=time.time(),
             **fields,
         )
-        self._stream.write(WORKER_EVENT_PREFIX + event.model_dump_json(exclude_none=True) + "\n")
+        self._stream.write(encode(event) + "\n")
         self._stream.flush()
         return event
 

@@ -1,5 +1,5 @@
 """The worker's heartbeat: a thread that refreshes the worker's short-lived key on the job's
-membership board (elastic.worker.membership, K:alive:<member>) for as long as the process lives.
+membership board (elastic.membership.redis, K:alive:<member>) for as long as the process lives.
 
 The agent reports its workers to the portal; when the agent dies, its workers train on, and the
 heartbeat is how the portal tells a node whose agent is silent but whose workers live from a
@@ -14,7 +14,7 @@ import threading
 
 import redis
 
-from elastic.worker.membership import HEARTBEAT_EVERY_S, HEARTBEAT_TTL_S, MembershipBoard
+from elastic.membership.redis import HEARTBEAT_EVERY_S, HEARTBEAT_TTL_S, RedisBoard
 
 _REDIS_TIMEOUT_S = 2.0
 
@@ -25,7 +25,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        board: MembershipBoard,
+        board: RedisBoard,
         member: str,
         every_s: float = HEARTBEAT_EVERY_S,
         ttl_s: float = HEARTBEAT_TTL_S,
@@ -44,7 +44,7 @@ class Heartbeat:
         client = redis.Redis.from_url(
             redis_url, socket_timeout=_REDIS_TIMEOUT_S, socket_connect_timeout=_REDIS_TIMEOUT_S
         )
-        return cls(MembershipBoard(client, key), member)
+        return cls(RedisBoard(client, key), member)
 
     def start(self) -> Heartbeat:
         self._thread.start()

@@ -1,7 +1,8 @@
 """Run a job's workers on this machine, coordinated the way the portal and the agents do it: one
 `python -m elastic.worker` process per slot on CPU (or one GPU per slot), membership records on the job's board in
-Redis, a free localhost port per generation, events parsed from the workers' stdout. For tests
-and benchmarks; the platform has its own scheduler and supervision.
+Redis (elastic.membership.redis), a free localhost port per generation, events decoded from the
+workers' stdout as the agent decodes them (elastic.membership.codec). For tests and benchmarks;
+the platform has its own scheduler and supervision.
 
 `LocalJob.start` publishes the first generation; `resize` publishes the next one, starting
 processes only for slots that have none (joiners); survivors and leavers read the record. With
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from elastic.wire import WORKER_EVENT_PREFIX, Member, Membership, WorkerConfig, WorkerEvent, member_key
+from elastic.membership.codec import decode, is_event_line
+from elastic.membership.redis import RedisBoard
+from elastic.wire import Member, Membership, WorkerConfig, WorkerEvent, member_key
 from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
-from elastic.worker.membership import MembershipBoard
 
 LOCALHOST = "127.0.0.1"
 NODE = "local"
@@ -49,9 +51,10 @@ class WorkerOutput:
     slot: int
     pid: int
     launched_generation: int
+    launched_rank: int
     events: list[WorkerEvent] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
-    """stdout lines that are not events."""
+    """stdout lines that do not claim to be events (a malformed event line is a log event)."""
     stderr: str = ""
     returncode: int | None = None
     holds_state: bool = False
@@ -89,7 +92,7 @@ class LocalJob:
         self.device = device
         """"cpu", or "cuda": slot i is then GPU i."""
         self.key = board_key or f"bungee-local-{uuid.uuid4().hex[:10]}:job:{job_id}"
-        self.board = MembershipBoard.connect(redis_url, self.key)
+        self.board = RedisBoard.connect(redis_url, self.key)
         self.outputs: list[WorkerOutput] = []
         """Every process started, in start order."""
         self.records: list[Membership] = []
@@ -189,11 +192,13 @@ class LocalJob:
             stderr=subprocess.PIPE,
             text=True,
         )
-        output = WorkerOutput(slot=slot, pid=process.pid, launched_generation=record.generation)
+        output = WorkerOutput(
+            slot=slot, pid=process.pid, launched_generation=record.generation, launched_rank=rank
+        )
         self.outputs.append(output)
         self._processes[process.pid] = process
         assert process.stdout is not None and process.stderr is not None
-        stdout = self._read_in_background(process.stdout, self._stdout_reader(output))
+        stdout = self._read_in_background(process.stdout, self._stdout_reader(output, self.job_id))
         self._read_in_background(process.stderr, self._stderr_reader(output))
         threading.Thread(target=self._watch, args=(process, output, stdout), daemon=True).start()
 
@@ -326,15 +331,17 @@ class LocalJob:
         return reader
 
     @staticmethod
-    def _stdout_reader(output: WorkerOutput) -> Callable[[str], None]:
+    def _stdout_reader(output: WorkerOutput, job_id: int) -> Callable[[str], None]:
+        key = {"job_id": job_id, "generation": output.launched_generation, "rank": output.launched_rank}
+
         def handle(line: str) -> None:
-            if line.startswith(WORKER_EVENT_PREFIX):
-                event = WorkerEvent.model_validate_json(line.removeprefix(WORKER_EVENT_PREFIX))
-                output.events.append(event)
-                if event.kind == "joined":
-                    output.holds_state = True
-            else:
+            if not is_event_line(line):
                 output.lines.append(line)
+                return
+            event = decode(key, line)
+            output.events.append(event)
+            if event.kind == "joined":
+                output.holds_state = True
 
         return handle
 

@@ -4,7 +4,7 @@ Every rank holds the whole model. At step s each rank trains on its share of the
 (elastic.worker.data), scales its gradient by its share of the batch, and one all-reduce (SUM)
 yields on every rank the gradient of the mean loss over the global batch. The same all-reduce
 carries the step's loss sum, sample count, stop flag and the generation to switch to (only rank
-0 sets it, see elastic.worker.membership), so these decisions cost nothing extra and all ranks
+0 sets it, see elastic.membership.redis), so these decisions cost nothing extra and all ranks
 reach them after the same step.
 
 The optimiser steps only after the all-reduce succeeded: when a peer dies mid-step the step

@@ -9,8 +9,8 @@ import logging
 import redis
 from django.conf import settings
 
+from elastic.membership.redis import heartbeat_key
 from elastic.wire import coordination_key, member_key
-from elastic.worker.membership import heartbeat_key
 from portal.redis import client
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,317 @@
+"""Meeting the other members of a generation: waiting on the job's board (an
+elastic.membership.Board) until a generation that names this worker can be formed, forming its
+process group, and, while the group trains, rank 0's watch for the next generation. The board's
+keys and protocol are in elastic.membership.redis; what the members tell each other once the
+group is formed, and the training state that follows, in elastic.worker.restore.
+
+Every wait here ends: on a stop, on a newer generation, or at a timeout (RendezvousError); a
+board that does not answer raises BoardUnavailable after its client's retries."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from elastic.membership.api import Board, BoardUnavailable
+from elastic.wire import Membership
+from elastic.worker import LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WorkerExit
+from elastic.worker.events import EventWriter
+from elastic.worker.position import WorkerPosition
+from elastic.worker.settings import WorkerSettings
+from elastic.worker.stop import StopRequest
+from elastic.worker.transfer import StateOutline
+
+GO_WAIT_S = 0.25
+"""A joiner waiting for the go looks at the board's latest generation this often."""
+_LISTEN_PROBE_S = 0.002
+
+
+def backend_for(device: str) -> str:
+    """Return the torch.distributed backend for a WorkerConfig device: gloo for "cpu", nccl
+    for "cuda:N". Raises ValueError for anything else."""
+    if device == "cpu":
+        return "gloo"
+    if device.startswith("cuda:") and device.removeprefix("cuda:").isdigit():
+        return "nccl"
+    raise ValueError(f'device {device!r} is neither "cpu" nor "cuda:N"')
+
+
+class RendezvousError(RuntimeError):
+    """A generation's group could not be formed, or its state not restored: a member is gone."""
+
+
+def wait_listening(host: str, port: int, timeout_s: float) -> None:
+    """Returns once something accepts TCP connections at host:port. A TCPStore client that
+    comes before its server backs off for a third of a second; probing costs a few ms.
+    Raises RendezvousError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"nothing listens at {host}:{port} after {timeout_s} s: {err}") from err
+            time.sleep(_LISTEN_PROBE_S)
+
+
+class MembershipWatcher:
+    """Rank 0's view of the board, from a thread of its own so that the training loop never
+    waits on the board: `pending` becomes the newest generation once every member of it outside
+    the running group (`group`) said it is ready; 0 until then."""
+
+    def __init__(
+        self, board: Board, generation: int, group: list[str], every_s: float, events: EventWriter
+    ) -> None:
+        self.pending = 0
+        self._board = board
+        self._generation = generation
+        self._group = set(group)
+        self._every_s = every_s
+        self._events = events
+        self._stopping = threading.Event()
+        self._records: dict[int, Membership] = {}
+        self._thread = threading.Thread(target=self._run, name="membership-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stopping.wait(self._every_s):
+            try:
+                self.check()
+                failures = 0
+            except BoardUnavailable as err:
+                failures += 1
+                if failures == 1:
+                    self._events.log(f"cannot read the membership board, training on: {err}")
+
+    def check(self) -> None:
+        """Looks at the board once (the thread does so every `every_s`)."""
+        latest = self._board.latest_generation()
+        if latest <= self._generation or latest == self.pending:
+            return
+        record = self._records.get(latest) or self._board.record(latest)
+        if record is None:
+            return
+        self._records = {latest: record}
+        joiners = {key for key in record.keys() if key not in self._group}
+        if joiners <= self._board.ready(latest):
+            self.pending = latest
+
+
+@dataclass
+class GroupInfo:
+    """What each member tells the others when a group forms."""
+
+    holds_state: bool
+    step: int
+    group: list[str]
+    """The member keys of the group it comes from (empty for a joiner)."""
+    last_step_end: float | None
+    """Wall-clock end of its last step in that group."""
+    outline: StateOutline | None
+
+
+class Rendezvous:
+    """One worker's side of the meeting: `me` is its member key, `position` where it stands
+    (this class sets its `membership` to None when it leaves a group; the rest it only reads).
+    `device` is the WorkerConfig's ("cpu" or "cuda:N"). Raises ValueError for another device."""
+
+    def __init__(
+        self,
+        board: Board,
+        me: str,
+        position: WorkerPosition,
+        events: EventWriter,
+        stop: StopRequest,
+        settings: WorkerSettings,
+        device: str,
+    ) -> None:
+        self.board = board
+        self.me = me
+        self.position = position
+        self.events = events
+        self.stop = stop
+        self.settings = settings
+        self.backend = backend_for(device)
+        self.device = torch.device(device)
+        self._store: dist.TCPStore | None = None
+        self._watcher: MembershipWatcher | None = None
+
+    def names_me(self, record: Membership) -> bool:
+        """Whether `record` has a place for this worker: as a member, or as the donor that hands
+        the state over and goes."""
+        is_donor = record.donor is not None and record.donor.key == self.me
+        return record.rank_of(self.me) is not None or is_donor
+
+    # --- between groups ----------------------------------------------------------------------
+
+    def await_generation(self, newer_than: int) -> Membership:
+        """Returns the first record newer than `newer_than` that names this worker, once it can
+        be formed: for a holder of the state, once every joiner is ready (it wakes them); for a
+        joiner, after the go (at once when no member holds the state). Raises WorkerExit if a
+        record leaves this worker out or a stop is asked."""
+        while True:
+            record = self.board.latest()
+            if record is None or record.generation <= newer_than:
+                self._sleep(self.settings.membership_poll_s)
+                continue
+            if not self.names_me(record):
+                raise WorkerExit(
+                    LEFT_EXIT_CODE, f"left the job: generation {record.generation} does not name {self.me}"
+                )
+            if self.position.holds_state:
+                joiners = {member.key for member in record.members if member.joiner}
+                if not self.await_ready(record.generation, joiners):
+                    newer_than = record.generation
+                    continue
+                self.board.send_go(record.generation, len(joiners))
+                return record
+            self.board.mark_ready(record.generation, self.me)
+            if not record.has_state:
+                return record
+            while True:
+                self.check_stop()
+                if self.board.wait_go(record.generation, GO_WAIT_S):
+                    return record
+                if self.board.latest_generation() > record.generation:
+                    newer_than = record.generation
+                    break
+
+    def await_ready(self, generation: int, joiners: set[str]) -> bool:
+        """A holder of the state waits until every joiner of `generation` said it is ready
+        (a joiner may still be importing torch), so that the group it forms next does not
+        time out on a member that is merely slow. Returns False as soon as a newer generation
+        is published instead: the portal expires a generation whose joiners are not ready by
+        its deadline (elastic.membership.GenerationPhase) and plans one without them. Raises
+        WorkerExit if a stop is asked."""
+        announced = False
+        while not joiners <= self.board.ready(generation):
+            if self.board.latest_generation() > generation:
+                return False
+            if not announced:
+                if self.position.rank == 0:  # the lowest-ranked holder speaks for them all
+                    self.events.log(
+                        f"waiting for {len(joiners)} joiner(s) of generation {generation} to warm up"
+                    )
+                announced = True
+            self._sleep(self.settings.membership_poll_s)
+        return True
+
+    def switch(self, generation: int) -> Membership:
+        """After the step at which the group agreed to switch to `generation`: returns its
+        record, rank 0 having woken its joiners. Raises WorkerExit for a leaver (it leaves the
+        group first), RuntimeError if the record is gone."""
+        self.stop_watching()
+        record = self.board.record(generation)
+        if record is None:
+            raise RuntimeError(f"generation {generation} was agreed but its record is gone")
+        if self.position.rank == 0:
+            joiners = [key for key in record.keys() if key not in self.position.group]
+            self.board.send_go(generation, len(joiners))
+        if not self.names_me(record):
+            self.leave_group()
+            raise WorkerExit(
+                LEFT_EXIT_CODE,
+                f"left the job at step {self.position.step}: generation {generation} does not name {self.me}",
+            )
+        return record
+
+    def check_stop(self) -> None:
+        """Raises WorkerExit (STOPPED_EXIT_CODE) if a stop was asked."""
+        if self.stop.requested:
+            where = "between generations" if self.position.holds_state else "before training"
+            raise WorkerExit(STOPPED_EXIT_CODE, f"stopped {where}")
+
+    def _sleep(self, seconds: float) -> None:
+        self.check_stop()
+        time.sleep(seconds)
+
+    # --- the process group -------------------------------------------------------------------
+
+    def form(self, record: Membership, rank: int, world: int, phase: str, timeout_s: float) -> None:
+        """Joins generation `record`'s process group as `rank` of `world`; the store is rank 0's,
+        at the record's master address and port (a new one for the "switch" phase, the same one
+        for a later phase of the generation). Raises RendezvousError after `timeout_s`."""
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            if phase == "switch" or self._store is None:
+                if rank != 0:
+                    wait_listening(record.master_addr, record.master_port, timeout_s)
+                self._store = dist.TCPStore(
+                    record.master_addr,
+                    record.master_port,
+                    world,
+                    rank == 0,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                )
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"g{record.generation}/{phase}", self._store),
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+            # Forming waits `timeout_s` for the members; a step waits the group's own timeout.
+            _set_pg_timeout(timedelta(seconds=self.settings.pg_timeout_s))
+        except RendezvousError:
+            raise
+        except (RuntimeError, ValueError) as err:  # DistStoreError, DistNetworkError included
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise RendezvousError(str(err)) from err
+
+    def exchange(self, mine: GroupInfo) -> list[GroupInfo]:
+        """Returns what every member of the group just formed told the others, by rank; `mine`
+        is this worker's. Raises RendezvousError if a member is gone."""
+        infos: list[GroupInfo] = [mine] * dist.get_world_size()
+        try:
+            dist.all_gather_object(infos, mine)
+        except RuntimeError as err:
+            raise RendezvousError(f"the members could not exchange their state: {err}") from err
+        return infos
+
+    def leave_group(self) -> None:
+        """Leaves the current process group, if any; the training state stays."""
+        self.stop_watching()
+        self.position.membership = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError as err:
+                self.events.log(f"could not tear down the old process group cleanly: {err}")
+
+    # --- watching for the next generation ----------------------------------------------------
+
+    def watch(self, record: Membership, rank: int) -> None:
+        """Rank 0 of `record`'s group starts watching the board for the next generation; any
+        other rank stops watching."""
+        self.stop_watching()
+        if rank == 0:
+            self._watcher = MembershipWatcher(
+                self.board, record.generation, record.keys(), self.settings.membership_poll_s, self.events
+            )
+
+    @property
+    def pending(self) -> int:
+        """The generation rank 0 asks the group to switch to, once its joiners are ready; 0 if
+        none (or this rank does not watch)."""
+        return self._watcher.pending if self._watcher is not None else 0
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None

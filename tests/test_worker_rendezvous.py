@@ -1,0 +1,333 @@
+"""The worker's rendezvous (elastic.worker.rendezvous) against an in-memory board, without
+processes: a holder of the state waits for the joiners to be ready before it wakes them, and
+goes on to a newer generation instead if one comes; a joiner marks itself ready and waits for the
+go; a record that leaves the worker out makes it leave; a stop ends every wait; rank 0's watcher
+sees the next generation once its joiners are ready."""
+
+from __future__ import annotations
+
+import io
+import signal
+import socket
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from elastic.membership.api import BoardUnavailable
+from elastic.membership.codec import decode
+from elastic.wire import Membership
+from elastic.worker import LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WorkerExit
+from elastic.worker.events import EventWriter
+from elastic.worker.local import free_port
+from elastic.worker.position import WorkerPosition
+from elastic.worker.rendezvous import (
+    MembershipWatcher,
+    Rendezvous,
+    RendezvousError,
+    backend_for,
+    wait_listening,
+)
+from elastic.worker.settings import WorkerSettings
+from elastic.worker.stop import StopRequest
+from tests.membership_support import MemoryBoard, key, record
+from tests.test_worker_events import CONFIG
+
+SETTINGS = WorkerSettings(membership_poll_s=0.001)
+
+
+class ScriptedBoard(MemoryBoard):
+    """A MemoryBoard that counts the calls of the methods a worker polls and runs an action
+    (`when[(method, n)]`) on the n-th call, before answering it; it keeps every go it sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.when: dict[tuple[str, int], Callable[[], object]] = {}
+        self.sent: list[tuple[int, int]] = []
+
+    def _called(self, method: str) -> None:
+        self.calls.append(method)
+        action = self.when.pop((method, self.calls.count(method)), None)
+        if action is not None:
+            action()
+
+    def ready(self, generation: int) -> set[str]:
+        self._called("ready")
+        return super().ready(generation)
+
+    def wait_go(self, generation: int, timeout_s: float) -> bool:
+        self._called("wait_go")
+        return super().wait_go(generation, timeout_s)
+
+    def send_go(self, generation: int, tokens: int) -> None:
+        self.sent.append((generation, tokens))
+        super().send_go(generation, tokens)
+
+
+def _rendezvous(
+    board: MemoryBoard, device: int, holds_state: bool, rank: int = 0, stop: StopRequest | None = None
+) -> tuple[Rendezvous, io.StringIO]:
+    stream = io.StringIO()
+    position = WorkerPosition(rank=rank, holds_state=holds_state, step=7 if holds_state else 0)
+    events = EventWriter(CONFIG, stream)
+    return Rendezvous(board, key(device), position, events, stop or StopRequest(), SETTINGS, "cpu"), stream
+
+
+def _logs(stream: io.StringIO) -> list[str]:
+    key_ = {"job_id": CONFIG.job_id, "generation": CONFIG.generation, "rank": CONFIG.rank}
+    return [decode(key_, line).message or "" for line in stream.getvalue().splitlines()]
+
+
+# --- a holder of the state -------------------------------------------------------------------
+
+
+def test_a_holder_waits_until_every_joiner_is_ready_then_wakes_them() -> None:
+    board = ScriptedBoard()
+    gen2 = record(2, [0, 1, 2], joiners=[1, 2])
+    board.publish(gen2)
+    board.mark_ready(2, key(1))
+
+    def last_joiner_ready() -> None:
+        assert board.sent == []  # nobody was woken before every joiner was ready
+        board.mark_ready(2, key(2))
+
+    board.when[("ready", 3)] = last_joiner_ready
+    rendezvous, stream = _rendezvous(board, 0, holds_state=True)
+    assert rendezvous.await_generation(newer_than=1) == gen2
+    assert board.calls.count("ready") == 3
+    assert board.sent == [(2, 2)]
+    assert _logs(stream) == ["waiting for 2 joiner(s) of generation 2 to warm up"]
+
+
+def test_only_the_lowest_ranked_holder_says_it_waits() -> None:
+    board = ScriptedBoard()
+    board.publish(record(2, [0, 1], joiners=[1]))
+    board.when[("ready", 2)] = lambda: board.mark_ready(2, key(1))
+    rendezvous, stream = _rendezvous(board, 0, holds_state=True, rank=1)
+    assert rendezvous.await_generation(newer_than=1).generation == 2
+    assert _logs(stream) == []
+
+
+def test_a_holder_with_no_joiner_to_wait_for_forms_at_once() -> None:
+    board = ScriptedBoard()
+    board.publish(record(3, [1, 0]))
+    rendezvous, _ = _rendezvous(board, 0, holds_state=True)
+    assert rendezvous.await_generation(newer_than=2).generation == 3
+    assert board.calls.count("ready") == 1
+    assert board.sent == [(3, 0)]
+
+
+def test_a_holder_goes_on_to_a_newer_generation_while_the_joiners_are_not_ready() -> None:
+    board = ScriptedBoard()
+    board.publish(record(2, [0, 1], joiners=[1]))
+    board.when[("ready", 2)] = lambda: board.publish(record(3, [0]))
+    rendezvous, _ = _rendezvous(board, 0, holds_state=True)
+    assert rendezvous.await_generation(newer_than=1).generation == 3
+    assert board.sent == [(3, 0)]  # the joiner of generation 2 was never woken
+
+
+def test_waiting_for_the_joiners_ends_when_a_newer_generation_comes() -> None:
+    board = ScriptedBoard()
+    board.publish(record(2, [0, 1], joiners=[1]))
+    board.when[("ready", 3)] = lambda: board.publish(record(3, [0]))
+    rendezvous, _ = _rendezvous(board, 0, holds_state=True)
+    assert rendezvous.await_ready(2, {key(1)}) is False
+    assert board.calls.count("ready") == 3
+
+
+def test_a_holder_left_out_of_the_newest_record_leaves() -> None:
+    board = MemoryBoard()
+    board.publish(record(2, [1, 2], joiners=[2]))
+    rendezvous, _ = _rendezvous(board, 0, holds_state=True)
+    with pytest.raises(WorkerExit, match=r"generation 2 does not name node-t/0") as way_out:
+        rendezvous.await_generation(newer_than=1)
+    assert way_out.value.code == LEFT_EXIT_CODE
+
+
+def test_the_donor_of_a_generation_is_named_by_it() -> None:
+    board = MemoryBoard()
+    with_donor = record(2, [1], joiners=[1], donor=0)
+    board.publish(with_donor)
+    rendezvous, _ = _rendezvous(board, 0, holds_state=True)
+    board.mark_ready(2, key(1))
+    assert rendezvous.await_generation(newer_than=1) == with_donor
+
+
+# --- a joiner --------------------------------------------------------------------------------
+
+
+def test_a_joiner_marks_itself_ready_and_waits_for_the_go() -> None:
+    board = ScriptedBoard()
+    gen2 = record(2, [0, 1], joiners=[1])
+    board.publish(gen2)
+
+    def go() -> None:
+        assert board.ready(2) == {key(1)}
+        board.send_go(2, 1)
+
+    board.when[("wait_go", 2)] = go
+    rendezvous, _ = _rendezvous(board, 1, holds_state=False)
+    assert rendezvous.await_generation(newer_than=1) == gen2
+    assert board.calls.count("wait_go") == 2
+
+
+def test_a_joiner_with_no_holder_to_wait_for_forms_at_once() -> None:
+    board = ScriptedBoard()
+    first = record(1, [0, 1], joiners=[0, 1], has_state=False)
+    board.publish(first)
+    rendezvous, _ = _rendezvous(board, 1, holds_state=False)
+    assert rendezvous.await_generation(newer_than=0) == first
+    assert board.ready(1) == {key(1)}
+    assert "wait_go" not in board.calls
+
+
+def test_a_joiner_starts_over_when_a_newer_generation_comes() -> None:
+    board = ScriptedBoard()
+    board.publish(record(2, [0, 1], joiners=[1]))
+    board.when[("wait_go", 1)] = lambda: board.publish(record(3, [0, 1, 2], joiners=[1, 2]))
+    board.when[("wait_go", 2)] = lambda: board.send_go(3, 1)
+    rendezvous, _ = _rendezvous(board, 1, holds_state=False)
+    assert rendezvous.await_generation(newer_than=1).generation == 3
+    assert board.ready(2) == {key(1)}
+    assert board.ready(3) == {key(1)}
+
+
+def test_a_joiner_left_out_of_the_newest_record_leaves() -> None:
+    board = MemoryBoard()
+    board.publish(record(2, [0]))
+    rendezvous, _ = _rendezvous(board, 1, holds_state=False)
+    with pytest.raises(WorkerExit) as way_out:
+        rendezvous.await_generation(newer_than=1)
+    assert way_out.value.code == LEFT_EXIT_CODE
+    assert board.ready(2) == set()
+
+
+@pytest.mark.parametrize(
+    ("holds_state", "where"), [(False, "stopped before training"), (True, "stopped between generations")]
+)
+def test_a_stop_ends_the_wait(holds_state: bool, where: str) -> None:
+    stop = StopRequest()
+    stop.signal_number = signal.SIGTERM
+    rendezvous, _ = _rendezvous(MemoryBoard(), 0, holds_state=holds_state, stop=stop)
+    with pytest.raises(WorkerExit, match=where) as way_out:
+        rendezvous.await_generation(newer_than=0)
+    assert way_out.value.code == STOPPED_EXIT_CODE
+
+
+# --- the switch ------------------------------------------------------------------------------
+
+
+def _in_group(rendezvous: Rendezvous, generation: Membership) -> None:
+    rendezvous.position.membership = generation
+    rendezvous.position.group = generation.keys()
+
+
+def test_at_a_switch_rank_0_wakes_the_joiners() -> None:
+    board = ScriptedBoard()
+    gen3 = record(3, [0, 1, 2], joiners=[2])
+    board.publish(gen3)
+    rendezvous, _ = _rendezvous(board, 0, holds_state=True)
+    _in_group(rendezvous, record(2, [0, 1]))
+    assert rendezvous.switch(3) == gen3
+    assert board.sent == [(3, 1)]
+    other, _ = _rendezvous(board, 1, holds_state=True, rank=1)
+    _in_group(other, record(2, [0, 1]))
+    assert other.switch(3) == gen3
+    assert board.sent == [(3, 1)]
+
+
+def test_at_a_switch_a_leaver_leaves() -> None:
+    board = MemoryBoard()
+    board.publish(record(3, [0]))
+    rendezvous, _ = _rendezvous(board, 1, holds_state=True, rank=1)
+    _in_group(rendezvous, record(2, [0, 1]))
+    with pytest.raises(
+        WorkerExit, match="left the job at step 7: generation 3 does not name node-t/1"
+    ) as way_out:
+        rendezvous.switch(3)
+    assert way_out.value.code == LEFT_EXIT_CODE
+    assert rendezvous.position.membership is None
+
+
+def test_a_switch_to_a_record_that_is_gone_fails() -> None:
+    rendezvous, _ = _rendezvous(MemoryBoard(), 0, holds_state=True)
+    with pytest.raises(RuntimeError, match="generation 4 was agreed but its record is gone"):
+        rendezvous.switch(4)
+
+
+# --- rank 0's watcher ------------------------------------------------------------------------
+
+
+def test_the_watcher_asks_for_the_next_generation_once_its_joiners_are_ready() -> None:
+    board = MemoryBoard()
+    board.publish(record(2, [0, 1]))
+    watcher = MembershipWatcher(
+        board, 2, [key(0), key(1)], every_s=3600, events=EventWriter(CONFIG, io.StringIO())
+    )
+    try:
+        watcher.check()
+        assert watcher.pending == 0
+        board.publish(record(3, [1, 2, 0], joiners=[2]))
+        watcher.check()
+        assert watcher.pending == 0
+        board.mark_ready(3, key(2))
+        watcher.check()
+        assert watcher.pending == 3
+        board.publish(record(4, [0]))  # a shrink has no joiner to wait for
+        watcher.check()
+        assert watcher.pending == 4
+    finally:
+        watcher.stop()
+
+
+class _UnavailableBoard(MemoryBoard):
+    def __init__(self, failures_seen: threading.Event) -> None:
+        super().__init__()
+        self.failures = 0
+        self._failures_seen = failures_seen
+
+    def latest_generation(self) -> int:
+        self.failures += 1
+        if self.failures == 3:
+            self._failures_seen.set()
+        raise BoardUnavailable("the board is away")
+
+
+def test_the_watcher_trains_on_while_the_board_is_away_and_says_so_once() -> None:
+    failures_seen = threading.Event()
+    stream = io.StringIO()
+    watcher = MembershipWatcher(
+        _UnavailableBoard(failures_seen), 2, [key(0)], every_s=0.001, events=EventWriter(CONFIG, stream)
+    )
+    try:
+        assert failures_seen.wait(timeout=30)
+    finally:
+        watcher.stop()
+    assert watcher.pending == 0
+    assert _logs(stream) == ["cannot read the membership board, training on: the board is away"]
+
+
+# --- the process group -----------------------------------------------------------------------
+
+
+def test_waiting_for_a_listener_returns_once_one_listens() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        wait_listening("127.0.0.1", server.getsockname()[1], timeout_s=5)
+
+
+def test_waiting_for_a_listener_has_a_deadline() -> None:
+    port = free_port()
+    with pytest.raises(RendezvousError, match=f"nothing listens at 127.0.0.1:{port} after 0 s"):
+        wait_listening("127.0.0.1", port, timeout_s=0)
+
+
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "gloo"), ("cuda:0", "nccl"), ("cuda:12", "nccl")])
+def test_the_backend_follows_the_device(device: str, backend: str) -> None:
+    assert backend_for(device) == backend
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda", "cuda:x", "mps"])
+def test_an_unknown_device_is_refused(device: str) -> None:
+    with pytest.raises(ValueError, match=repr(device)):
+        backend_for(device)
