@@ -59,11 +59,14 @@ class Host:
         return [e.step for e in self.events if e.kind == "progress" and e.step is not None]
 
     def kill(self) -> None:
+        """SIGKILLs the host, then takes the events it printed before it died: it may have said
+        they were delivered (and moved its record past them) after the test last read."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
         self.process.wait()
         if self.process.stdout is not None:
-            self.process.stdout.close()
+            with self.process.stdout as stdout:
+                self.events.extend(WorkerEvent.model_validate_json(line) for line in stdout if line.strip())
 
 
 @pytest.fixture

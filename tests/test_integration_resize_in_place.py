@@ -195,17 +195,22 @@ def test_2_3_1_2_with_survivors_never_restarted(platform: Platform, record: Path
     )
 
 
-def test_a_joiner_killed_while_warming_up(platform: Platform, record: Path) -> None:
+def grow_2_to_3(platform: Platform) -> tuple[int, set[int], dict[str, Any]]:
+    """A job settled on 2 workers, then pinned to 3: returns its id, its survivors' pids and the
+    joiner's row as soon as the joiner has started (it is warming up)."""
     job_id = submit(platform, 2)
-    job = settled(platform, job_id, 2)
-    survivors = {row["pid"] for row in live_rows(job)}
+    survivors = {row["pid"] for row in live_rows(settled(platform, job_id, 2))}
     pin(platform, job_id, 3)
 
     def joiner() -> dict[str, Any] | None:
         rows = [row for row in live_rows(detail(platform, job_id)) if row["pid"] not in survivors]
         return rows[0] if rows else None
 
-    warming = platform.wait_for("the joiner to start", joiner, every_s=0.05)
+    return job_id, survivors, platform.wait_for("the joiner to start", joiner, every_s=0.05)
+
+
+def test_a_joiner_killed_while_warming_up(platform: Platform, record: Path) -> None:
+    job_id, survivors, warming = grow_2_to_3(platform)
     os.kill(warming["pid"], signal.SIGKILL)
     killed_at = detail(platform, job_id)
     assert killed_at["state"] == "resizing", "the joiner had not joined yet"
@@ -223,16 +228,7 @@ def test_a_joiner_killed_while_warming_up(platform: Platform, record: Path) -> N
 
 
 def test_a_joiner_that_hangs_while_warming_up_is_expired(platform: Platform, record: Path) -> None:
-    job_id = submit(platform, 2)
-    job = settled(platform, job_id, 2)
-    survivors = {row["pid"] for row in live_rows(job)}
-    pin(platform, job_id, 3)
-
-    def joiner() -> dict[str, Any] | None:
-        rows = [row for row in live_rows(detail(platform, job_id)) if row["pid"] not in survivors]
-        return rows[0] if rows else None
-
-    hung = platform.wait_for("the joiner to start", joiner, every_s=0.05)
+    job_id, survivors, hung = grow_2_to_3(platform)
     os.kill(hung["pid"], signal.SIGSTOP)  # alive, but it never answers again
     try:
         hung_at = detail(platform, job_id)
