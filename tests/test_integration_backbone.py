@@ -14,6 +14,8 @@ from tests.platform import Platform, SocketRecorder, running_platform
 
 pytestmark = pytest.mark.slow
 
+STEPS = 7000
+
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -41,8 +43,9 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
     platform.wait_for("the node's devices", lambda: len(
         [d for n in alice.get("/api/cluster").json()["nodes"] for d in n["devices"]]) == 2)
 
+    # Long enough for both resizes to land first (a joiner warms up for a few thousand steps).
     spec = {"name": "backbone", "workload": "digits-mlp", "min_workers": 1, "max_workers": 2,
-            "steps": 15000, "hyperparameters": {"batch_size": 32, "hidden": 256}}
+            "steps": STEPS, "hyperparameters": {"batch_size": 32, "hidden": 64}}
     reply = alice.post("/api/jobs", json=spec)
     assert reply.status_code == 201, reply.text
     job_id = reply.json()["id"]
@@ -63,7 +66,7 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
     done = platform.wait_for(
         "the job to finish", lambda: (j := job_detail(platform, job_id))["state"] == "succeeded" and j, timeout_s=240
     )
-    assert done["steps_done"] == 15000 and done["allocations"] == []
+    assert done["steps_done"] == STEPS and done["allocations"] == []
     sizes = [(r["workers_before"], r["workers_after"]) for r in done["resizes"]]
     assert sizes[:3] == [(0, 2), (2, 1), (1, 2)], sizes
     assert all(r["pause_s"] is not None and r["pause_s"] >= 0 for r in done["resizes"][1:3])
