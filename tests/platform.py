@@ -91,6 +91,29 @@ class Platform:
         raise AssertionError(f"timed out waiting for {what}; last value {last!r}\n{logs}")
 
 
+_SEED = """
+import io, json
+from django.core.management import call_command
+
+def run(*args):
+    out = io.StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue().strip()
+
+call_command("migrate", "--noinput", verbosity=0)
+tokens = {{}}
+for user in ("alice", "bob"):
+    run("ensure_user", user, "--password", user + "-pass")
+    tokens[user] = run("create_token", user)
+for name in {agents!r}:
+    tokens["agent-" + name] = run("create_token", "alice", "--role", "agent", "--label", "agent of " + name)
+print(json.dumps(tokens))
+"""
+"""Migrates the fresh database, makes the users with their tokens and a token per agent, through
+the project's own management commands, in one process (each `manage.py` start costs seconds on a
+loaded machine); prints the tokens as JSON."""
+
+
 @contextmanager
 def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None) -> Iterator[Platform]:
     """The platform with an agent of `agents[name]` simulated devices per name; `extra_env` goes
@@ -116,11 +139,9 @@ def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str
     }
     group = ProcessGroup(log_dir=tmp / "logs", env=env)
     try:
-        group.run("manage.py", "migrate", "--noinput")
-        tokens: dict[str, str] = {}
-        for user in ("alice", "bob"):
-            group.run("manage.py", "ensure_user", user, "--password", f"{user}-pass")
-            tokens[user] = group.run("manage.py", "create_token", user).strip()
+        tokens: dict[str, str] = json.loads(
+            group.run("manage.py", "shell", "--no-imports", "-c", _SEED.format(agents=sorted(agents)))
+        )
         for name, command in platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp).items():
             group.python(name, *command)
         platform = Platform(f"http://127.0.0.1:{port}", group, tokens, env)
