@@ -331,3 +331,25 @@ def test_the_backend_follows_the_device(device: str, backend: str) -> None:
 def test_an_unknown_device_is_refused(device: str) -> None:
     with pytest.raises(ValueError, match=repr(device)):
         backend_for(device)
+
+
+# --- forming the group -----------------------------------------------------------------------
+
+
+def test_a_failed_formation_leaves_the_next_groups_name_as_every_member_has_it() -> None:
+    """torch names the default group after a per-process counter that a failed formation leaves
+    advanced: a member whose counter differed from its peers' would wait on other rendezvous
+    keys for good (generation after generation expired in bench/soak.py). Every group this
+    worker forms is named as a fresh process names it."""
+    import torch.distributed as dist
+
+    rendezvous, _ = _rendezvous(MemoryBoard(), 0, holds_state=True)
+    nobody_comes = record(5, [0, 1]).model_copy(update={"master_port": free_port()})
+    with pytest.raises(RendezvousError):
+        rendezvous.form(nobody_comes, 0, 2, "switch", timeout_s=0.5)
+    alone = record(6, [0]).model_copy(update={"master_port": free_port()})
+    rendezvous.form(alone, 0, 1, "switch", timeout_s=10)
+    try:
+        assert dist.distributed_c10d._get_default_group().group_name == "0"
+    finally:
+        rendezvous.leave_group()

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 
 from elastic.membership.api import Board, BoardUnavailable
 from elastic.wire import Membership
@@ -257,6 +257,12 @@ class Rendezvous:
                     timeout=timeout,
                     wait_for_workers=False,
                 )
+            # torch names the default group after a per-process counter that only the group's
+            # destruction resets; a failed init_process_group leaves it advanced, and a member
+            # whose counter differs from the others' waits on other rendezvous keys, so that
+            # its generations never form again (bench/soak.py found it). Every member starts
+            # each group from the same name.
+            _world.group_count = 0
             dist.init_process_group(
                 self.backend,
                 store=dist.PrefixStore(f"g{record.generation}/{phase}", self._store),
