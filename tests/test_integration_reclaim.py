@@ -32,7 +32,7 @@ from tests.test_integration_resize_in_place import (
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 3
+ROUNDS = 2
 
 
 @pytest.fixture(scope="module")
