@@ -4,7 +4,7 @@ carol. Carol comes back (the simulated backend plays her, `python -m agent.simul
 the worker on her device leaves (the issue asks for two seconds; the time is printed, not
 asserted: speed belongs to benchmarks and notes), the job trains on with its other two workers
 (the same processes), and the unmet pin is reported. She leaves: the device is lent again and
-the pin is met. Three rounds; the time from the owner's arrival to the borrowing worker's exit
+the pin is met. Two rounds; the time from the owner's arrival to the borrowing worker's exit
 is printed for each and its min/median/max at the end."""
 
 from __future__ import annotations
