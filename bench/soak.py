@@ -646,9 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--deadline-s",
         type=float,
-        default=90.0,
-        help="an event after which a job is not training again within this is a hang "
-        "(default 90: the platform's deadlines plus 30 s)",
+        default=150.0,
+        help="an event after which a job is not training again within this is a hang (default 150: "
+        "the longest deadline an event here can meet, a joiner's warm-up, 120 s, plus 30 s)",
     )
     parser.add_argument("--pause-s", type=float, default=2.0, help="pause between events (default 2)")
     parser.add_argument("--load", action="store_true", help="a busy loop on every core for the whole run")
@@ -663,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = SoakSettings(
         args.minutes, args.seed, args.deadline_s, args.pause_s, args.load, args.policy, args.max_restarts
     )
+    # A SIGTERM ends the run as Ctrl-C does: through the `finally` that stops the platform.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     began = time.monotonic()
     conditions = machine()
     print(f"conditions: {conditions}", flush=True)
