@@ -23,6 +23,8 @@ from portal.launcher import ProcessGroup, platform_commands
 
 POSTGRES_URL = os.environ.get("TEST_POSTGRES_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
+MASTER_PORT_LOW = 20000
+EPHEMERAL_PORTS_START = 32768
 
 
 def free_port() -> int:
@@ -133,7 +135,8 @@ def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str
         "BUNGEE_CELERY_QUEUE": f"bungee-it-{run_id}",
         "BUNGEE_DATA_DIR": str(tmp / "data"),
         "BUNGEE_SCHEDULE_TICK_S": "2",
-        "BUNGEE_MASTER_PORT_BASE": str(20000 + (port % 20000)),
+        # Below Linux's ephemeral ports (32768 and up), where any client socket may hold one.
+        "BUNGEE_MASTER_PORT_BASE": str(MASTER_PORT_LOW + port % (EPHEMERAL_PORTS_START - 5000 - MASTER_PORT_LOW)),
         "LOG_LEVEL": "INFO",
         **(extra_env or {}),
     }

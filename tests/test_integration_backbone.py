@@ -67,9 +67,14 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
         "the job to finish", lambda: (j := job_detail(platform, job_id))["state"] == "succeeded" and j, timeout_s=240
     )
     assert done["steps_done"] == STEPS and done["allocations"] == []
-    sizes = [(r["workers_before"], r["workers_after"]) for r in done["resizes"]]
+    # A generation planned again at the same size is allowed only with its cause (a rendezvous
+    # port taken by another socket expires a generation, and the next one forms on another).
+    replans = [r["reason"] for r in done["resizes"] if r["workers_before"] == r["workers_after"]]
+    assert set(replans) <= {"its group did not form"}, done["resizes"]
+    sizes = [(r["workers_before"], r["workers_after"]) for r in done["resizes"] if r["workers_before"] != r["workers_after"]]
     assert sizes[:3] == [(0, 2), (2, 1), (1, 2)], sizes
-    assert all(r["pause_s"] is not None and r["pause_s"] >= 0 for r in done["resizes"][1:3])
+    resized = [r for r in done["resizes"][1:] if r["workers_before"] != r["workers_after"]][:2]
+    assert all(r["pause_s"] is not None and r["pause_s"] >= 0 for r in resized), resized
 
     # In place: rank 0 is one process in every generation, each switch picked up where the last
     # step ended, and nothing was restored from disk.
