@@ -141,7 +141,7 @@ BUNGEE = {
     # Where jobs keep their periodic checkpoint (shared by agents on one machine).
     "RUN_DIR": str(DATA_DIR / "runs"),
     # First port of the range rendezvous ports are drawn from.
-    "MASTER_PORT_BASE": env_int("BUNGEE_MASTER_PORT_BASE", 29600),
+    "MASTER_PORT_BASE": env_int("BUNGEE_MASTER_PORT_BASE", 27600),
     # Redis key prefix, so that several deployments (or test runs) can share one Redis.
     "REDIS_PREFIX": env_str("BUNGEE_REDIS_PREFIX", "bungee"),
     # The scheduling policy, by name (elastic.scheduling.registry); a name it does not know
