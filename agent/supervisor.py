@@ -65,7 +65,13 @@ from elastic.wire import (
     WorkerConfig,
     WorkerEvent,
 )
-from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
+from elastic.worker import (
+    COMPLETED_EXIT_CODE,
+    LEFT_EXIT_CODE,
+    STOPPED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    WORKER_CONFIG_ENV,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +84,8 @@ _PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
 
 def exit_reason(exit_code: int, stop_requested: bool = False) -> ExitReason:
     """Returns what a worker's exit code means: COMPLETED_EXIT_CODE (0) "completed",
-    STOPPED_EXIT_CODE (75) "stopped", LEFT_EXIT_CODE (76) "left", anything else, a signal
-    (negative) included, "failed".
+    STOPPED_EXIT_CODE (75) "stopped", LEFT_EXIT_CODE (76) "left", USER_ERROR_EXIT_CODE (77)
+    "user_error", anything else, a signal (negative) included, "failed".
 
     One exception: a worker killed by the SIGTERM the supervisor sent it (`stop_requested`)
     was "stopped". That is a worker still starting, before it could catch SIGTERM; it had
@@ -88,6 +94,8 @@ def exit_reason(exit_code: int, stop_requested: bool = False) -> ExitReason:
         return "completed"
     if exit_code == LEFT_EXIT_CODE:
         return "left"
+    if exit_code == USER_ERROR_EXIT_CODE:
+        return "user_error"
     if exit_code == STOPPED_EXIT_CODE or (stop_requested and exit_code == -signal.SIGTERM):
         return "stopped"
     return "failed"

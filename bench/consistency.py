@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.conditions import REDIS_URL, ROOT, machine, show  # noqa: E402
+from elastic.tasks.runtime import bind_task  # noqa: E402
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint  # noqa: E402
 from elastic.worker.local import LocalJob  # noqa: E402
 from elastic.workloads import CATALOGUE  # noqa: E402
-from elastic.workloads.digits import held_out_accuracy  # noqa: E402
 
 WARMUP_STEPS = 5
 SEED = 3
@@ -232,9 +232,9 @@ def differences(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def accuracy_of(state: TrainingState) -> float:
     info = CATALOGUE[CNN_SPEC["workload"]]
-    problem = info.build(info.hyperparameters.model_validate(CNN_SPEC["hyperparameters"]), SEED)
+    problem = bind_task(info.path, info.entrypoint, CNN_SPEC["hyperparameters"], SEED)
     problem.model.load_state_dict(state.model)
-    return held_out_accuracy(problem.model, (-1, 1, 8, 8))
+    return problem.evaluate()["accuracy"]
 
 
 def to_target(spec: dict[str, Any], workers: int, cap_s: float, work: Path) -> dict[str, Any]:

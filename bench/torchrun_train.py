@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.nn import functional  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from elastic.spec import JobSpec  # noqa: E402
+from elastic.tasks.runtime import bind_task  # noqa: E402
 from elastic.worker.data import SampleStream  # noqa: E402
 from elastic.workloads import CATALOGUE  # noqa: E402
 
@@ -58,10 +58,8 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = JobSpec(**json.loads(args.spec))
     info = CATALOGUE[spec.workload]
-    hyperparameters = info.hyperparameters.model_validate(spec.hyperparameters)
-    problem = info.build(hyperparameters, spec.seed)
-    model = problem.model.to(device)
-    inputs, targets = problem.inputs.to(device), problem.targets.to(device)
+    problem = bind_task(info.path, info.entrypoint, spec.hyperparameters, spec.seed, device)
+    model = problem.model
     optimizer = problem.make_optimizer()
     step = 0
     if args.checkpoint.exists():
@@ -70,14 +68,13 @@ def main() -> int:
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
     ddp = DistributedDataParallel(model)
-    stream = SampleStream(len(inputs), spec.seed)
+    stream = SampleStream(problem.num_samples, spec.seed)
     flag = torch.zeros(1, device=device)
     timeline = open(args.timeline, "a") if rank == 0 else None
     while step < spec.total_steps():
-        indices = stream.local_batch(step, hyperparameters.batch_size, world, rank).to(device)
+        indices = stream.local_batch(step, problem.batch_size, world, rank)
         optimizer.zero_grad(set_to_none=True)
-        logits = ddp(inputs[indices])
-        functional.cross_entropy(logits, targets[indices]).backward()
+        problem.task.loss(ddp, problem.batch(indices)).backward()
         optimizer.step()
         step += 1
         if not args.no_stop_flag:

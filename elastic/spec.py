@@ -80,7 +80,7 @@ class JobSpec(BaseModel):
         hp = info.hyperparameters.model_validate(self.hyperparameters)
         per_epoch = info.samples_per_epoch(hp)
         assert self.epochs is not None
-        return max(1, math.ceil(self.epochs * per_epoch / hp.batch_size))
+        return max(1, math.ceil(self.epochs * per_epoch / int(hp.model_dump()["batch_size"])))
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ def validate_spec(data: Any) -> JobSpec:
         else:
             if spec is not None:
                 spec = spec.model_copy(update={"hyperparameters": validated.model_dump()})
-                spec, mode_errors = _with_mode_defaults(spec, validated.batch_size)
+                spec, mode_errors = _with_mode_defaults(spec, int(validated.model_dump()["batch_size"]))
                 errors.extend(mode_errors)
     if errors:
         raise SpecError(errors)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 WORKER_EVENT_PREFIX = "@bungee "
 """A worker writes its structured events to stdout as this prefix followed by one JSON object."""
@@ -100,7 +100,7 @@ class RegistrationReply(_Message):
     report_interval_s: float
 
 
-ExitReason = Literal["completed", "stopped", "left", "failed"]
+ExitReason = Literal["completed", "stopped", "left", "failed", "user_error"]
 
 
 class WorkerEvent(WorkerKey):
@@ -114,7 +114,7 @@ class WorkerEvent(WorkerKey):
       members_after ("node/device_index"), pause_s, bytes_moved, phases (seconds per phase)
     - progress: step, total_steps, epoch, loss, samples_per_s, global_batch, lr
     - log: message
-    - exited: exit_code, reason (completed, stopped, left, failed), step (last completed step)
+    - exited: exit_code, reason (completed, stopped, left, failed, user_error), step (last completed step)
     - step_times (every rank): step_times, its compute seconds (step start to all-reduce) of
       its latest steps, oldest first: the portal finds stragglers from them
     - exiting (worker to agent only): exit_code, the code the worker is about to exit with, its
@@ -254,6 +254,16 @@ class WorkerConfig(_Message):
     device_index: int = Field(ge=0)
     redis_url: str
     coordination_key: str
+    code_dir: str | None = Field(
+        None, description="the directory of the job's own code; None: the shipped task the spec's workload names"
+    )
+    entrypoint: str | None = Field(None, description="the task in code_dir, as module:ClassName")
+
+    @model_validator(mode="after")
+    def _code_and_entrypoint_together(self) -> WorkerConfig:
+        if (self.code_dir is None) != (self.entrypoint is None):
+            raise ValueError("code_dir and entrypoint go together")
+        return self
 
     @property
     def member_key(self) -> str:

@@ -289,6 +289,30 @@ def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, sett
     assert flaky.state == "failed" and "gave up" in flaky.message
 
 
+def test_a_user_error_fails_the_job_at_once_and_stops_the_other_workers(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    for rank in (0, 1):
+        report(cluster, event(job, "started", rank=rank, pid=3000 + rank, device_index=rank))
+    form(cluster, job, 2, pid_base=3000)
+    sent = len(commands(redis_client))
+    report(
+        cluster,
+        event(job, "log", rank=1, message="the job's code failed: loss(model, batch) raised ValueError: bad\nTraceback"),
+        event(job, "exited", rank=1, exit_code=77, reason="user_error", device_index=1),
+    )
+    job.refresh_from_db()
+    assert job.state == "failed" and job.restarts == 0 and job.allocations.count() == 0
+    assert "the job's code failed on worker rank 1" in job.message and "Not restarted" in job.message
+    [stop] = commands(redis_client)[sent:]
+    assert stop.kind == "stop", "the other worker is asked to stop"
+    assert JobLog.objects.filter(job=job, line__contains="raised ValueError: bad").exists()
+    assert run_cycle().launched_jobs == [], "no new generation for a job whose code is broken"
+
+
 def test_lost_node_frees_its_devices(api: dict, cluster: Any, redis_client: Any) -> None:
     from datetime import timedelta
 

@@ -38,12 +38,7 @@ SPEC = {
 
 def _progress_after(job: LocalJob, generation: int, steps: int = 20) -> int:
     """Waits until generation `generation` trained `steps` steps past its start; returns the step."""
-    _, formed = job.wait_for(lambda _, e: e.kind == "resized" and e.generation == generation, 120)
-    target = (formed.step or 0) + steps
-    _, event = job.wait_for(
-        lambda _, e: e.kind == "progress" and e.generation == generation and (e.step or 0) >= target, 60
-    )
-    return event.step or 0
+    return job.trained_past(generation, steps, form_s=120, train_s=60)
 
 
 def _stop(job: LocalJob, slot: int) -> None:

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from elastic.spec import JobSpec
+from elastic.tasks.runtime import bind_task
 from elastic.worker import COMPLETED_EXIT_CODE
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint
 from elastic.worker.data import SampleStream
 from elastic.worker.local import LocalJob
 from elastic.workloads import CATALOGUE
-from elastic.workloads.digits import held_out_accuracy
 from tests.worker_support import DIGITS_SAMPLES, REDIS_URL, worker_env
 
 pytestmark = pytest.mark.slow
@@ -48,9 +48,9 @@ constant rate, so each run is judged by the mean over the checkpoints of its las
 def accuracy_of(state: TrainingState) -> float:
     """The accuracy of the checkpoint's model on the digits the job never trained on."""
     info = CATALOGUE[SPEC["workload"]]
-    problem = info.build(info.hyperparameters.model_validate(SPEC["hyperparameters"]), SEED)
+    problem = bind_task(info.path, info.entrypoint, SPEC["hyperparameters"], SEED)
     problem.model.load_state_dict(state.model)
-    return held_out_accuracy(problem.model, (-1, 1, 8, 8))
+    return problem.evaluate()["accuracy"]
 
 
 class CheckpointWatch:

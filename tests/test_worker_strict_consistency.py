@@ -77,26 +77,18 @@ def _resized_run(spec: dict[str, Any], run_dir: Path) -> tuple[TrainingState, li
     env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
     with LocalJob({**spec, "steps": 10_000_000}, run_dir / "run", REDIS_URL, env=env) as job:
 
-        def after_progress(generation: int, steps: int = 5) -> None:
-            _, formed = job.wait_for(lambda _, e: e.kind == "resized" and e.generation == generation, 180)
-            target = (formed.step or 0) + steps
-            job.wait_for(
-                lambda _, e: e.kind == "progress" and e.generation == generation and (e.step or 0) >= target,
-                120,
-            )
-
         job.start([0, 1, 2, 3])
-        after_progress(1)
+        job.trained_past(1, 5)
         job.resize([0, 1])
-        after_progress(2)
+        job.trained_past(2, 5)
         job.resize([0, 1, 2])
-        after_progress(3)
+        job.trained_past(3, 5)
         job.send_signal(1, signal.SIGKILL)  # the job heals: generation 4 is slots 0 and 2
-        after_progress(4)
+        job.trained_past(4, 5)
         job.resize([2])
-        after_progress(5)
+        job.trained_past(5, 5)
         job.resize([2, 0, 1, 3])
-        after_progress(6)
+        job.trained_past(6, 5)
         job.send_signal(2, signal.SIGTERM)
         job.wait(120)
     assert [r.world_size for r in job.records] == [4, 2, 3, 2, 1, 4], job.describe()

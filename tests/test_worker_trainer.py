@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from elastic.tasks.runtime import bind_task
 from elastic.worker.data import SampleStream
 from elastic.worker.trainer import StepOutcome, Trainer
 from elastic.workloads import CATALOGUE
@@ -39,13 +40,11 @@ class ThreadedSum:
 
 def _trainer(batch_size: int, rank: int, world_size: int, reduce: Callable[[torch.Tensor], None]) -> Trainer:
     info = CATALOGUE["digits-mlp"]
-    problem = info.build(
-        info.hyperparameters.model_validate({"batch_size": batch_size, "dropout": 0.0}), SEED
-    )
+    problem = bind_task(info.path, info.entrypoint, {"batch_size": batch_size, "dropout": 0.0}, SEED)
     return Trainer(
         problem,
         problem.make_optimizer(),
-        SampleStream(len(problem.inputs), SEED),
+        SampleStream(problem.num_samples, SEED),
         batch_size=batch_size,
         seed=SEED,
         rank=rank,

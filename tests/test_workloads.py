@@ -38,23 +38,23 @@ def test_defaults_validate_and_epoch_size_is_known(name: str) -> None:
 def test_builds_deterministically_and_loss_falls(name: str) -> None:
     import torch
 
+    from elastic.tasks.runtime import bind_task
+
     torch.set_num_threads(1)
     info = CATALOGUE[name]
-    hyperparameters = info.hyperparameters.model_validate({})
-    problem = info.build(hyperparameters, seed=3)
-    twin = info.build(hyperparameters, seed=3)
-    assert len(problem.inputs) == len(problem.targets) == info.samples_per_epoch(hyperparameters)
+    problem = bind_task(info.path, info.entrypoint, {}, seed=3)
+    twin = bind_task(info.path, info.entrypoint, {}, seed=3)
+    assert problem.num_samples == info.samples_per_epoch(info.hyperparameters.model_validate({}))
     for mine, theirs in zip(problem.model.parameters(), twin.model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
 
     optimizer = problem.make_optimizer()
     generator = torch.Generator().manual_seed(0)
-    batch_size = hyperparameters.batch_size
     losses = []
     for _ in range(30):
-        indices = torch.randint(0, len(problem.inputs), (batch_size,), generator=generator)
+        indices = torch.randint(0, problem.num_samples, (problem.batch_size,), generator=generator)
         optimizer.zero_grad()
-        loss = problem.loss(problem.inputs[indices], problem.targets[indices])
+        loss = problem.loss(problem.batch(indices))
         loss.backward()
         optimizer.step()
         losses.append(loss.item())

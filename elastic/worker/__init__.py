@@ -20,6 +20,10 @@ that held no training state yet, a joiner warming up, just goes.)"""
 LEFT_EXIT_CODE = 76
 """Left the job at a resize: the newest membership record does not name it. Its state, if it had
 any, lives on in the survivors; its device is free."""
+USER_ERROR_EXIT_CODE = 77
+"""The job's own code failed in a way that fails again on any device (elastic.tasks.UserCodeError:
+an import error, an exception in `loss`); its traceback went to the job's log. The job fails;
+restarting it would only burn devices."""
 
 
 class WorkerExit(Exception):  # noqa: N818 - a way out, not an error
@@ -35,6 +39,7 @@ __all__ = [
     "FAILED_EXIT_CODE",
     "LEFT_EXIT_CODE",
     "STOPPED_EXIT_CODE",
+    "USER_ERROR_EXIT_CODE",
     "WORKER_CONFIG_ENV",
     "WorkerExit",
 ]

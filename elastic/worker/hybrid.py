@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 import torch
 
+from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream
 from elastic.worker.trainer import SampleRecorder, StepOutcome, Trainer
-from elastic.workloads.api import TrainingProblem
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class HybridTrainer(Trainer):
 
     def __init__(
         self,
-        problem: TrainingProblem,
+        problem: BoundTask,
         optimizer: torch.optim.Optimizer,
         stream: SampleStream,
         schedule: HybridSchedule,

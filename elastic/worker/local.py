@@ -29,11 +29,19 @@ from typing import IO, Any
 from elastic.membership.codec import decode, is_event_line
 from elastic.membership.redis import RedisBoard
 from elastic.wire import Member, Membership, WorkerConfig, WorkerEvent, member_key
-from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
+from elastic.worker import (
+    COMPLETED_EXIT_CODE,
+    LEFT_EXIT_CODE,
+    STOPPED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    WORKER_CONFIG_ENV,
+)
 
 LOCALHOST = "127.0.0.1"
 NODE = "local"
 _CLEAN_EXITS = (COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, LEFT_EXIT_CODE)
+"""Exits after which `heal` publishes no new generation; nor after USER_ERROR_EXIT_CODE, the job's
+own code failing, which the portal does not restart either."""
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -82,6 +90,7 @@ class LocalJob:
         heal: bool = True,
         board_key: str | None = None,
         device: str = "cpu",
+        task: tuple[Path, str] | None = None,
     ) -> None:
         self.spec = dict(spec)
         self.run_dir = Path(run_dir)
@@ -90,6 +99,8 @@ class LocalJob:
         self.env = dict(os.environ if env is None else env)
         self.heal = heal
         self.device = device
+        self.task = task
+        """The job's own code, (directory, module:ClassName); None: the spec's workload."""
         """"cpu", or "cuda": slot i is then GPU i."""
         self.key = board_key or f"bungee-local-{uuid.uuid4().hex[:10]}:job:{job_id}"
         self.board = RedisBoard.connect(redis_url, self.key)
@@ -181,6 +192,8 @@ class LocalJob:
             device_index=slot,
             redis_url=self.redis_url,
             coordination_key=self.key,
+            code_dir=str(self.task[0]) if self.task else None,
+            entrypoint=self.task[1] if self.task else None,
         )
 
     def _spawn(self, record: Membership, rank: int, slot: int) -> None:
@@ -210,7 +223,7 @@ class LocalJob:
             output.returncode = code
             if not self._closing and self.records:
                 named = member_key(NODE, output.slot) in self.records[-1].keys()
-                if self.heal and code not in _CLEAN_EXITS:
+                if self.heal and code not in (*_CLEAN_EXITS, USER_ERROR_EXIT_CODE):
                     self._replace(output)
                 elif code == LEFT_EXIT_CODE and named:
                     # It left at a switch just before a newer generation took its slot back.
@@ -245,6 +258,17 @@ class LocalJob:
         """Send `signal_number` to the running worker on `slot`."""
         output = self.worker_on(slot)
         self._processes[output.pid].send_signal(signal_number)
+
+    def trained_past(self, generation: int, steps: int, form_s: float = 180.0, train_s: float = 120.0) -> int:
+        """Waits until generation `generation` formed (within `form_s`) and then trained `steps`
+        steps past the step it formed at (within `train_s`); returns the step reached. Raises
+        TimeoutError."""
+        _, formed = self.wait_for(lambda _, e: e.kind == "resized" and e.generation == generation, form_s)
+        target = (formed.step or 0) + steps
+        _, event = self.wait_for(
+            lambda _, e: e.kind == "progress" and e.generation == generation and (e.step or 0) >= target, train_s
+        )
+        return event.step or 0
 
     def wait_for(
         self, predicate: Callable[[WorkerOutput, WorkerEvent], bool], timeout_s: float = 60.0

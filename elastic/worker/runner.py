@@ -11,6 +11,9 @@ while it is a member; it meets the others on the job's board (elastic.membership
               (elastic.worker.loop)
     switch    after the agreed step: leavers exit (LEFT_EXIT_CODE); the others form the next
               generation's group, and go back to restore
+    fail      the task's own code raised (elastic.tasks.UserCodeError): its traceback goes to the
+              job's log, and the worker exits with USER_ERROR_EXIT_CODE; the portal fails the job
+              rather than restart it
     recover   a collective failed (a peer died or hung past the timeout): keep the state of the
               last completed step, wait for the next generation, which the portal writes once
               its agent reports the death, and form it (back to restore); the step in flight
@@ -20,12 +23,17 @@ This module wires the parts together; the exit code says how it ended (elastic.w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from elastic.membership.api import Board
 from elastic.spec import JobSpec
+from elastic.tasks.api import UserCodeError
+from elastic.tasks.loader import load_task_class
+from elastic.tasks.runtime import BoundTask
 from elastic.wire import WorkerConfig
-from elastic.worker import WorkerExit
+from elastic.worker import USER_ERROR_EXIT_CODE, WorkerExit
 from elastic.worker.checkpoint import checkpoint_path
 from elastic.worker.data import SampleStream, share_bounds
 from elastic.worker.events import EventWriter, ProgressReporter
@@ -40,7 +48,9 @@ from elastic.worker.stop import StopRequest
 from elastic.worker.strict import StrictTrainer
 from elastic.worker.trainer import CollectiveError, SampleRecorder, Trainer
 from elastic.workloads import CATALOGUE
-from elastic.workloads.api import TrainingProblem
+
+TRACEBACK_CHARS = 8000
+"""The end of a failing task's traceback that goes to the job's log (the innermost frames)."""
 
 
 class WorkerRun:
@@ -61,7 +71,6 @@ class WorkerRun:
         self.stop = stop
         self.spec = JobSpec(**config.spec)
         self.workload = CATALOGUE[self.spec.workload]
-        self.hyperparameters = self.workload.hyperparameters.model_validate(self.spec.hyperparameters)
         self.total_steps = self.spec.total_steps()
         self.position = WorkerPosition(rank=config.rank)
         self.rendezvous = Rendezvous(
@@ -84,6 +93,9 @@ class WorkerRun:
             if str(way_out):
                 self.events.log(str(way_out))
             return way_out.code
+        except UserCodeError as err:
+            self.events.log(f"the job's code failed: {err}\n{err.traceback_text[-TRACEBACK_CHARS:]}".rstrip())
+            return USER_ERROR_EXIT_CODE
         finally:
             self.rendezvous.stop_watching()
             if self._saver is not None:
@@ -124,11 +136,12 @@ class WorkerRun:
 
     def _build(self) -> tuple[StateRestore, TrainingLoop]:
         device = self.rendezvous.device
-        problem = self.workload.build(self.hyperparameters, self.spec.seed)
-        problem.model.to(device)
-        problem.inputs = problem.inputs.to(device)
-        problem.targets = problem.targets.to(device)
-        problem.model.train()
+        config = self.config
+        if config.code_dir is not None and config.entrypoint is not None:
+            task_class = load_task_class(Path(config.code_dir), config.entrypoint)
+        else:
+            task_class = load_task_class(self.workload.path, self.workload.entrypoint)
+        problem = BoundTask(task_class, self.spec.hyperparameters, self.spec.seed, device)
         optimizer = problem.make_optimizer()
         recorder = (
             SampleRecorder(
@@ -143,13 +156,13 @@ class WorkerRun:
         )
         clock = StepClock(self.events, self.settings.progress_every_s, self.settings.simulated_slowdown)
         trainer = self._make_trainer(problem, optimizer, recorder, clock)
-        start, stop = share_bounds(self.hyperparameters.batch_size, self.config.world_size, self.config.rank)
+        start, stop = share_bounds(problem.batch_size, self.config.world_size, self.config.rank)
         trainer.warm_up(stop - start)
         progress = ProgressReporter(
             self.events,
             total_steps=self.total_steps,
-            batch_size=self.hyperparameters.batch_size,
-            samples_per_epoch=self.workload.samples_per_epoch(self.hyperparameters),
+            batch_size=problem.batch_size,
+            samples_per_epoch=problem.num_samples,
             every_s=self.settings.progress_every_s,
         )
         self._saver = CheckpointSaver(
@@ -186,14 +199,14 @@ class WorkerRun:
 
     def _make_trainer(
         self,
-        problem: TrainingProblem,
+        problem: BoundTask,
         optimizer: torch.optim.Optimizer,
         recorder: SampleRecorder | None,
         clock: StepClock,
     ) -> Trainer:
         """The trainer of the job's consistency mode (elastic.worker.strict, .hybrid)."""
-        stream = SampleStream(len(problem.inputs), self.spec.seed)
-        batch_size = self.hyperparameters.batch_size
+        stream = SampleStream(problem.num_samples, self.spec.seed)
+        batch_size = problem.batch_size
         if self.spec.consistency == "strict":
             return StrictTrainer(
                 problem,
@@ -209,7 +222,7 @@ class WorkerRun:
             )
         per_worker, low, high = self.spec.hybrid_batch_bounds(batch_size)
         schedule = HybridSchedule(
-            base_lr=self.hyperparameters.lr,
+            base_lr=problem.lr,
             base_batch=batch_size,
             batch_per_worker=per_worker,
             min_batch=low,

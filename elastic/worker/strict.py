@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 from elastic.consistency.exact_sum import spare_bits, tensor_scales
 from elastic.consistency.placement import check_shares, even_shares, hosted
+from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
 from elastic.worker.trainer import CollectiveError, SampleRecorder, StepOutcome, Trainer
-from elastic.workloads.api import TrainingProblem
 
 _COUNT, _STOP_VOTES, _SWITCH_TO = 0, 1, 2
 _STATS = 3
@@ -60,7 +60,7 @@ class StrictTrainer(Trainer):
 
     def __init__(
         self,
-        problem: TrainingProblem,
+        problem: BoundTask,
         optimizer: torch.optim.Optimizer,
         stream: SampleStream,
         batch_size: int,
@@ -193,10 +193,7 @@ class StrictTrainer(Trainer):
             torch.manual_seed(vw_seed)
             numpy.random.seed(vw_seed)
             random.seed(vw_seed)
-            device_indices = indices.to(self.problem.inputs.device)
-            loss = self.problem.loss(
-                self.problem.inputs[device_indices], self.problem.targets[device_indices]
-            )
+            loss = self.problem.loss(self.problem.batch(indices))
             loss.backward()
             share = len(indices) / batch
             terms[row, : size - 1].mul_(share)

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
-from elastic.workloads.api import TrainingProblem
 
 # The buffer of the per-step all-reduce ends with four statistics after the gradients. The
 # generation to switch to is summed with zeros from the other ranks; float32 holds it exactly
@@ -99,14 +99,14 @@ class SampleRecorder:
 
 
 class Trainer:
-    """Trains `problem` one global step at a time as `rank` of `world_size`. `reduce` sums a
+    """Trains the bound task `problem` one global step at a time as `rank` of `world_size`. `reduce` sums a
     tensor in place over all ranks; by default over the default process group, which must then
     be initialised, even for a world of one. `compute_done`, if given, is called when this
     rank's share of the step is computed, just before the step's collectives (the StepClock)."""
 
     def __init__(
         self,
-        problem: TrainingProblem,
+        problem: BoundTask,
         optimizer: torch.optim.Optimizer,
         stream: SampleStream,
         batch_size: int,
@@ -152,10 +152,7 @@ class Trainer:
         buffer = self._gradients_in_buffer()
         count = len(indices)
         if count:
-            device_indices = indices.to(self.problem.inputs.device)
-            loss = self.problem.loss(
-                self.problem.inputs[device_indices], self.problem.targets[device_indices]
-            )
+            loss = self.problem.loss(self.problem.batch(indices))
             loss.backward()  # accumulates into the zeroed views, that is into the buffer
             buffer[: self._gradient_size].mul_(count / self.batch_size)
             buffer[_LOSS_SUM] = loss.detach() * count
@@ -229,7 +226,7 @@ class Trainer:
             training = model.training
             model.eval()
             try:
-                self.problem.loss(self.problem.inputs[:rows], self.problem.targets[:rows]).backward()
+                self.problem.loss(self.problem.batch(range(min(rows, self.problem.num_samples)))).backward()
             finally:
                 model.train(training)
         self._gradients_in_buffer()

@@ -1,9 +1,9 @@
-"""The workload catalogue: real training problems that need no download. Importing this
-package does not import torch; each workload's `builder` does, inside the worker."""
+"""The workload catalogue: the tasks Bungee ships (`examples/`), by name. Importing this package
+does not import torch; a worker imports the task itself (elastic.tasks)."""
 
 from __future__ import annotations
 
-from elastic.workloads.api import BaseHyperparameters, TrainingProblem, WorkloadInfo
+from elastic.workloads.api import WorkloadInfo
 from elastic.workloads.catalogue import CATALOGUE
 
-__all__ = ["CATALOGUE", "BaseHyperparameters", "TrainingProblem", "WorkloadInfo"]
+__all__ = ["CATALOGUE", "WorkloadInfo"]

@@ -1,39 +1,38 @@
-"""The workload interface. A workload is a real training problem that needs no download: its
-metadata and hyperparameter schema import without torch (the portal validates specs with them),
-and its `build` function, in a module loaded only inside a worker, makes the model and data."""
+"""The workload interface. A workload is a task (elastic.tasks) that Bungee ships in `examples/`,
+under a name a job may give instead of uploading code. Its metadata, hyperparameter schema and
+epoch size load without torch (the portal validates specs with them); the task itself is imported
+only inside a worker, exactly as a user's task is."""
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    import torch
-
-
-class BaseHyperparameters(BaseModel):
-    """Every workload takes at least a global batch size and a learning rate."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    batch_size: int = Field(64, ge=1, le=65536, description="global batch size, summed over workers")
-    lr: float = Field(0.05, gt=0, le=10, description="learning rate")
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+"""The shipped tasks."""
 
 
-class TrainingProblem(Protocol):
-    """What a worker trains: a model, its training set as tensors, and a loss."""
-
-    model: torch.nn.Module
-    inputs: torch.Tensor
-    targets: torch.Tensor
-
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
-
-    def make_optimizer(self) -> torch.optim.Optimizer: ...
+def example_module(directory: str, name: str) -> ModuleType:
+    """Imports `examples/<directory>/<name>.py`, a module of a shipped task that needs no torch,
+    under a name of its own (`bungee_examples.<directory>.<name>`), without putting the
+    directory on sys.path. Raises ImportError."""
+    qualified = f"bungee_examples.{directory}.{name}"
+    if qualified in sys.modules:
+        return sys.modules[qualified]
+    spec = importlib.util.spec_from_file_location(qualified, EXAMPLES / directory / f"{name}.py")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module {name!r} in examples/{directory}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[qualified] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass(frozen=True)
@@ -41,18 +40,19 @@ class WorkloadInfo:
     name: str
     title: str
     description: str
-    hyperparameters: type[BaseHyperparameters]
+    directory: str
+    """The task's directory under `examples/`."""
+    entrypoint: str
+    """`module:ClassName` of the task in that directory."""
+    hyperparameters: type[BaseModel]
+    """The task's schema, as the portal validates with it (the worker validates again with the
+    task's own `Hyperparameters`)."""
     samples_per_epoch: Callable[[Any], int]
     """Number of training samples in one epoch for the given hyperparameters (no torch)."""
-    builder: str
-    """Dotted path `module:function`; the function takes (hyperparameters, seed) and returns a
-    TrainingProblem. Imported lazily, inside the worker, because it imports torch."""
 
-    def build(self, hyperparameters: BaseHyperparameters, seed: int) -> TrainingProblem:
-        module_name, _, function_name = self.builder.partition(":")
-        build_function = getattr(importlib.import_module(module_name), function_name)
-        problem: TrainingProblem = build_function(hyperparameters, seed)
-        return problem
+    @property
+    def path(self) -> Path:
+        return EXAMPLES / self.directory
 
     def schema(self) -> dict[str, Any]:
         """JSON schema of the hyperparameters, defaults included, for the API and the form."""

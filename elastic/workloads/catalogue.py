@@ -1,28 +1,29 @@
-"""The catalogue of workloads a job may name. Each entry's metadata, hyperparameter schema and
-epoch size are available without torch; its builder module is imported only inside a worker."""
+"""The catalogue of workloads a job may name: the tasks shipped in `examples/`. Each entry's
+metadata, hyperparameter schema and epoch size are available without torch; the task module is
+imported only inside a worker."""
 
 from __future__ import annotations
 
-from elastic.workloads.api import WorkloadInfo
-from elastic.workloads.corpus import window_count
-from elastic.workloads.hyperparameters import (
-    CharTransformerHyperparameters,
-    DigitsCNNHyperparameters,
-    DigitsMLPHyperparameters,
-)
+from typing import Any
+
+from elastic.workloads.api import WorkloadInfo, example_module
 
 DIGITS_SAMPLES = 1797
 """Images in scikit-learn's bundled digits data set."""
 DIGITS_TRAIN_SAMPLES = 1437
 """The training split is the first 1437 images (80%); the rest is held out."""
 
+_digits = example_module("digits", "hyperparameters")
+_chars = example_module("chars", "hyperparameters")
+_corpus = example_module("chars", "corpus")
+
 
 def _digits_train_samples(hyperparameters: object) -> int:
     return DIGITS_TRAIN_SAMPLES
 
 
-def _char_windows(hyperparameters: CharTransformerHyperparameters) -> int:
-    return window_count(hyperparameters.block_size)
+def _char_windows(hyperparameters: Any) -> int:
+    return int(_corpus.window_count(hyperparameters.block_size))
 
 
 CATALOGUE: dict[str, WorkloadInfo] = {
@@ -35,9 +36,10 @@ CATALOGUE: dict[str, WorkloadInfo] = {
                 "A one-hidden-layer perceptron classifying scikit-learn's bundled 8x8 "
                 "handwritten digits (1,437 training images)."
             ),
-            hyperparameters=DigitsMLPHyperparameters,
+            directory="digits",
+            entrypoint="task:DigitsMLP",
+            hyperparameters=_digits.DigitsMLPHyperparameters,
             samples_per_epoch=_digits_train_samples,
-            builder="elastic.workloads.digits:build_mlp",
         ),
         WorkloadInfo(
             name="digits-cnn",
@@ -46,9 +48,10 @@ CATALOGUE: dict[str, WorkloadInfo] = {
                 "A small convolutional network with batch norm and dropout on scikit-learn's "
                 "bundled 8x8 handwritten digits (1,437 training images)."
             ),
-            hyperparameters=DigitsCNNHyperparameters,
+            directory="digits",
+            entrypoint="task:DigitsCNN",
+            hyperparameters=_digits.DigitsCNNHyperparameters,
             samples_per_epoch=_digits_train_samples,
-            builder="elastic.workloads.digits:build_cnn",
         ),
         WorkloadInfo(
             name="char-transformer",
@@ -57,9 +60,10 @@ CATALOGUE: dict[str, WorkloadInfo] = {
                 "A small causal transformer language model over characters, trained on the "
                 "source of a few Python standard-library modules."
             ),
-            hyperparameters=CharTransformerHyperparameters,
+            directory="chars",
+            entrypoint="task:CharLanguageModel",
+            hyperparameters=_chars.CharTransformerHyperparameters,
             samples_per_epoch=_char_windows,
-            builder="elastic.workloads.chars:build_char_transformer",
         ),
     )
 }

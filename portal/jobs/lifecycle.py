@@ -545,6 +545,12 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     )
     if job.state in ACTIVE_STATES and event.reason == "completed":
         finish(job)
+    elif job.state in (JobState.RUNNING, JobState.RESIZING) and event.reason == "user_error":
+        _end(
+            job, JobState.FAILED, "finished",
+            message=f"the job's code failed on worker rank {event.rank} of generation {event.generation}; "
+            "the traceback is in the log. Not restarted: the same code fails on any device",
+        )
     elif job.state in ACTIVE_STATES and mattered and event.reason == "failed":
         _worker_failed(job, event, device)
     elif job.state in (JobState.RUNNING, JobState.RESIZING) and was_running and device is not None:

@@ -6,7 +6,8 @@
                                warm up while the running workers go on training
     running    -> queued       it lost every device (owner came back, node lost) and waits
     running    -> succeeded    its workers trained every step
-    running    -> failed       its workers failed more often than MAX_RESTARTS
+    running    -> failed       its workers failed more often than MAX_RESTARTS, or its own code
+                               failed (a user error: never restarted)
     running    -> cancelled
     resizing   -> running      rank 0 reported that the newest generation took over (its resize
                                event, with the pause it cost)

@@ -1,6 +1,6 @@
-"""The text the character-level workload trains on: the source of a few fixed, pure-Python
+"""The text the character-level task trains on: the source of a few fixed, pure-Python
 standard-library modules, read from disk (never imported), so it needs no download and every
-worker of one installation reads the same characters. No torch here: the portal counts the
+worker of one installation reads the same characters. No torch here: Bungee's portal counts the
 samples of an epoch with it."""
 
 from __future__ import annotations

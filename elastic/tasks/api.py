@@ -1,0 +1,52 @@
+"""What a task class defines, and the errors that blame the user's code rather than the cluster.
+
+A task is a class named in the job spec as `module:ClassName`, the module found in the job's code
+directory. Bungee constructs it with the job's hyperparameters and calls:
+
+    model()                     -> torch.nn.Module. Called once, right after torch's generator is
+                                   seeded with the job's seed, so the initial weights depend only
+                                   on that seed.
+    optimizer(model)            -> torch.optim.Optimizer over model's parameters.
+    train_data()                -> a map-style torch.utils.data.Dataset (`__len__`,
+                                   `__getitem__`). Items are read one at a time, when a step needs
+                                   them: a data set need not fit in memory.
+    loss(model, batch)          -> a scalar tensor, the mean loss over the batch, or a pair
+                                   (tensor, {name: float}) adding named metrics.
+
+and, when the class defines them:
+
+    Hyperparameters             a pydantic model class: the job's hyperparameters are validated
+                                with it, and the task receives the validated instance (otherwise
+                                the dict as submitted). It must have `batch_size`, the global
+                                batch; strict mode's virtual workers and hybrid mode's per-worker
+                                batches are cut from it. Hybrid mode also reads `lr`.
+    collate(items)              -> one batch from a list of dataset items (default: torch's
+                                   default_collate, which stacks tensors and numbers).
+    eval_data()                 -> a Dataset held out from training.
+    evaluate(model, batch)      -> {name: float}: metrics of one evaluation batch, averaged over
+                                   the batches weighted by their sizes.
+
+A step draws its randomness (dropout, a random crop in `__getitem__`) from torch's, numpy's and
+Python's generators, which the runtime seeds for each step (and each virtual worker in strict
+mode) before the step's items are read: a task must not keep generators of its own."""
+
+from __future__ import annotations
+
+TASK_METHODS = ("model", "optimizer", "train_data", "loss")
+"""What every task class defines."""
+OPTIONAL_TASK_METHODS = ("collate", "eval_data", "evaluate")
+
+
+class UserCodeError(Exception):
+    """The job's own code failed in a way that will fail again on any node: an import error, a
+    missing method, an exception in `loss`, a NaN loss. The job fails at once, with
+    `traceback_text`, and is never restarted for it."""
+
+    def __init__(self, message: str, traceback_text: str = "") -> None:
+        super().__init__(message)
+        self.traceback_text = traceback_text
+
+
+class TaskDefinitionError(UserCodeError):
+    """The entrypoint does not name a usable task: no such module or class, a required method
+    missing, or hyperparameters its schema refuses."""

@@ -1,0 +1,182 @@
+"""A task bound to one job: its validated hyperparameters, the model built from the job's seed
+on the worker's device, the training data, and the calls a trainer makes each step. Every call
+into the task's code is wrapped so that its failure is a UserCodeError with the traceback."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ValidationError
+from torch.utils.data import default_collate
+
+from elastic.tasks.api import TaskDefinitionError, UserCodeError
+from elastic.tasks.loader import load_task_class
+
+
+def validate_hyperparameters(task_class: type[Any], given: dict[str, Any]) -> Any:
+    """Returns `given` validated by the task's `Hyperparameters` model, or `given` itself when
+    the task declares none. Raises TaskDefinitionError naming each refused field, or if there is
+    no positive integer `batch_size`."""
+    schema = getattr(task_class, "Hyperparameters", None)
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        try:
+            validated: Any = schema.model_validate(given)
+        except ValidationError as err:
+            fields = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(all)'}: {e['msg']}" for e in err.errors()
+            )
+            raise TaskDefinitionError(f"hyperparameters refused by the task's schema: {fields}") from err
+    else:
+        validated = dict(given)
+    batch_size = hyperparameter(validated, "batch_size")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise TaskDefinitionError(f"hyperparameter batch_size must be a positive integer, not {batch_size!r}")
+    return validated
+
+
+def hyperparameter(hyperparameters: Any, name: str) -> Any:
+    """The value of `name` in a pydantic instance or a dict (None when absent)."""
+    if isinstance(hyperparameters, dict):
+        return hyperparameters.get(name)
+    return getattr(hyperparameters, name, None)
+
+
+@contextmanager
+def blaming_the_task(what: str) -> Iterator[None]:
+    """Turns any exception raised inside into a UserCodeError saying `what` failed."""
+    try:
+        yield
+    except UserCodeError:
+        raise
+    except Exception as err:
+        raise UserCodeError(f"{what} raised {type(err).__name__}: {err}", traceback.format_exc()) from err
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` with every tensor in it (nested in lists, tuples and dicts) moved to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(value, device) for value in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+class BoundTask:
+    """The task `task_class` built for one job on `device`: the model's initial weights depend
+    only on `seed`. Raises TaskDefinitionError or UserCodeError if the task's code fails."""
+
+    def __init__(self, task_class: type[Any], hyperparameters: dict[str, Any], seed: int, device: torch.device):
+        self.hyperparameters = validate_hyperparameters(task_class, hyperparameters)
+        self.device = device
+        with blaming_the_task(f"{task_class.__name__}(hyperparameters)"):
+            self.task = task_class(self.hyperparameters)
+        torch.manual_seed(seed)
+        with blaming_the_task("model()"):
+            model = self.task.model()
+        if not isinstance(model, torch.nn.Module):
+            raise TaskDefinitionError(f"model() returned {type(model).__name__}, not a torch.nn.Module")
+        self.model: torch.nn.Module = model.to(device)
+        self.model.train()
+        with blaming_the_task("train_data()"):
+            self.dataset = self.task.train_data()
+            self.num_samples = len(self.dataset)
+        if self.num_samples < 1:
+            raise TaskDefinitionError("train_data() returned an empty data set")
+        self._collate: Callable[[list[Any]], Any] = getattr(self.task, "collate", None) or default_collate
+        self.metrics: dict[str, float] = {}
+        """The named metrics of the last `loss` call, if the task returns any."""
+
+    @property
+    def batch_size(self) -> int:
+        """The global batch size."""
+        return int(hyperparameter(self.hyperparameters, "batch_size"))
+
+    @property
+    def lr(self) -> float:
+        """The task's `lr` hyperparameter (hybrid mode scales it). Raises TaskDefinitionError."""
+        lr = hyperparameter(self.hyperparameters, "lr")
+        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+            raise TaskDefinitionError(f"hybrid mode needs a positive hyperparameter lr, not {lr!r}")
+        return float(lr)
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """A fresh optimiser over the model's current parameters."""
+        with blaming_the_task("optimizer(model)"):
+            optimizer = self.task.optimizer(self.model)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TaskDefinitionError(f"optimizer() returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        return optimizer
+
+    def batch(self, indices: torch.Tensor | Sequence[int]) -> Any:
+        """The batch of the training samples `indices`, read one by one, collated, on the
+        device."""
+        return self._collated(self.dataset, indices.tolist() if isinstance(indices, torch.Tensor) else indices)
+
+    def _collated(self, dataset: Any, indices: Sequence[int]) -> Any:
+        with blaming_the_task("reading the data set"):
+            items = [dataset[index] for index in indices]
+        with blaming_the_task("collate(items)"):
+            return to_device(self._collate(items), self.device)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """The task's mean loss over `batch`; its named metrics go to `metrics`. Raises
+        UserCodeError if the task raises or returns no scalar tensor."""
+        with blaming_the_task("loss(model, batch)"):
+            result = self.task.loss(self.model, batch)
+        metrics: dict[str, Any] = {}
+        if isinstance(result, tuple) and len(result) == 2:
+            result, metrics = result
+        if not isinstance(result, torch.Tensor) or result.numel() != 1:
+            raise UserCodeError(f"loss() must return a scalar tensor (or a pair of it and a dict), not {result!r:.80}")
+        if not isinstance(metrics, dict):
+            raise UserCodeError(f"loss() returned metrics of type {type(metrics).__name__}, not a dict")
+        self.metrics = {str(name): float(value) for name, value in metrics.items()}
+        return result.reshape(())
+
+    def evaluate(self, batch_size: int | None = None) -> dict[str, float]:
+        """The task's metrics over its whole evaluation data, in eval mode and without
+        gradients; each batch's metrics weighted by its size. Empty if the task has no
+        evaluation. Leaves the model in the mode it found it in."""
+        eval_data = getattr(self.task, "eval_data", None)
+        evaluate = getattr(self.task, "evaluate", None)
+        if eval_data is None or evaluate is None:
+            return {}
+        with blaming_the_task("eval_data()"):
+            dataset = eval_data()
+        if dataset is None:
+            return {}
+        size = batch_size or self.batch_size
+        totals: dict[str, float] = {}
+        count = 0
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, len(dataset), size):
+                    indices = range(start, min(start + size, len(dataset)))
+                    batch = self._collated(dataset, indices)
+                    with blaming_the_task("evaluate(model, batch)"):
+                        metrics = evaluate(self.model, batch)
+                    for name, value in metrics.items():
+                        totals[name] = totals.get(name, 0.0) + float(value) * len(indices)
+                    count += len(indices)
+        finally:
+            self.model.train(training)
+        return {name: total / count for name, total in totals.items()} if count else {}
+
+
+def bind_task(
+    directory: Path, entrypoint: str, hyperparameters: dict[str, Any], seed: int, device: torch.device | None = None
+) -> BoundTask:
+    """Imports the task `entrypoint` from `directory` and binds it to one job (on the CPU unless
+    `device` says otherwise). Raises TaskDefinitionError or UserCodeError."""
+    task_class = load_task_class(directory, entrypoint)
+    return BoundTask(task_class, hyperparameters, seed, device or torch.device("cpu"))

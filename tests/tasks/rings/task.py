@@ -1,0 +1,69 @@
+"""A task written only for the tests (not one of the examples): which of three rings a point lies
+on. A small network with batch norm and dropout, its own Dataset over a file it ships, a collate
+function of its own, and metrics from both `loss` and `evaluate`."""
+
+from __future__ import annotations
+
+import torch
+from data import Rings
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.nn import functional
+
+
+class RingsHyperparameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch_size: int = Field(24, ge=1)
+    lr: float = Field(0.1, gt=0)
+    hidden: int = Field(32, ge=1)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    fail_at_call: int = Field(0, ge=0, description="raise in loss() on this call (0: never)")
+
+
+class RingsTask:
+    Hyperparameters = RingsHyperparameters
+
+    def __init__(self, hyperparameters: RingsHyperparameters) -> None:
+        self.hp = hyperparameters
+        self.calls = 0
+
+    def model(self) -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(3, self.hp.hidden),
+            nn.BatchNorm1d(self.hp.hidden),
+            nn.ReLU(),
+            nn.Dropout(self.hp.dropout),
+            nn.Linear(self.hp.hidden, 3),
+        )
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=self.hp.lr, momentum=0.9)
+
+    def train_data(self) -> Rings:
+        return Rings(held_out=False)
+
+    def eval_data(self) -> Rings:
+        return Rings(held_out=True)
+
+    def collate(self, items: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        points = torch.stack([item["point"] for item in items])
+        radius = points.norm(dim=1, keepdim=True)
+        return torch.cat([points, radius], dim=1), torch.stack([item["ring"] for item in items])
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        self.calls += 1
+        if self.calls == self.hp.fail_at_call:
+            raise ValueError(f"the task's own bug, at call {self.calls}")
+        features, rings = batch
+        logits = model(features)
+        accuracy = (logits.argmax(dim=1) == rings).float().mean()
+        return functional.cross_entropy(logits, rings), {"accuracy": float(accuracy)}
+
+    def evaluate(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+        features, rings = batch
+        logits = model(features)
+        return {
+            "accuracy": float((logits.argmax(dim=1) == rings).float().mean()),
+            "loss": float(functional.cross_entropy(logits, rings)),
+        }

@@ -1,0 +1,89 @@
+"""A user's own task (tests/tasks/rings: batch norm, dropout, its own Dataset over a file it
+ships, its own collate and metrics), run by real worker processes from its own directory.
+
+In strict mode, resized 2 -> 3 -> (a worker SIGKILLed) 2 -> 1 in place, it ends `torch.equal` to
+the same task on a fixed 2 workers, every sample of every step trained exactly once. A bug in
+its `loss` at the fifth call fails the worker with the job's own traceback in the log and exit
+code USER_ERROR_EXIT_CODE, and the job is not healed into a restart loop."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
+from elastic.worker.checkpoint import checkpoint_path, load_checkpoint
+from elastic.worker.data import SampleStream
+from elastic.worker.local import LocalJob
+from tests.test_worker_strict_consistency import _differences, _losses
+from tests.worker_support import REDIS_URL, Ledger, worker_env
+
+pytestmark = pytest.mark.slow
+
+RINGS = (Path(__file__).parent / "tasks" / "rings", "task:RingsTask")
+RING_SAMPLES = 600
+SEED = 5
+BATCH = 24
+SPEC: dict[str, Any] = {
+    "name": "rings",
+    # The spec's workload is not what runs: the worker loads the job's own code (RINGS).
+    "workload": "digits-mlp",
+    "max_workers": 3,
+    "seed": SEED,
+    "hyperparameters": {"batch_size": BATCH, "hidden": 16, "dropout": 0.2},
+}
+
+
+def test_a_users_task_resized_in_place_is_bitwise_the_fixed_run(tmp_path: Path) -> None:
+    record = tmp_path / "samples.jsonl"
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
+    spec = {**SPEC, "steps": 10_000_000}
+    with LocalJob(spec, tmp_path / "resized", REDIS_URL, env=env, task=RINGS) as job:
+
+        job.start([0, 1])
+        job.trained_past(1, 5)
+        job.resize([0, 1, 2])
+        job.trained_past(2, 5)
+        job.send_signal(1, signal.SIGKILL)  # the job heals: generation 3 is slots 0 and 2
+        job.trained_past(3, 5)
+        job.resize([2])
+        job.trained_past(4, 5)
+        job.send_signal(2, signal.SIGTERM)
+        job.wait(120)
+    assert [r.world_size for r in job.records] == [2, 3, 2, 1], job.describe()
+    assert job.worker_on(2).returncode == STOPPED_EXIT_CODE, job.describe()
+    assert len(job.outputs) == 3, "the survivors were never restarted"
+    resized = load_checkpoint(checkpoint_path(tmp_path / "resized"))
+    assert resized is not None and resized.step > 20
+    steps = Ledger.read_all(record, 1)
+    last_pass = Ledger({step: records[-1] for step, records in steps.items()})
+    assert last_pass.check(SampleStream(RING_SAMPLES, SEED), BATCH, partial=1, virtual_workers=3) >= resized.step
+
+    fixed_record = tmp_path / "fixed.jsonl"
+    fixed_env = worker_env(BUNGEE_RECORD_SAMPLES=str(fixed_record))
+    fixed_spec = {**SPEC, "steps": resized.step}
+    with LocalJob(fixed_spec, tmp_path / "fixed", REDIS_URL, env=fixed_env, heal=False, task=RINGS) as fixed_job:
+        fixed_job.start([0, 1])
+        outputs = fixed_job.wait(300)
+    assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE] * 2, fixed_job.describe()
+    fixed = load_checkpoint(checkpoint_path(tmp_path / "fixed"))
+    assert fixed is not None and fixed.step == resized.step
+    assert _differences(resized, fixed) == []
+    assert _losses(record)[: resized.step] == _losses(fixed_record)
+
+
+def test_a_bug_in_loss_fails_the_worker_once_with_the_traceback(tmp_path: Path) -> None:
+    # One worker hosting the 3 virtual workers: a warm-up call, then 3 calls a step; the fifth
+    # is in step 1. (The portal's side, failing the job and stopping the other workers, is in
+    # test_generation_lifecycle.)
+    spec = {**SPEC, "steps": 1000, "hyperparameters": {**SPEC["hyperparameters"], "fail_at_call": 5}}
+    with LocalJob(spec, tmp_path / "run", REDIS_URL, env=worker_env(), task=RINGS) as job:
+        job.start([0])
+        outputs = job.wait(120)
+    assert [o.returncode for o in outputs] == [USER_ERROR_EXIT_CODE], job.describe()
+    [failure] = [m for m in outputs[0].log_messages() if m.startswith("the job's code failed")]
+    assert "loss(model, batch) raised ValueError: the task's own bug, at call 5" in failure
+    assert "Traceback (most recent call last)" in failure and "rings/task.py" in failure
