@@ -9,6 +9,7 @@ not, since the same request would be refused again.
 from __future__ import annotations
 
 import json
+from typing import BinaryIO, NoReturn
 
 import httpx
 from pydantic import ValidationError
@@ -17,6 +18,7 @@ from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
 
 REGISTER_PATH = "/api/agent/register"
 REPORT_PATH = "/api/agent/report"
+CODE_PATH = "/api/agent/code/{digest}"
 _RETRIABLE_STATUSES = frozenset({408, 429})
 _MAX_ERROR_CHARS = 500
 
@@ -82,6 +84,30 @@ class PortalClient:
         """Sends one report. Raises PortalError (see module)."""
         self._post(REPORT_PATH, report.model_dump_json())
 
+    def fetch_code(self, digest: str, out: BinaryIO, max_bytes: int) -> None:
+        """Writes the archive of the job code `digest` to `out`, as the portal sends it (the
+        caller checks the digest). Raises PortalError, also if it is over `max_bytes`."""
+        path = CODE_PATH.format(digest=digest)
+        try:
+            with self._http.stream("GET", path) as response:
+                if response.status_code == 403:  # the token is fine: this node runs no such job
+                    response.read()
+                    code, text = _error_text(response)
+                    raise PortalRejectedError(f"portal at {self.base_url} refused GET {path}: {text}", 403, code)
+                if response.status_code >= 400:
+                    response.read()
+                    self._raise_for(response, f"GET {path}")
+                received = 0
+                for chunk in response.iter_bytes():
+                    received += len(chunk)
+                    if received > max_bytes:
+                        raise PortalRejectedError(f"the code {digest} is over {max_bytes} bytes", 413, "too_large")
+                    out.write(chunk)
+        except httpx.TransportError as err:
+            raise PortalUnavailableError(
+                f"portal at {self.base_url} unreachable ({type(err).__name__}: {err})"
+            ) from err
+
     def close(self) -> None:
         self._http.close()
 
@@ -92,11 +118,14 @@ class PortalClient:
             raise PortalUnavailableError(
                 f"portal at {self.base_url} unreachable ({type(err).__name__}: {err})"
             ) from err
-        status = response.status_code
-        if status < 400:
+        if response.status_code < 400:
             return response
+        self._raise_for(response, f"POST {path}")
+
+    def _raise_for(self, response: httpx.Response, request: str) -> NoReturn:
+        status = response.status_code
         code, text = _error_text(response)
-        where = f"portal at {self.base_url} answered {status} to POST {path}"
+        where = f"portal at {self.base_url} answered {status} to {request}"
         if status in (401, 403):
             raise AgentAuthError(f"{where}: the agent token was refused: {text}", status)
         if status >= 500 or status in _RETRIABLE_STATUSES:

@@ -20,6 +20,7 @@ from typing import Any, cast
 import redis
 from pydantic import ValidationError
 
+from agent.code import CodeCache, CodeUnavailable
 from agent.devices import DeviceBackend, DeviceError
 from agent.supervisor import WorkerSupervisor
 from elastic.wire import (
@@ -118,16 +119,35 @@ class CommandDispatcher:
         backend: DeviceBackend,
         redis_url: str = "",
         on_owner_change: Callable[[], None] | None = None,
+        code: CodeCache | None = None,
     ) -> None:
         self.redis_url = redis_url
         self._backend = backend
         self._on_owner_change = on_owner_change
+        self._supervisor = supervisor
+        self._code = code
         self._handlers: Mapping[type[Any], Callable[[Any], object]] = {
-            LaunchCommand: lambda command: supervisor.launch(command, backend, self.redis_url),
+            LaunchCommand: self._launch,
             StopCommand: supervisor.stop,
             SimulateOwnerCommand: self._play_owner,
             SimulateSlowdownCommand: lambda command: backend.set_slowdown(command.device_index, command.factor),
         }
+
+    def _launch(self, command: LaunchCommand) -> None:
+        """Starts the command's workers; a job with code of its own gets it first (fetched and
+        checked once per digest), and if that fails, its workers here are reported as failed to
+        start."""
+        digest = command.spec.get("code")
+        code_dir = None
+        if digest and command.workers:
+            try:
+                if self._code is None:
+                    raise CodeUnavailable("this agent cannot fetch code (no portal client)")
+                code_dir = self._code.prepare(command.job_id, str(digest))
+            except CodeUnavailable as err:
+                self._supervisor.launch_failed(command, str(err))
+                return
+        self._supervisor.launch(command, self._backend, self.redis_url, code_dir)
 
     def _play_owner(self, command: SimulateOwnerCommand) -> None:
         """Plays the owner, then has the agent report at once: the portal takes a device back

@@ -33,6 +33,7 @@ from agent.client import (
     PortalRejectedError,
     PortalUnavailableError,
 )
+from agent.code import CodeCache
 from agent.commands import CommandDispatcher, CommandReader, StreamMark
 from agent.devices import DeviceBackend, DeviceError, backend_names, make_backend
 from agent.events import EventBuffer
@@ -260,7 +261,9 @@ class Agent:
         self.report_now = report_now or threading.Event()
         """Set (by the supervisor, on a worker's exit; by the dispatcher, when a played owner
         comes or goes) to send the next report without waiting."""
-        self._dispatcher = CommandDispatcher(supervisor, backend, on_owner_change=self.report_now.set)
+        self._dispatcher = CommandDispatcher(
+            supervisor, backend, on_owner_change=self.report_now.set, code=CodeCache(client, supervisor.state_dir)
+        )
         self._registration = NodeRegistration(
             name=config.node_name,
             address=config.address,

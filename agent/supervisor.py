@@ -250,6 +250,8 @@ class WorkerSupervisor:
         if state_dir is None:
             self._scratch = tempfile.TemporaryDirectory(prefix="bungee-agent-", ignore_cleanup_errors=True)
             state_dir = Path(self._scratch.name)
+        self.state_dir = state_dir
+        """Where the agent keeps what outlives it: worker records, jobs' code."""
         self._records = RecordStore(state_dir / "workers")
         self._jobs: dict[int, _Job] = {}
         self._workers: list[_Worker] = []
@@ -267,11 +269,13 @@ class WorkerSupervisor:
 
     # --- commands ----------------------------------------------------------------------------
 
-    def launch(self, command: LaunchCommand, backend: DeviceBackend, redis_url: str) -> bool:
+    def launch(
+        self, command: LaunchCommand, backend: DeviceBackend, redis_url: str, code_dir: Path | None = None
+    ) -> bool:
         """Starts the joiners of `command.generation` here (their membership board is at
-        `redis_url`) and sets leavers a deadline; survivors go on untouched. Returns False, and
-        does nothing, if that generation was already launched or passed, or the supervisor is
-        shut down."""
+        `redis_url`; a job with code of its own runs it from `code_dir`) and sets leavers a
+        deadline; survivors go on untouched. Returns False, and does nothing, if that generation
+        was already launched or passed, or the supervisor is shut down."""
         with self._lock:
             job = self._jobs.setdefault(command.job_id, _Job())
             if self._closed:
@@ -312,8 +316,13 @@ class WorkerSupervisor:
                         assignment.device_index,
                     )
                     continue
-                self._spawn(command, assignment, backend, redis_url)
+                self._spawn(command, assignment, backend, redis_url, code_dir)
         return True
+
+    def launch_failed(self, command: LaunchCommand, message: str) -> None:
+        """Reports that none of the workers `command` would start here could start."""
+        for assignment in command.workers:
+            self._start_failed(command, assignment, message)
 
     def stop(self, command: StopCommand) -> int:
         """Asks the job's workers here whose generation is below `command.before_generation`
@@ -452,29 +461,31 @@ class WorkerSupervisor:
 
     # --- launching ---------------------------------------------------------------------------
 
+    def _start_failed(self, command: LaunchCommand, assignment: WorkerAssignment, message: str) -> None:
+        log.error("job %d generation %d rank %d: %s", command.job_id, command.generation, assignment.rank, message)
+        self._events.add(
+            WorkerEvent(
+                job_id=command.job_id,
+                generation=command.generation,
+                rank=assignment.rank,
+                kind="exited",
+                at=time.time(),
+                device_index=assignment.device_index,
+                reason="failed",
+                message=message,
+            )
+        )
+
     def _spawn(
-        self, command: LaunchCommand, assignment: WorkerAssignment, backend: DeviceBackend, redis_url: str
+        self,
+        command: LaunchCommand,
+        assignment: WorkerAssignment,
+        backend: DeviceBackend,
+        redis_url: str,
+        code_dir: Path | None = None,
     ) -> None:
         def failed(message: str) -> None:
-            log.error(
-                "job %d generation %d rank %d: %s",
-                command.job_id,
-                command.generation,
-                assignment.rank,
-                message,
-            )
-            self._events.add(
-                WorkerEvent(
-                    job_id=command.job_id,
-                    generation=command.generation,
-                    rank=assignment.rank,
-                    kind="exited",
-                    at=time.time(),
-                    device_index=assignment.device_index,
-                    reason="failed",
-                    message=message,
-                )
-            )
+            self._start_failed(command, assignment, message)
 
         try:
             placement = backend.placement(assignment.device_index)
@@ -495,6 +506,8 @@ class WorkerSupervisor:
             device_index=assignment.device_index,
             redis_url=redis_url,
             coordination_key=command.coordination_key,
+            code_dir=str(code_dir) if code_dir is not None else None,
+            entrypoint=command.spec.get("entrypoint") if code_dir is not None else None,
         )
         python_path = os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
         env = {

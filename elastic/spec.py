@@ -18,6 +18,9 @@ MAX_WORKERS_LIMIT = 1024
 _VIRTUAL_WORKERS_RULE = (
     "must be at least max_workers ({w}): every worker hosts at least one virtual worker, not {v}"
 )
+CODE_DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+_CODE_EPOCHS_RULE = "a job with its own code gives steps: the size of its data set is known only on the nodes"
 _HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size")
 
 
@@ -25,7 +28,13 @@ class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=100)
-    workload: str
+    workload: str | None = Field(None, description="a shipped task (GET /api/workloads); or give code and entrypoint")
+    code: str | None = Field(
+        None, pattern=CODE_DIGEST_PATTERN, description="the sha256 of the job's own code, uploaded with POST /api/code"
+    )
+    entrypoint: str | None = Field(
+        None, max_length=200, pattern=ENTRYPOINT_PATTERN, description="the task class in the code: module:ClassName"
+    )
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
     min_workers: int = Field(1, ge=1, le=MAX_WORKERS_LIMIT)
     max_workers: int = Field(1, ge=1, le=MAX_WORKERS_LIMIT)
@@ -54,6 +63,10 @@ class JobSpec(BaseModel):
             raise ValueError(f"max_workers ({self.max_workers}) is below min_workers ({self.min_workers})")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of steps and epochs")
+        if (self.workload is None) == (self.code is None) or (self.code is None) != (self.entrypoint is None):
+            raise ValueError("give a workload, or code and entrypoint")
+        if self.code is not None and self.epochs is not None:
+            raise ValueError(_CODE_EPOCHS_RULE)
         if self.virtual_workers is not None and self.virtual_workers < self.max_workers:
             raise ValueError(_VIRTUAL_WORKERS_RULE.format(v=self.virtual_workers, w=self.max_workers))
         return self
@@ -72,10 +85,28 @@ class JobSpec(BaseModel):
         high = self.max_batch_size or max(batch_size, low)
         return per_worker, low, high
 
+    @property
+    def task_name(self) -> str:
+        """What the job trains, for people and checkpoints: the workload, or the code's
+        entrypoint and digest."""
+        if self.workload is not None:
+            return self.workload
+        return f"{self.entrypoint} of code {str(self.code)[:12]}"
+
+    def batch_size(self) -> int:
+        """The global batch size: the workload's (its default when not given) or the one the
+        job's hyperparameters give its own code."""
+        if self.workload is None:
+            return int(self.hyperparameters["batch_size"])
+        hp = CATALOGUE[self.workload].hyperparameters.model_validate(self.hyperparameters)
+        return int(hp.model_dump()["batch_size"])
+
     def total_steps(self) -> int:
-        """Steps to train: `steps`, or `epochs` worth of global batches, rounded up."""
+        """Steps to train: `steps`, or `epochs` worth of global batches, rounded up (a
+        workload's only: the size of a job's own data set is known only on the nodes)."""
         if self.steps is not None:
             return self.steps
+        assert self.workload is not None
         info = CATALOGUE[self.workload]
         hp = info.hyperparameters.model_validate(self.hyperparameters)
         per_epoch = info.samples_per_epoch(hp)
@@ -156,6 +187,31 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
     elif not has_steps and not has_epochs:
         errors.append(FieldError("steps", "give exactly one of steps and epochs", None))
     errors.extend(_mode_errors(data, high))
+    errors.extend(_task_errors(data, has_epochs))
+    return errors
+
+
+def _task_errors(data: dict[str, Any], has_epochs: bool) -> list[FieldError]:
+    """A job trains a shipped workload, or its own code (a digest) at an entrypoint."""
+    given = {name: data.get(name) for name in ("workload", "code", "entrypoint") if data.get(name) not in (None, "")}
+    if "workload" in given and "code" in given:
+        return [FieldError("code", "give either a workload or code, not both", given["code"])]
+    if "workload" not in given and "code" not in given:
+        return [FieldError("workload", "give a workload, or code and entrypoint", None)]
+    errors = []
+    if "code" in given and "entrypoint" not in given:
+        errors.append(FieldError("entrypoint", "a job with code names its task class: module:ClassName", None))
+    if "entrypoint" in given and "code" not in given:
+        errors.append(FieldError("entrypoint", "only a job with code has an entrypoint", given["entrypoint"]))
+    if "code" in given and has_epochs:
+        errors.append(FieldError("epochs", _CODE_EPOCHS_RULE, data.get("epochs")))
+    if "code" in given:
+        hyperparameters = data.get("hyperparameters", {})
+        batch = hyperparameters.get("batch_size") if isinstance(hyperparameters, dict) else None
+        if not isinstance(batch, int) or isinstance(batch, bool) or not 1 <= batch <= 65536:
+            errors.append(FieldError(
+                "hyperparameters.batch_size", "a job with code gives its global batch size, 1 to 65536", batch
+            ))
     return errors
 
 
@@ -253,6 +309,11 @@ def validate_spec(data: Any) -> JobSpec:
                 spec = spec.model_copy(update={"hyperparameters": validated.model_dump()})
                 spec, mode_errors = _with_mode_defaults(spec, int(validated.model_dump()["batch_size"]))
                 errors.extend(mode_errors)
+    if spec is not None and spec.code is not None and not errors:
+        # The job's own code validates its hyperparameters on the nodes (the portal never
+        # imports it); its batch size is checked above.
+        spec, mode_errors = _with_mode_defaults(spec, spec.batch_size())
+        errors.extend(mode_errors)
     if errors:
         raise SpecError(errors)
     assert spec is not None

@@ -60,6 +60,8 @@ def _register_routers() -> None:
     from portal.cluster.api import cluster_router
     from portal.jobs.agents import agent_router, board_router
     from portal.jobs.api import router as jobs_router
+    from portal.jobs.code_api import agent_code_router
+    from portal.jobs.code_api import router as code_router
     from portal.scheduling.api import router as scheduler_router
 
     api.add_router("/jobs", jobs_router)
@@ -67,6 +69,8 @@ def _register_routers() -> None:
     api.add_router("/", board_router)
     api.add_router("/", cluster_router)
     api.add_router("/agent", agent_router)
+    api.add_router("/agent", agent_code_router)
+    api.add_router("/code", code_router)
 
 
 _register_routers()

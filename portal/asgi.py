@@ -11,7 +11,10 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
 
+from portal.body_limit import BodyLimit  # noqa: E402
+from portal.jobs.code_api import UPLOAD_OVERHEAD_BYTES  # noqa: E402
 from portal.live.auth import TokenOrSessionAuthMiddleware  # noqa: E402
 from portal.live.routing import websocket_urlpatterns  # noqa: E402
 from portal.scheduling.policy import configured_policy  # noqa: E402
@@ -20,7 +23,8 @@ configured_policy()  # a bad BUNGEE_POLICY stops the portal here, with the value
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        # The largest body: a code upload and its form's other fields (portal.jobs.code_api).
+        "http": BodyLimit(django_asgi_app, lambda: settings.BUNGEE["CODE_MAX_BYTES"] + UPLOAD_OVERHEAD_BYTES),
         "websocket": AllowedHostsOriginValidator(
             TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))
         ),

@@ -152,6 +152,12 @@ BUNGEE = {
     "RESIZE_COST_S": env_float("BUNGEE_RESIZE_COST_S", 1.0),
     # How many scheduling decisions the admin page keeps.
     "DECISIONS_KEPT": env_int("BUNGEE_DECISIONS_KEPT", 50),
+    # A job's own code (elastic.codepack): the largest upload, what it may unpack to, how many
+    # files, and where the portal keeps it (by sha256).
+    "CODE_MAX_BYTES": env_int("BUNGEE_CODE_MAX_BYTES", 50 * 1024 * 1024),
+    "CODE_MAX_UNPACKED_BYTES": env_int("BUNGEE_CODE_MAX_UNPACKED_BYTES", 200 * 1024 * 1024),
+    "CODE_MAX_FILES": env_int("BUNGEE_CODE_MAX_FILES", 10_000),
+    "CODE_DIR": str(DATA_DIR / "code"),
 }
 
 LOGGING = {

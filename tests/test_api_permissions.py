@@ -121,10 +121,13 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
         "/api/scheduler/decisions/latest",
         "/api/agent/register",
         "/api/agent/report",
+        "/api/agent/code/{digest}",
+        "/api/code",
+        "/api/code/{digest}",
     }
     submit = document["paths"]["/api/jobs"]["post"]
     spec = submit["requestBody"]["content"]["application/json"]["schema"]["properties"]
-    assert "workload" in spec
+    assert {"workload", "code", "entrypoint"} <= set(spec)
     # The consistency modes' fields (strict: V; hybrid: the batch bounds and the rate's rules).
     assert {
         "consistency",

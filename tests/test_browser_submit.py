@@ -1,13 +1,16 @@
 """Submitting through the form in real Chromium: an invalid field is shown next to the field
-with what was typed kept; fixed, the job is stored and the job page shows it start, live."""
+with what was typed kept; fixed, the job is stored and the job page shows it start, live. The
+same with a job's own code, uploaded through the form's file input."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.browser_support import cancel_all, log_in, screenshot
+from tests.code_support import RINGS, directory_files, tar_gz
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -51,3 +54,35 @@ def test_yaml_paste(browser_platform: Any, chromium: Any) -> None:
     page.click("button[type=submit] >> text=Submit")
     page.wait_for_url("**/jobs/*/")
     assert "yaml-job" in page.locator("h1").inner_text()
+
+
+def test_submit_your_own_code_through_the_form(browser_platform: Any, chromium: Any, tmp_path: Path) -> None:
+    archive = tmp_path / "rings.tar.gz"
+    archive.write_bytes(tar_gz(directory_files(RINGS), top="rings/"))
+    page = log_in(chromium, browser_platform, "alice")
+    page.goto(browser_platform.base_url + "/jobs/new/")
+    page.fill("#name", "my-own-code")
+    page.select_option("#workload", "own-code")
+    assert page.locator("#code_file").is_visible() and not page.locator("#hp-digits-mlp-lr").is_visible()
+    page.set_input_files("#code_file", str(archive))
+    page.fill("#entrypoint", "task:RingsTask")
+    page.fill("#code_hyperparameters", "hidden: 16\n")  # batch_size forgotten
+    page.fill("#length", "100000")
+    page.click("button[type=submit] >> text=Submit")
+    error = page.locator("#code_hyperparameters-error")
+    error.wait_for()
+    assert "batch size" in error.inner_text()
+    assert "uploaded:" in page.locator("#code_file-help").inner_text(), "the archive is kept for the next try"
+    screenshot(page, "submit-own-code-error")
+
+    page.fill("#code_hyperparameters", "batch_size: 24\nhidden: 16\n")
+    page.click("button[type=submit] >> text=Submit")
+    page.wait_for_url("**/jobs/*/")
+    assert "task:RingsTask" in page.content()
+    page.wait_for_selector("#job-state.state-running", timeout=60_000)
+    page.wait_for_function(
+        "() => document.querySelector('#log') && document.querySelector('#log').textContent.includes('starting from step 0')",
+        timeout=60_000,
+    )
+    screenshot(page, "job-page-own-code")
+    cancel_all(browser_platform, "alice")

@@ -1,7 +1,8 @@
 """In-place resizing through the whole platform (API, Celery scheduler, two real agents, real torch
 workers): 2 -> 3 -> 1 -> 2 workers during a run, with the survivors' pids unchanged; a joiner
-killed while warming up; a survivor SIGKILLed mid-step; every worker killed at once. Each ends
-with the loss falling, every step trained once on exactly its batch (the workers record their
+killed while warming up; a survivor SIGKILLed mid-step; every worker killed at once; a user's own
+code, uploaded through the API, resized in place, and the same code with a bug, which fails the job
+at once. Each ends with every step trained once on exactly its batch (the workers record their
 samples), and the API showing the allocation the workers really have."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from elastic.worker.data import SampleStream
+from tests.code_support import RINGS, directory_files, tar_gz
 from tests.platform import Platform, running_platform
 from tests.worker_support import DIGITS_SAMPLES, Ledger
 
@@ -31,6 +33,7 @@ SPEC = {
 }
 ENDLESS = 10_000_000
 WARMUP_TIMEOUT_S = 40
+RING_SAMPLES = 600
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +110,9 @@ def assert_true_allocation(job: dict[str, Any]) -> None:
     assert held == running, (held, running)
 
 
-def submit(platform: Platform, workers: int) -> int:
+def submit(platform: Platform, workers: int, spec: dict[str, Any] = SPEC) -> int:
     alice = platform.api("alice")
-    reply = alice.post("/api/jobs", json={**SPEC, "steps": ENDLESS})
+    reply = alice.post("/api/jobs", json={"steps": ENDLESS, **spec})
     assert reply.status_code == 201, reply.text
     job_id: int = reply.json()["id"]
     assert alice.post(f"/api/jobs/{job_id}/resize", json={"workers": workers}).status_code == 200
@@ -305,3 +308,46 @@ def test_every_worker_killed_resumes_from_the_checkpoint(platform: Platform, rec
     again.check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1, virtual_workers=3)
     assert any(len(records) == 2 for records in ledger.values()), "the steps after the checkpoint ran twice"
     assert loss_fell(platform, job_id)
+
+
+def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(platform: Platform, record: Path) -> None:
+    alice = platform.api("alice")
+    archive = tar_gz(directory_files(RINGS), top="rings/")
+    reply = alice.post("/api/code", files={"file": ("rings.tar.gz", archive, "application/gzip")})
+    assert reply.status_code == 201, reply.text
+    spec = {
+        "name": "rings",
+        "code": reply.json()["digest"],
+        "entrypoint": "task:RingsTask",
+        "min_workers": 1,
+        "max_workers": 3,
+        "seed": SEED,
+        "hyperparameters": {"batch_size": 24, "hidden": 16},
+    }
+    job_id = submit(platform, 2, spec)
+    two = settled(platform, job_id, 2)
+    first = {row["pid"] for row in live_rows(two)}
+    pin(platform, job_id, 3)
+    grown = settled(platform, job_id, 3, two["generation"])
+    assert first <= {row["pid"] for row in live_rows(grown)}, "the survivors were not restarted"
+    pin(platform, job_id, 1)
+    shrunk = settled(platform, job_id, 1, grown["generation"])
+    steps_past(platform, job_id, shrunk["steps_done"] + 20)
+    stopped = cancel(platform, job_id)
+    trained = Ledger.read(record, job_id).check(SampleStream(RING_SAMPLES, SEED), 24, virtual_workers=3)
+    assert trained >= stopped["steps_done"] and stopped["restarts"] == 0
+
+    # The same code with a bug at the fifth call of loss (each worker counts its own calls, so
+    # every worker that reaches it fails; a peer may first wait in that step's all-reduce): the
+    # job fails at once with the traceback, and nothing restarts it.
+    broken = {**spec, "name": "rings-bug", "steps": 1000, "hyperparameters": {**spec["hyperparameters"], "fail_at_call": 5}}
+    job_id = submit(platform, 2, broken)
+    failed = platform.wait_for("the job to fail", lambda: (j := detail(platform, job_id))["state"] == "failed" and j)
+    assert "the job's code failed on worker rank" in failed["message"] and failed["restarts"] == 0
+    found = [entry for entry in logs(platform, job_id) if entry.startswith("the job's code failed")]
+    assert found, logs(platform, job_id)
+    for line in found:
+        assert "raised ValueError: the task's own bug, at call 5" in line and '/code/task.py", line' in line
+    ended = platform.wait_for("its workers to stop", lambda: not live_rows(j := detail(platform, job_id)) and j)
+    assert ended["generation"] == failed["generation"], "no generation after the failure"
+    assert {row["reason"] for row in ended["workers_history"]} <= {"user_error", "stopped"}

@@ -201,7 +201,7 @@ class CheckpointSaver:
         self.finish()
         state = TrainingState(
             step=step,
-            workload=self.spec.workload,
+            workload=self.spec.task_name,
             seed=self.spec.seed,
             model=_detached_copy(self.model.state_dict()),
             optimizer=_detached_copy(self.optimizer.state_dict()),

@@ -188,7 +188,7 @@ class StateRestore:
 
     def restore_checkpoint(self, state: TrainingState) -> None:
         """Takes on the checkpointed `state`. Raises CheckpointError if it is not this job's."""
-        state.check_belongs_to(self.spec.workload, self.spec.seed, self.total_steps)
+        state.check_belongs_to(self.spec.task_name, self.spec.seed, self.total_steps)
         self.model.load_state_dict(state.model)
         self.optimizer.load_state_dict(state.optimizer)
         self.trainer.load_small_state(state.trainer)

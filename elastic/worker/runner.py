@@ -29,7 +29,7 @@ import torch
 
 from elastic.membership.api import Board
 from elastic.spec import JobSpec
-from elastic.tasks.api import UserCodeError
+from elastic.tasks.api import TaskDefinitionError, UserCodeError
 from elastic.tasks.loader import load_task_class
 from elastic.tasks.runtime import BoundTask
 from elastic.wire import WorkerConfig
@@ -70,7 +70,6 @@ class WorkerRun:
         self.events = events
         self.stop = stop
         self.spec = JobSpec(**config.spec)
-        self.workload = CATALOGUE[self.spec.workload]
         self.total_steps = self.spec.total_steps()
         self.position = WorkerPosition(rank=config.rank)
         self.rendezvous = Rendezvous(
@@ -136,11 +135,7 @@ class WorkerRun:
 
     def _build(self) -> tuple[StateRestore, TrainingLoop]:
         device = self.rendezvous.device
-        config = self.config
-        if config.code_dir is not None and config.entrypoint is not None:
-            task_class = load_task_class(Path(config.code_dir), config.entrypoint)
-        else:
-            task_class = load_task_class(self.workload.path, self.workload.entrypoint)
+        task_class = self._task_class()
         problem = BoundTask(task_class, self.spec.hyperparameters, self.spec.seed, device)
         optimizer = problem.make_optimizer()
         recorder = (
@@ -196,6 +191,17 @@ class WorkerRun:
             pending=lambda: self.rendezvous.pending,
         )
         return restore, loop
+
+    def _task_class(self) -> type:
+        """The job's own code, as the agent unpacked it, or the shipped task of its workload.
+        Raises TaskDefinitionError."""
+        config = self.config
+        if config.code_dir is not None and config.entrypoint is not None:
+            return load_task_class(Path(config.code_dir), config.entrypoint)
+        if self.spec.workload is None:
+            raise TaskDefinitionError("the job names code of its own, but the agent gave this worker none")
+        info = CATALOGUE[self.spec.workload]
+        return load_task_class(info.path, info.entrypoint)
 
     def _make_trainer(
         self,

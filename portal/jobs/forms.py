@@ -8,18 +8,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from django.contrib.auth.models import AbstractBaseUser
 from django.http import QueryDict
 from django.utils.datastructures import MultiValueDict
 
 from elastic.spec import FieldError
 from elastic.workloads import CATALOGUE
 from portal.errors import ApiError
+from portal.jobs.code import store, upload_for
 
 SPEC_FIELDS = ("name", "workload", "min_workers", "max_workers", "priority", "consistency", "seed")
 STRICT_FIELDS = ("virtual_workers",)
 HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size", "lr_scaling", "warmup_steps")
 """Each mode's own inputs; those of the mode not chosen are ignored (the script disables them)."""
 MAX_YAML_BYTES = 64 * 1024
+OWN_CODE = "own-code"
+"""The workload choice that means: the job's own code, uploaded with the form."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,38 @@ def uses_yaml(post: QueryDict, files: MultiValueDict) -> bool:
     return files.get("spec_file") is not None or bool(post.get("spec_yaml", "").strip())
 
 
-def spec_from_post(post: QueryDict, files: MultiValueDict) -> Any:
+def code_from_post(post: QueryDict, files: MultiValueDict, owner: AbstractBaseUser) -> str:
+    """The digest of the code the form brings: the uploaded archive (stored now), or the digest
+    an earlier try of this form stored. Raises ApiError on `code_file`."""
+    archive = files.get("code_file")
+    if archive is not None:
+        try:
+            _, packed = store(owner, archive, archive.size or 0, archive.name or "upload")
+        except ApiError as exc:
+            raise ApiError(exc.status, exc.code, exc.message,
+                           [FieldError("code_file", f.message, f.value) for f in exc.fields]) from exc
+        return packed.digest
+    digest = post.get("code_digest", "").strip()
+    if digest and upload_for(owner, digest) is not None:
+        return digest
+    raise ApiError(400, "invalid_spec", "choose your code: a tar.gz or zip of your task's directory",
+                   [FieldError("code_file", "choose a tar.gz or zip of your task's directory", None)])
+
+
+def _code_hyperparameters(text: str) -> Any:
+    if not text.strip():
+        return {}
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ApiError(400, "invalid_spec", f"the hyperparameters do not parse: {exc}",
+                       [FieldError("code_hyperparameters", f"not valid YAML or JSON: {exc}", text[:200])]) from exc
+
+
+def spec_from_post(post: QueryDict, files: MultiValueDict, owner: AbstractBaseUser) -> Any:
     """The spec a person submitted: the uploaded or pasted YAML if there is one, else the form's
-    fields (empty ones left out so that defaults apply)."""
+    fields (empty ones left out so that defaults apply). A job with its own code has its archive
+    stored first (`code_from_post`)."""
     upload = files.get("spec_file")
     if upload is not None:
         if upload.size > MAX_YAML_BYTES:
@@ -87,7 +120,12 @@ def spec_from_post(post: QueryDict, files: MultiValueDict) -> Any:
     if post.get("length", "").strip():
         spec["epochs" if length_kind == "epochs" else "steps"] = post["length"]
     workload = post.get("workload", "")
-    if workload in CATALOGUE:
+    if workload == OWN_CODE:
+        del spec["workload"]
+        spec["code"] = code_from_post(post, files, owner)
+        spec["entrypoint"] = post.get("entrypoint", "").strip()
+        spec["hyperparameters"] = _code_hyperparameters(post.get("code_hyperparameters", ""))
+    elif workload in CATALOGUE:
         spec["hyperparameters"] = {
             field.name: post[field.input_id(workload)]
             for field in hyperparameter_fields(workload)
@@ -104,6 +142,10 @@ def errors_by_input(error: ApiError, workload: str, from_yaml: bool) -> dict[str
         if from_yaml:
             if name not in {"spec_yaml", "spec_file"}:
                 name = f"spec.{name}"
+        elif workload == OWN_CODE and (name == "hyperparameters" or name.startswith("hyperparameters.")):
+            name = "code_hyperparameters"
+        elif workload == OWN_CODE and name == "code":
+            name = "code_file"
         elif name.startswith("hyperparameters."):
             name = f"hp-{workload}-{name.removeprefix('hyperparameters.')}"
         elif name in {"steps", "epochs"}:

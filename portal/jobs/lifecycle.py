@@ -183,7 +183,8 @@ def create_job(owner: AbstractBaseUser, spec: JobSpec) -> Job:
     job = Job.objects.create(
         owner=owner,
         name=spec.name,
-        workload=spec.workload,
+        workload=spec.task_name,
+        code=spec.code or "",
         spec=spec.model_dump(mode="json"),
         min_workers=spec.min_workers,
         max_workers=spec.max_workers,

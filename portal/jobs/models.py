@@ -24,7 +24,8 @@ class Job(models.Model):
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
     name = models.CharField(max_length=100)
-    workload = models.CharField(max_length=50)
+    workload = models.CharField(max_length=250, help_text="what it trains: a workload, or its code's entrypoint")
+    code = models.CharField(max_length=64, blank=True, db_index=True, help_text="sha256 of its own code, if any")
     spec = models.JSONField(help_text="the validated spec, hyperparameters completed with defaults")
     min_workers = models.PositiveIntegerField()
     max_workers = models.PositiveIntegerField()
@@ -223,3 +224,17 @@ class JobLog(models.Model):
 
     class Meta:
         ordering = ["job", "at", "id"]
+
+
+class CodeUpload(models.Model):
+    """Someone uploaded this code (stored once per digest under BUNGEE["CODE_DIR"]): they, and
+    staff, may run and download it."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="code_uploads")
+    digest = models.CharField(max_length=64, db_index=True, help_text="sha256 of the canonical tar.gz")
+    size = models.PositiveBigIntegerField(help_text="bytes of the canonical tar.gz")
+    files = models.JSONField(default=list, help_text="the paths it holds")
+    uploaded_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["owner", "digest"], name="one_upload_row_per_owner_and_digest")]

@@ -12,6 +12,7 @@ from elastic.spec import FieldError, SpecError, validate_spec
 from portal.cluster.models import Device, Node
 from portal.errors import ApiError, conflict
 from portal.jobs import lifecycle
+from portal.jobs.code import check_usable
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
@@ -24,6 +25,8 @@ def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
         spec = validate_spec(data)
     except SpecError as exc:
         raise ApiError(400, "invalid_spec", f"the job spec has {len(exc.errors)} invalid field(s)", exc.errors) from exc
+    if spec.code is not None:
+        check_usable(owner, spec.code)
     with transaction.atomic():
         job = lifecycle.create_job(owner, spec)
         transaction.on_commit(lambda: broadcast.job_changed(job))

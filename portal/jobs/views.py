@@ -67,7 +67,10 @@ def submit_page(request: HttpRequest) -> HttpResponse:
     if request.method == "POST":
         values = {key: request.POST.get(key, "") for key in request.POST}
         try:
-            job = submit_job(request.user, spec_from_post(request.POST, request.FILES))
+            spec = spec_from_post(request.POST, request.FILES, request.user)  # type: ignore[arg-type]
+            if isinstance(spec, dict) and spec.get("code"):
+                values["code_digest"] = spec["code"]  # kept for the next try, if this one fails
+            job = submit_job(request.user, spec)
         except ApiError as exc:
             from_yaml = uses_yaml(request.POST, request.FILES)
             errors = errors_by_input(exc, request.POST.get("workload", ""), from_yaml)

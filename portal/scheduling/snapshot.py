@@ -17,7 +17,6 @@ from pydantic import ValidationError
 
 from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, ThroughputLearner, ThroughputModel
 from elastic.spec import JobSpec
-from elastic.workloads import CATALOGUE
 from portal.cluster.models import Device, Node
 from portal.jobs.ingest import step_times_key
 from portal.jobs.models import Allocation, Job, JobMetric, ResizeEvent
@@ -33,10 +32,9 @@ def _spec_batch(job: Job) -> tuple[JobSpec, int] | None:
     stored spec no longer validates."""
     try:
         spec = JobSpec(**job.spec)
-        hyperparameters = CATALOGUE[spec.workload].hyperparameters.model_validate(spec.hyperparameters)
-    except (ValidationError, KeyError, TypeError):
+        return spec, spec.batch_size()
+    except (ValidationError, KeyError, TypeError, ValueError):
         return None
-    return spec, hyperparameters.batch_size
 
 
 def global_batch(job: Job) -> int | None:

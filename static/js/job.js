@@ -78,6 +78,11 @@
     if (job.batch_size !== null && job.batch_size !== undefined) rows.push(["Global batch", String(job.batch_size)]);
     if (job.pin_problem) rows.push(["Pin not met", job.pin_problem]);
     rows.forEach(([k, v]) => facts.append(el("dt", k), el("dd", v)));
+    if (job.spec && job.spec.code) {
+      const cell = el("dd");
+      cell.append(el("a", "download (" + job.spec.code.slice(0, 12) + ")", { href: "/api/code/" + job.spec.code, id: "code-download" }));
+      facts.append(el("dt", "Code"), cell);
+    }
     const state = $("#job-state");
     state.textContent = job.state;
     state.className = "state state-" + job.state;

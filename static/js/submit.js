@@ -7,7 +7,7 @@
     document.querySelectorAll("fieldset.hyper").forEach(function (set) {
       const chosen = set.dataset.workload === select.value;
       set.hidden = !chosen;
-      set.querySelectorAll("input").forEach((input) => { input.disabled = !chosen; });
+      set.querySelectorAll("input, textarea").forEach((input) => { input.disabled = !chosen; });
     });
   }
   select.addEventListener("change", showChosen);

@@ -1,0 +1,84 @@
+"""A job's own code in the portal: uploads checked and repacked by elastic.codepack, stored once
+per sha256 under BUNGEE["CODE_DIR"], and who may use each digest (whoever uploaded it, and
+staff). The API (portal.jobs.code_api), the submit form and the agents' fetch go through here."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+
+from elastic.codepack import ArchiveError, Packed, repack
+from elastic.spec import FieldError
+from portal.errors import ApiError
+from portal.jobs.models import CodeUpload
+
+
+def code_dir() -> Path:
+    return Path(settings.BUNGEE["CODE_DIR"])
+
+
+def archive_path(digest: str) -> Path:
+    """Where the canonical tar.gz of `digest` is kept."""
+    return code_dir() / f"{digest}.tar.gz"
+
+
+def too_big(size: int) -> ApiError:
+    limit = settings.BUNGEE["CODE_MAX_BYTES"]
+    return ApiError(
+        413, "too_large", f"the upload is {size} bytes; code may be at most {limit} bytes (BUNGEE_CODE_MAX_BYTES)",
+        [FieldError("file", f"at most {limit} bytes", size)],
+    )
+
+
+def store(owner: AbstractBaseUser, upload: BinaryIO, size: int, name: str) -> tuple[CodeUpload, Packed]:
+    """Checks the archive `upload` (`size` bytes, called `name`), keeps its canonical form, and
+    records that `owner` uploaded it. Raises ApiError 413 when a limit is passed, 400 when the
+    archive is not acceptable (the member named)."""
+    limits = settings.BUNGEE
+    if size > limits["CODE_MAX_BYTES"]:
+        raise too_big(size)
+    directory = code_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=directory, suffix=".partial")
+    try:
+        with os.fdopen(descriptor, "wb") as out:
+            try:
+                packed = repack(upload, out, limits["CODE_MAX_UNPACKED_BYTES"], limits["CODE_MAX_FILES"])
+            except ArchiveError as err:
+                status, code = (413, "too_large") if err.too_big else (400, "invalid_archive")
+                raise ApiError(status, code, f"{name}: {err}", [FieldError("file", str(err), name)]) from err
+        os.replace(temporary, archive_path(packed.digest))
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    row, _ = CodeUpload.objects.update_or_create(
+        owner=owner, digest=packed.digest, defaults={"size": packed.size, "files": packed.files}
+    )
+    return row, packed
+
+
+def upload_for(user: AbstractBaseUser | AnonymousUser, digest: str) -> CodeUpload | None:
+    """The upload of `digest` that `user` may use: their own, or for staff anyone's."""
+    if not user.is_authenticated:
+        return None
+    rows = CodeUpload.objects.filter(digest=digest)
+    if not user.is_staff:
+        rows = rows.filter(owner_id=user.pk)
+    row: CodeUpload | None = rows.order_by("-uploaded_at").first()
+    if row is None or not archive_path(digest).exists():
+        return None
+    return row
+
+
+def check_usable(user: AbstractBaseUser, digest: str) -> None:
+    """Raises ApiError 400 on the spec's `code` if `user` may not run `digest`."""
+    if upload_for(user, digest) is None:
+        raise ApiError(
+            400, "invalid_spec", "the job spec has 1 invalid field(s)",
+            [FieldError("code", "no code with this digest was uploaded by you; upload it with POST /api/code", digest)],
+        )

@@ -1,0 +1,104 @@
+"""The agent's copies of jobs' code (agent.code) against a real HTTP server on loopback standing
+in for the portal's code endpoint: fetched once per digest, checked against it (a wrong archive
+is refused and nothing is kept), unpacked per job, and a refusal is a failed start, not a crash."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.client import PortalClient
+from agent.code import CodeCache, CodeUnavailable
+from elastic.codepack import repack
+from tests.code_support import RINGS, directory_files, tar_gz
+
+
+def canonical(files: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    repack(io.BytesIO(tar_gz(files)), out, 10**8, 1000)
+    return out.getvalue()
+
+
+class CodeServer(http.server.ThreadingHTTPServer):
+    """Serves `archives[digest]` at /api/agent/code/<digest>; counts requests."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.archives: dict[str, bytes] = {}
+        self.requests: list[str] = []
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: CodeServer
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        self.server.requests.append(self.path)
+        digest = self.path.rsplit("/", 1)[-1]
+        body = self.server.archives.get(digest)
+        if body is None:
+            payload = b'{"error": {"status": 403, "code": "forbidden", "message": "no job on node-a runs it"}}'
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[CodeServer]:
+    running = CodeServer()
+    thread = threading.Thread(target=running.serve_forever, daemon=True)
+    thread.start()
+    yield running
+    running.shutdown()
+    running.server_close()
+
+
+def cache_for(server: CodeServer, state_dir: Path) -> CodeCache:
+    host, port = server.server_address[:2]
+    return CodeCache(PortalClient(f"http://{host!s}:{port}", "agent-token"), state_dir)
+
+
+def test_fetched_once_checked_and_unpacked_per_job(server: CodeServer, tmp_path: Path) -> None:
+    archive = canonical(directory_files(RINGS))
+    digest = hashlib.sha256(archive).hexdigest()
+    server.archives[digest] = archive
+    cache = cache_for(server, tmp_path)
+    one = cache.prepare(1, digest)
+    two = cache.prepare(2, digest)
+    again = cache.prepare(1, digest)
+    assert one != two and one == again
+    assert (one / "task.py").read_bytes() == (RINGS / "task.py").read_bytes()
+    assert (two / "points.csv").exists()
+    assert len(server.requests) == 1, "one fetch per digest"
+
+
+def test_an_archive_that_is_not_its_digest_is_refused(server: CodeServer, tmp_path: Path) -> None:
+    wanted = canonical({"task.py": b"honest = True\n"})
+    digest = hashlib.sha256(wanted).hexdigest()
+    server.archives[digest] = canonical({"task.py": b"honest = False\n"})
+    cache = cache_for(server, tmp_path)
+    with pytest.raises(CodeUnavailable, match=f"refused code {digest}: what the portal sent has sha256"):
+        cache.prepare(1, digest)
+    assert not list((tmp_path / "code").iterdir()), "nothing of it is kept"
+    assert not (tmp_path / "jobs" / "job-1" / "code").exists()
+
+
+def test_a_refusal_by_the_portal_is_code_unavailable(server: CodeServer, tmp_path: Path) -> None:
+    digest = "0" * 64
+    with pytest.raises(CodeUnavailable, match="no job on node-a runs it"):
+        cache_for(server, tmp_path).prepare(1, digest)
