@@ -9,6 +9,7 @@ not, since the same request would be refused again.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import BinaryIO, NoReturn
 
 import httpx
@@ -19,6 +20,9 @@ from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
 REGISTER_PATH = "/api/agent/register"
 REPORT_PATH = "/api/agent/report"
 CODE_PATH = "/api/agent/code/{digest}"
+ARTIFACTS_PATH = "/api/agent/jobs/{job_id}/artifacts"
+ARTIFACTS_TIMEOUT_S = 600.0
+"""An upload of a job's artifacts may take this long (a large checkpoint)."""
 _RETRIABLE_STATUSES = frozenset({408, 429})
 _MAX_ERROR_CHARS = 500
 
@@ -62,7 +66,7 @@ class PortalClient:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(
             base_url=self.base_url,
-            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            headers={"Authorization": f"Bearer {token}"},
             timeout=timeout_s,
             transport=transport,
         )
@@ -108,12 +112,32 @@ class PortalClient:
                 f"portal at {self.base_url} unreachable ({type(err).__name__}: {err})"
             ) from err
 
+    def upload_artifacts(self, job_id: int, files: dict[str, Path]) -> None:
+        """Sends a job's artifacts (name -> file), streamed from disk. Raises PortalError."""
+        path = ARTIFACTS_PATH.format(job_id=job_id)
+        handles = {name: file.open("rb") for name, file in files.items()}
+        try:
+            response = self._http.post(
+                path,
+                files={name: (name, handle, "application/octet-stream") for name, handle in handles.items()},
+                timeout=ARTIFACTS_TIMEOUT_S,
+            )
+        except httpx.TransportError as err:
+            raise PortalUnavailableError(
+                f"portal at {self.base_url} unreachable ({type(err).__name__}: {err})"
+            ) from err
+        finally:
+            for handle in handles.values():
+                handle.close()
+        if response.status_code >= 400:
+            self._raise_for(response, f"POST {path}")
+
     def close(self) -> None:
         self._http.close()
 
     def _post(self, path: str, body: str) -> httpx.Response:
         try:
-            response = self._http.post(path, content=body)
+            response = self._http.post(path, content=body, headers={"Content-Type": "application/json"})
         except httpx.TransportError as err:
             raise PortalUnavailableError(
                 f"portal at {self.base_url} unreachable ({type(err).__name__}: {err})"

@@ -24,6 +24,7 @@ _CLASS = {
     "resized": _LIFECYCLE,
     "exited": _LIFECYCLE,
     "form_failed": _LIFECYCLE,
+    "artifacts": _LIFECYCLE,
 }
 
 

@@ -27,6 +27,7 @@ from types import FrameType
 
 from pydantic import ValidationError
 
+from agent.artifacts import ArtifactUploader
 from agent.client import (
     AgentAuthError,
     PortalClient,
@@ -38,7 +39,7 @@ from agent.commands import CommandDispatcher, CommandReader, StreamMark
 from agent.devices import DeviceBackend, DeviceError, backend_names, make_backend
 from agent.events import EventBuffer
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
-from elastic.wire import AgentReport, NodeRegistration, RegistrationReply, command_stream
+from elastic.wire import AgentReport, NodeRegistration, RegistrationReply, WorkerEvent, command_stream
 
 log = logging.getLogger("agent")
 
@@ -258,6 +259,7 @@ class Agent:
         self.client = client
         self.supervisor = supervisor
         self.stopping = stopping
+        self.uploader = ArtifactUploader(client, stopping)
         self.report_now = report_now or threading.Event()
         """Set (by the supervisor, on a worker's exit; by the dispatcher, when a played owner
         comes or goes) to send the next report without waiting."""
@@ -371,7 +373,7 @@ class Agent:
         except DeviceError as err:
             log.warning("could not sample the devices: %s", err)
             samples = []
-        self._pending.extend(self.supervisor.drain_events())
+        self._pending.extend(self._uploads_taken(self.supervisor.drain_events()))
         events = self._pending.peek(MAX_EVENTS_PER_REPORT)
         report = AgentReport(node=self.config.node_name, samples=samples, events=events, running=running)
         try:
@@ -392,6 +394,14 @@ class Agent:
         self._pending.remove(events)
         self._delivered()
 
+    def _uploads_taken(self, events: list[WorkerEvent]) -> list[WorkerEvent]:
+        """Hands "artifacts" events to the uploader (the upload tells the portal); returns the
+        others, to be reported."""
+        for event in events:
+            if event.kind == "artifacts":
+                self.uploader.submit(event)
+        return [event for event in events if event.kind != "artifacts"]
+
     def _delivered(self) -> None:
         """Tells the supervisor once every event it handed over has reached the portal, so that
         its records move on (what a restarted agent would report again)."""
@@ -407,7 +417,7 @@ class Agent:
         if running:
             log.info("stopping %d workers", len(running))
         self.supervisor.shutdown()
-        self._pending.extend(self.supervisor.drain_events())
+        self._pending.extend(self._uploads_taken(self.supervisor.drain_events()))
         if len(self._pending):
             # One try, so that the portal learns of the exits now rather than by timeout.
             events = self._pending.peek(MAX_EVENTS_PER_REPORT)

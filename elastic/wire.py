@@ -123,10 +123,14 @@ class WorkerEvent(WorkerKey):
       signal during its teardown meant to say.
     - form_failed: the group of generation `failed_generation` did not form within its
       rendezvous deadline (message says why); the portal expires that generation at once
+    - artifacts (rank 0): the job's model, checkpoint and manifest after `step` steps are in the
+      directory `message` on the worker's node (elastic.worker.artifacts); the agent uploads
+      them to the portal before it reports the event
     """
 
     kind: Literal[
-        "started", "joined", "resized", "progress", "log", "exited", "step_times", "exiting", "form_failed"
+        "started", "joined", "resized", "progress", "log", "exited", "step_times", "exiting", "form_failed",
+        "artifacts",
     ]
     at: float
     pid: int | None = None

@@ -21,10 +21,18 @@ from portal.scheduling.policy import configured_policy  # noqa: E402
 
 configured_policy()  # a bad BUNGEE_POLICY stops the portal here, with the value quoted
 
+
+def body_limit(path: str) -> int:
+    """The largest request body: a job's artifacts from an agent, else a code upload and its
+    form's other fields (portal.jobs.code_api)."""
+    if path.startswith("/api/agent/jobs/") and path.endswith("/artifacts"):
+        return int(settings.BUNGEE["ARTIFACT_MAX_BYTES"])
+    return int(settings.BUNGEE["CODE_MAX_BYTES"]) + UPLOAD_OVERHEAD_BYTES
+
+
 application = ProtocolTypeRouter(
     {
-        # The largest body: a code upload and its form's other fields (portal.jobs.code_api).
-        "http": BodyLimit(django_asgi_app, lambda: settings.BUNGEE["CODE_MAX_BYTES"] + UPLOAD_OVERHEAD_BYTES),
+        "http": BodyLimit(django_asgi_app, body_limit),
         "websocket": AllowedHostsOriginValidator(
             TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))
         ),

@@ -27,16 +27,17 @@ def _too_large(size: int | None, limit: int) -> bytes:
 
 
 class BodyLimit:
-    def __init__(self, app: App, limit: Callable[[], int]) -> None:
+    def __init__(self, app: App, limit: Callable[[str], int]) -> None:
         self.app = app
         self.limit = limit
-        """Read per request, so that a setting changed in tests applies."""
+        """The limit for a request's path; read per request, so that a setting changed in tests
+        applies."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit()
+        limit = self.limit(scope.get("path", ""))
         declared = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse(send, _too_large(int(declared), limit))

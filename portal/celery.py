@@ -10,7 +10,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
 app = Celery("bungee")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["portal.scheduling"])
+app.autodiscover_tasks(["portal.scheduling", "portal.jobs"])
 
 
 @app.on_after_finalize.connect
@@ -20,6 +20,11 @@ def _beat_schedule(sender: Celery, **_: object) -> None:
     sender.add_periodic_task(
         settings.BUNGEE["SCHEDULE_TICK_S"], sender.signature("portal.scheduling.tasks.tick"),
         name="scheduler tick",
+    )
+    from portal.jobs.tasks import PRUNE_EVERY_S
+
+    sender.add_periodic_task(
+        PRUNE_EVERY_S, sender.signature("portal.jobs.tasks.prune_artifacts"), name="prune artifacts"
     )
 
 

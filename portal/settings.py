@@ -158,6 +158,12 @@ BUNGEE = {
     "CODE_MAX_UNPACKED_BYTES": env_int("BUNGEE_CODE_MAX_UNPACKED_BYTES", 200 * 1024 * 1024),
     "CODE_MAX_FILES": env_int("BUNGEE_CODE_MAX_FILES", 10_000),
     "CODE_DIR": str(DATA_DIR / "code"),
+    # A job's model, checkpoint and manifest (portal.jobs.artifacts): where they are kept, the
+    # largest upload of them an agent may send, and for how many days after the job's end
+    # (0: for ever).
+    "ARTIFACT_DIR": str(DATA_DIR / "artifacts"),
+    "ARTIFACT_MAX_BYTES": env_int("BUNGEE_ARTIFACT_MAX_BYTES", 20 * 1024**3),
+    "ARTIFACT_RETENTION_DAYS": env_int("BUNGEE_ARTIFACT_RETENTION_DAYS", 30),
 }
 
 LOGGING = {

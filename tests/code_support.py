@@ -44,3 +44,52 @@ def zip_of(files: dict[str, bytes], links: dict[str, str] | None = None) -> byte
             info.external_attr = (0o120777 << 16)
             archive.writestr(info, target)
     return buffer.getvalue()
+
+
+RELOAD = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+try:
+    import elastic  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("Bungee is importable here; the reload must not need it")
+import task
+
+torch.set_num_threads(1)
+manifest = json.load(open(sys.argv[3]))
+the_task = task.RingsTask(task.RingsTask.Hyperparameters(**manifest["spec"]["hyperparameters"]))
+model = the_task.model()
+model.load_state_dict(torch.load(sys.argv[2], weights_only=True))
+model.eval()
+data = the_task.eval_data()
+size = manifest["final"]["evaluated_with_batch_size"]
+totals, count = {}, 0
+with torch.no_grad():
+    for start in range(0, len(data), size):
+        rows = range(start, min(start + size, len(data)))
+        batch = the_task.collate([data[i] for i in rows])
+        for name, value in the_task.evaluate(model, batch).items():
+            totals[name] = totals.get(name, 0.0) + float(value) * len(rows)
+        count += len(rows)
+print(json.dumps({name: total / count for name, total in totals.items()}))
+"""
+
+
+def evaluate_without_bungee(model: Path, manifest: Path) -> dict[str, float]:
+    """Loads `model` into the rings task's own model class in a fresh interpreter that cannot
+    import Bungee (-I: no PYTHONPATH, no current directory) and evaluates it as the manifest says
+    the runtime did; returns the metrics."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", RELOAD, str(RINGS), str(model), str(manifest)],
+        capture_output=True, text=True, timeout=120, cwd="/",
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, float] = json.loads(done.stdout)
+    return result

@@ -47,3 +47,13 @@ def test_remove_takes_out_only_what_was_delivered() -> None:
 def test_a_buffer_needs_room() -> None:
     with pytest.raises(ValueError, match="got 0"):
         EventBuffer(0)
+
+
+def test_every_kind_of_event_has_a_place_in_the_buffer() -> None:
+    from typing import get_args
+
+    from agent.events import _CLASS
+    from elastic.wire import WorkerEvent
+
+    kinds = set(get_args(WorkerEvent.model_fields["kind"].annotation)) - {"exiting"}  # the supervisor's own
+    assert kinds <= set(_CLASS), kinds - set(_CLASS)

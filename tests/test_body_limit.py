@@ -27,7 +27,7 @@ def scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
 
 async def exchange(headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, bytes, int]:
     """Sends the request; returns the status, the body and how many chunks were taken."""
-    app = BodyLimit(get_asgi_application(), lambda: LIMIT)
+    app = BodyLimit(get_asgi_application(), lambda path: LIMIT)
     communicator = ApplicationCommunicator(app, scope(headers))
     for index, chunk in enumerate(chunks):
         await communicator.send_input({"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1})

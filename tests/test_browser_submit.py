@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.browser_support import cancel_all, log_in, screenshot
 from tests.code_support import RINGS, directory_files, tar_gz
@@ -85,4 +86,14 @@ def test_submit_your_own_code_through_the_form(browser_platform: Any, chromium: 
         timeout=60_000,
     )
     screenshot(page, "job-page-own-code")
-    cancel_all(browser_platform, "alice")
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#cancel")
+    button = page.locator("#download-model")
+    button.wait_for(state="visible", timeout=60_000)
+    with page.expect_download() as download:
+        button.click()
+    saved = tmp_path / "model.pt"
+    download.value.save_as(saved)
+    state = torch.load(saved, weights_only=True)
+    assert {"0.weight", "1.running_mean"} <= set(state), "the model's own state dict"
+    screenshot(page, "job-page-model-kept")

@@ -7,6 +7,7 @@ samples), and the API showing the allocation the workers really have."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from elastic.worker.data import SampleStream
-from tests.code_support import RINGS, directory_files, tar_gz
+from tests.code_support import RINGS, directory_files, evaluate_without_bungee, tar_gz
 from tests.platform import Platform, running_platform
 from tests.worker_support import DIGITS_SAMPLES, Ledger
 
@@ -310,7 +311,9 @@ def test_every_worker_killed_resumes_from_the_checkpoint(platform: Platform, rec
     assert loss_fell(platform, job_id)
 
 
-def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(platform: Platform, record: Path) -> None:
+def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
+    platform: Platform, record: Path, tmp_path: Path
+) -> None:
     alice = platform.api("alice")
     archive = tar_gz(directory_files(RINGS), top="rings/")
     reply = alice.post("/api/code", files={"file": ("rings.tar.gz", archive, "application/gzip")})
@@ -336,6 +339,17 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(platform: 
     stopped = cancel(platform, job_id)
     trained = Ledger.read(record, job_id).check(SampleStream(RING_SAMPLES, SEED), 24, virtual_workers=3)
     assert trained >= stopped["steps_done"] and stopped["restarts"] == 0
+    # The model out: rank 0's agent hands it over; it downloads through the API and, loaded
+    # without Bungee into the task's own class, gives the manifest's evaluation exactly.
+    kept = platform.wait_for("the artifacts", lambda: detail(platform, job_id)["artifacts"])
+    assert kept["ended"] == "stopped" and kept["step"] == stopped["steps_done"]
+    for name in ("model.pt", "manifest.json"):
+        reply = alice.get(f"/api/jobs/{job_id}/artifacts/{name}")
+        assert reply.status_code == 200, reply.text
+        (tmp_path / name).write_bytes(reply.content)
+    metrics = json.loads((tmp_path / "manifest.json").read_text())["final"]["metrics"]
+    assert evaluate_without_bungee(tmp_path / "model.pt", tmp_path / "manifest.json") == metrics
+    assert platform.api("bob").get(f"/api/jobs/{job_id}/artifacts/model.pt").status_code == 403
 
     # The same code with a bug at the fifth call of loss (each worker counts its own calls, so
     # every worker that reaches it fails; a peer may first wait in that step's all-reduce): the

@@ -8,16 +8,20 @@ code USER_ERROR_EXIT_CODE, and the job is not healed into a restart loop."""
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from elastic.artifacts import MANIFEST_NAME, MODEL_NAME, artifacts_dir
 from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 from elastic.worker.checkpoint import checkpoint_path, load_checkpoint
 from elastic.worker.data import SampleStream
 from elastic.worker.local import LocalJob
+from tests.code_support import evaluate_without_bungee
 from tests.test_worker_strict_consistency import _differences, _losses
 from tests.worker_support import REDIS_URL, Ledger, worker_env
 
@@ -73,6 +77,20 @@ def test_a_users_task_resized_in_place_is_bitwise_the_fixed_run(tmp_path: Path) 
     assert fixed is not None and fixed.step == resized.step
     assert _differences(resized, fixed) == []
     assert _losses(record)[: resized.step] == _losses(fixed_record)
+
+    # What each leaves its owner: the model file is the same bit for bit (strict mode exports
+    # virtual worker 0's buffers whatever the world size), and it loads without Bungee into the
+    # task's own class, giving the manifest's evaluation exactly.
+    resized_dir, fixed_dir = artifacts_dir(tmp_path / "resized"), artifacts_dir(tmp_path / "fixed")
+    resized_model = torch.load(resized_dir / MODEL_NAME, weights_only=True)
+    fixed_model = torch.load(fixed_dir / MODEL_NAME, weights_only=True)
+    assert resized_model.keys() == fixed_model.keys()
+    assert all(torch.equal(resized_model[name], fixed_model[name]) for name in fixed_model)
+    manifest = json.loads((fixed_dir / MANIFEST_NAME).read_text())
+    assert (manifest["ended"], manifest["step"], manifest["job_id"]) == ("completed", resized.step, 1)
+    assert json.loads((resized_dir / MANIFEST_NAME).read_text())["ended"] == "stopped"
+    assert set(manifest["final"]["metrics"]) == {"accuracy", "loss"}
+    assert evaluate_without_bungee(fixed_dir / MODEL_NAME, fixed_dir / MANIFEST_NAME) == manifest["final"]["metrics"]
 
 
 def test_a_bug_in_loss_fails_the_worker_once_with_the_traceback(tmp_path: Path) -> None:

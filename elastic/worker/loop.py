@@ -265,6 +265,7 @@ class TrainingLoop:
         checkpoint_every_s: float,
         pending: Callable[[], int],
         barrier: Callable[[], None] = group_barrier,
+        export: Callable[[int, str, float | None], None] | None = None,
     ) -> None:
         self.trainer = trainer
         self.position = position
@@ -278,6 +279,10 @@ class TrainingLoop:
         self.checkpoint_every_s = checkpoint_every_s
         self.pending = pending
         self.barrier = barrier
+        self.export = export
+        """Rank 0's export of the job's artifacts at its end: (step, "completed" or "stopped",
+        the last step's loss) (elastic.worker.artifacts)."""
+        self._last_loss: float | None = None
 
     def train(self) -> int | SwitchAgreed:
         """Trains until the job is done (COMPLETED_EXIT_CODE) or a stop is agreed
@@ -293,6 +298,7 @@ class TrainingLoop:
             self.resizes.step_took(time.perf_counter() - began)
             position.last_step_end = time.time()
             position.step = outcome.step
+            self._last_loss = outcome.loss
             finished = position.step == self.total_steps
             if position.is_leader:
                 self.progress.step_done(
@@ -309,7 +315,7 @@ class TrainingLoop:
                 break
             if outcome.stop:
                 self._log(f"stopping at step {position.step}")
-                self.save_and_wait()
+                self.save_and_wait("stopped")
                 return STOPPED_EXIT_CODE
             if outcome.switch_to:
                 self.resizes.switch_started = time.perf_counter()
@@ -317,11 +323,12 @@ class TrainingLoop:
             if position.is_leader and self.saver.due(self.checkpoint_every_s):
                 self.saver.save(position.step, background=True)
         self._log(f"completed all {self.total_steps} steps")
-        self.save_and_wait()
+        self.save_and_wait("completed")
         return COMPLETED_EXIT_CODE
 
-    def save_and_wait(self) -> None:
-        """Rank 0 saves the state after the current step; then every rank waits until it has.
+    def save_and_wait(self, ended: str) -> None:
+        """Rank 0 saves the state after the current step; every rank waits until it has; then
+        rank 0 exports the job's artifacts (the others need not wait for its evaluation).
         Raises CollectiveError if the barrier fails."""
         if self.position.is_leader:
             self.saver.save(self.position.step)
@@ -329,6 +336,8 @@ class TrainingLoop:
             self.barrier()
         except RuntimeError as err:
             raise CollectiveError(f"the barrier after saving failed: {err}") from err
+        if self.position.is_leader and self.export is not None:
+            self.export(self.position.step, ended, self._last_loss)
 
     def _log(self, message: str) -> None:
         if self.position.is_leader:

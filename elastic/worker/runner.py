@@ -28,12 +28,14 @@ from pathlib import Path
 import torch
 
 from elastic.membership.api import Board
+from elastic.membership.codec import MAX_LOG_CHARS
 from elastic.spec import JobSpec
 from elastic.tasks.api import TaskDefinitionError, UserCodeError
 from elastic.tasks.loader import load_task_class
 from elastic.tasks.runtime import BoundTask
 from elastic.wire import WorkerConfig
 from elastic.worker import USER_ERROR_EXIT_CODE, WorkerExit
+from elastic.worker.artifacts import ArtifactExporter
 from elastic.worker.checkpoint import checkpoint_path
 from elastic.worker.data import SampleStream, share_bounds
 from elastic.worker.events import EventWriter, ProgressReporter
@@ -48,9 +50,6 @@ from elastic.worker.stop import StopRequest
 from elastic.worker.strict import StrictTrainer
 from elastic.worker.trainer import CollectiveError, SampleRecorder, Trainer
 from elastic.workloads import CATALOGUE
-
-TRACEBACK_CHARS = 8000
-"""The end of a failing task's traceback that goes to the job's log (the innermost frames)."""
 
 
 class WorkerRun:
@@ -93,7 +92,10 @@ class WorkerRun:
                 self.events.log(str(way_out))
             return way_out.code
         except UserCodeError as err:
-            self.events.log(f"the job's code failed: {err}\n{err.traceback_text[-TRACEBACK_CHARS:]}".rstrip())
+            # One log line holds MAX_LOG_CHARS: the error, then the innermost frames that fit.
+            head = f"the job's code failed: {err}"[: MAX_LOG_CHARS // 4]
+            tail = err.traceback_text.rstrip()[-(MAX_LOG_CHARS - len(head) - 1) :]
+            self.events.log(f"{head}\n{tail}" if tail else head)
             return USER_ERROR_EXIT_CODE
         finally:
             self.rendezvous.stop_watching()
@@ -189,6 +191,15 @@ class WorkerRun:
             self.total_steps,
             self.settings.checkpoint_every_s,
             pending=lambda: self.rendezvous.pending,
+            export=ArtifactExporter(
+                self.config.run_dir,
+                self.config.job_id,
+                self.spec,
+                problem,
+                trainer,
+                checkpoint_path(self.config.run_dir),
+                self.events,
+            ).export,
         )
         return restore, loop
 

@@ -212,6 +212,12 @@ class Trainer:
         every worker of the job builds them with the same shapes."""
         return []
 
+    def exported_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state to hand its owner, copied to the CPU. It does not depend on how the
+        job was run: strict mode leaves virtual worker 0's buffers in the model after every
+        step."""
+        return {name: value.detach().to("cpu", copy=True) for name, value in self.problem.model.state_dict().items()}
+
     def state_arrived(self) -> None:
         """Called once this worker holds the state anew (from a peer or the checkpoint)."""
 

@@ -15,9 +15,11 @@ from portal.auth import agent_auth, user_auth
 from portal.cluster.binding import bind, check_claim, reporting_node
 from portal.cluster.ingest import ingest_samples, node_seen, register_node
 from portal.cluster.models import Node
-from portal.jobs import lifecycle
+from portal.errors import forbidden, not_found
+from portal.jobs import artifacts, lifecycle
 from portal.jobs.board import cluster_state
 from portal.jobs.ingest import ingest_events
+from portal.jobs.models import Job
 from portal.live import broadcast
 
 board_router = Router(auth=user_auth, tags=["cluster"])
@@ -64,3 +66,19 @@ def report(request: HttpRequest, payload: AgentReport) -> dict[str, bool]:
     node = reporting_node(payload.node, request.api_token)  # type: ignore[attr-defined]
     ingest_report(node, payload)
     return {"ok": True}
+
+
+@agent_router.post("/jobs/{int:job_id}/artifacts", summary="An agent hands over a job's artifacts")
+def artifacts_endpoint(request: HttpRequest, job_id: int) -> dict[str, Any]:
+    """Multipart: model.pt, checkpoint.pt, manifest.json. 403 unless one of the job's workers ran
+    on the token's node; 400 if a file is missing or not what the manifest's digest says."""
+    token = request.api_token  # type: ignore[attr-defined]
+    node = Node.objects.filter(agent_token=token).first()
+    if node is None:
+        raise forbidden("this agent token has registered no node yet")
+    job = Job.objects.filter(pk=job_id).first()
+    if job is None:
+        raise not_found(f"job {job_id}")
+    row = artifacts.store(node, job, dict(request.FILES.items()))
+    return {"job_id": job_id, "step": row.step, "files": row.files}
+

@@ -7,12 +7,13 @@ from typing import Any
 
 import yaml
 from django.contrib.auth import get_user_model
-from django.http import HttpRequest
+from django.http import FileResponse, HttpRequest
 from ninja import Query, Router, Schema, Status
 
 from elastic.spec import JobSpec
 from portal.auth import user_auth
-from portal.errors import ApiError
+from portal.errors import ApiError, not_found
+from portal.jobs import artifacts
 from portal.jobs.access import job_for
 from portal.jobs.models import Job
 from portal.jobs.schemas import JobDetailOut, JobSummaryOut, LogOut, MetricOut, ResizeIn
@@ -68,6 +69,7 @@ def detail(job: Job) -> dict[str, Any]:
             "devices_after", "requested_at", "completed_at", "pause_s", "step", "members_before",
             "members_after", "bytes_moved", "phases",
         )),
+        "artifacts": artifacts.described(job),
         "workers_history": [
             {"generation": w.generation, "rank": w.rank, "node": w.node.name, "device_index": w.device_index,
              "pid": w.pid, "state": w.state, "exit_code": w.exit_code, "reason": w.reason}
@@ -158,3 +160,23 @@ def metrics(request: HttpRequest, job_id: int) -> Any:
 def logs(request: HttpRequest, job_id: int, after: int = 0) -> Any:
     job = job_for(request.user, job_id)
     return list(job.logs.filter(id__gt=after).order_by("id")[:MAX_LOG_LINES])
+
+
+@router.get("/{int:job_id}/artifacts", summary="The job's model, checkpoint and manifest (owner and staff)")
+def get_artifacts(request: HttpRequest, job_id: int) -> dict[str, Any]:
+    """404 until the job has ended and its rank 0's agent has handed them over."""
+    job = job_for(request.user, job_id)
+    described = artifacts.described(job)
+    if described is None:
+        raise not_found(f"the artifacts of job {job_id} (a job has them once it has ended)")
+    return {**described, "manifest": job.artifacts.manifest}
+
+
+@router.get("/{int:job_id}/artifacts/{name}", summary="Download model.pt, checkpoint.pt or manifest.json")
+def download_artifact(request: HttpRequest, job_id: int, name: str) -> FileResponse:
+    job = job_for(request.user, job_id)
+    path = artifacts.file_path(job, name)
+    if path is None:
+        raise not_found(f"{name!r} of job {job_id}'s artifacts")
+    return FileResponse(path.open("rb"), as_attachment=True, filename=f"job-{job_id}-{name}")
+

@@ -238,3 +238,17 @@ class CodeUpload(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["owner", "digest"], name="one_upload_row_per_owner_and_digest")]
+
+
+class JobArtifacts(models.Model):
+    """A job's model, checkpoint and manifest (elastic.worker.artifacts), as its rank 0's agent
+    handed them over when the job ended; the files are under BUNGEE["ARTIFACT_DIR"]/job-N."""
+
+    job = models.OneToOneField(Job, on_delete=models.CASCADE, related_name="artifacts")
+    step = models.PositiveIntegerField(help_text="the steps trained when they were written")
+    ended = models.CharField(max_length=12, help_text="completed or stopped")
+    manifest = models.JSONField()
+    files = models.JSONField(help_text="name -> {size, sha256}")
+    node = models.CharField(max_length=100, help_text="the node that sent them")
+    stored_at = models.DateTimeField(default=timezone.now)
+

@@ -65,6 +65,22 @@ class WorkerOut(Schema):
     reason: str
 
 
+class ArtifactFileOut(Schema):
+    name: str
+    size: int
+    sha256: str
+    url: str
+
+
+class ArtifactsOut(Schema):
+    step: int
+    ended: str
+    stored_at: datetime
+    files: list[ArtifactFileOut]
+    final: dict[str, Any] | None = Field(description="the last step's loss and the task's evaluation metrics")
+    bungee_version: str | None
+
+
 class JobDetailOut(JobSummaryOut):
     spec: dict[str, Any]
     message: str
@@ -79,6 +95,9 @@ class JobDetailOut(JobSummaryOut):
     finished_at: datetime | None
     allocations: list[AllocationOut]
     resizes: list[ResizeOut]
+    artifacts: ArtifactsOut | None = Field(
+        description="the model, checkpoint and manifest, once the job has ended and they are kept"
+    )
     workers_history: list[WorkerOut]
 
 

@@ -78,6 +78,24 @@
     if (job.batch_size !== null && job.batch_size !== undefined) rows.push(["Global batch", String(job.batch_size)]);
     if (job.pin_problem) rows.push(["Pin not met", job.pin_problem]);
     rows.forEach(([k, v]) => facts.append(el("dt", k), el("dd", v)));
+    const model = $("#download-model");
+    if (job.artifacts) {
+      const files = Object.fromEntries(job.artifacts.files.map((f) => [f.name, f]));
+      model.href = files["model.pt"].url;
+      model.hidden = false;
+      const cell = el("dd");
+      ["checkpoint.pt", "manifest.json"].forEach((name, i) => {
+        if (i) cell.append(", ");
+        cell.append(el("a", name, { href: files[name].url, download: "" }));
+      });
+      cell.append(" (step " + job.artifacts.step + ", " + job.artifacts.ended + ")");
+      facts.append(el("dt", "Also kept"), cell);
+      const metrics = (job.artifacts.final && job.artifacts.final.metrics) || {};
+      const shown = Object.entries(metrics).map(([k, v]) => k + " " + Number(v).toPrecision(4)).join(", ");
+      if (shown) facts.append(el("dt", "Final evaluation"), el("dd", shown));
+    } else {
+      model.hidden = true;
+    }
     if (job.spec && job.spec.code) {
       const cell = el("dd");
       cell.append(el("a", "download (" + job.spec.code.slice(0, 12) + ")", { href: "/api/code/" + job.spec.code, id: "code-download" }));

@@ -1,0 +1,75 @@
+"""Hands a job's artifacts (elastic.worker.artifacts) to the portal. Rank 0's "artifacts" event
+names the directory; the upload runs in a thread of its own, so that reports (the node's
+heartbeat) go on meanwhile. While the portal cannot take it (PortalUnavailableError) it is tried
+again, with growing pauses, until UPLOAD_DEADLINE_S after the event; a refusal is logged and the
+files stay on the node."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from agent.client import PortalError, PortalUnavailableError
+from elastic.artifacts import ARTIFACT_NAMES
+from elastic.wire import WorkerEvent
+
+log = logging.getLogger(__name__)
+
+UPLOAD_DEADLINE_S = 900.0
+FIRST_PAUSE_S = 1.0
+LONGEST_PAUSE_S = 30.0
+
+
+class ArtifactSink(Protocol):
+    def upload_artifacts(self, job_id: int, files: dict[str, Path]) -> None: ...
+
+
+class ArtifactUploader:
+    def __init__(self, sink: ArtifactSink, stopping: threading.Event) -> None:
+        self._sink = sink
+        self._stopping = stopping
+        self._queue: queue.Queue[tuple[WorkerEvent, float]] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="artifact-uploader", daemon=True)
+        self._thread.start()
+        self.uploaded: list[int] = []
+        """Jobs whose artifacts the portal took, in order (for tests and logs)."""
+
+    def submit(self, event: WorkerEvent) -> None:
+        """Queues the upload of the artifacts an "artifacts" event names."""
+        self._queue.put((event, time.monotonic() + UPLOAD_DEADLINE_S))
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                event, deadline = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self._upload(event, deadline)
+
+    def _upload(self, event: WorkerEvent, deadline: float) -> None:
+        directory = Path(event.message or "")
+        files = {name: directory / name for name in ARTIFACT_NAMES}
+        missing = [name for name, path in files.items() if not path.is_file()]
+        if missing:
+            log.error("job %d: the artifacts in %s lack %s; not uploaded", event.job_id, directory, missing)
+            return
+        pause = FIRST_PAUSE_S
+        while True:
+            try:
+                self._sink.upload_artifacts(event.job_id, files)
+            except PortalUnavailableError as err:
+                if time.monotonic() + pause > deadline or self._stopping.wait(pause):
+                    log.error("job %d: gave up uploading its artifacts (%s); they stay in %s", event.job_id, err, directory)
+                    return
+                pause = min(2 * pause, LONGEST_PAUSE_S)
+                continue
+            except PortalError as err:
+                log.error("job %d: the portal refused its artifacts (%s); they stay in %s", event.job_id, err, directory)
+                return
+            log.info("job %d: artifacts of step %s uploaded", event.job_id, event.step)
+            self.uploaded.append(event.job_id)
+            return

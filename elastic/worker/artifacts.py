@@ -1,0 +1,102 @@
+"""What a job leaves its owner: rank 0 writes it when the job completes or its workers are told
+to stop (a cancel), in `<run_dir>/artifacts`, then says so with an "artifacts" event; the agent
+hands the files to the portal, which keeps them after the nodes are gone.
+
+    model.pt        the final model as a plain state dict: torch.load(..., weights_only=True)
+                    loads it into the task's own model class, without Bungee installed. In strict
+                    mode its buffers (batch-norm statistics) are virtual worker 0's, so the file is
+                    the same however the job was resized.
+    checkpoint.pt   the whole training state (elastic.worker.checkpoint), to go on from.
+    manifest.json   the spec, the code's digest and entrypoint (or the workload), the steps, the
+                    final loss and the task's evaluation metrics, the sha256 of each file, and the
+                    versions of Bungee and torch.
+
+The evaluation metrics are those of `evaluate` over the task's `eval_data`, in batches of the
+global batch size taken in order, each batch's metrics weighted by its size, with the model in
+eval mode: reloading model.pt and doing the same gives the same numbers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic import __version__
+from elastic.artifacts import ARTIFACTS_DIR, CHECKPOINT_NAME, MANIFEST_NAME, MODEL_NAME, artifacts_dir
+from elastic.spec import JobSpec
+from elastic.tasks.api import UserCodeError
+from elastic.tasks.runtime import BoundTask
+from elastic.worker.events import EventWriter
+from elastic.worker.trainer import Trainer
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as stream:
+        return hashlib.file_digest(stream, "sha256").hexdigest()
+
+
+class ArtifactExporter:
+    """Rank 0's export of the job's model, checkpoint and manifest (see the module)."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        job_id: int,
+        spec: JobSpec,
+        problem: BoundTask,
+        trainer: Trainer,
+        checkpoint: Path,
+        events: EventWriter,
+    ) -> None:
+        self.directory = artifacts_dir(run_dir)
+        self.job_id = job_id
+        self.spec = spec
+        self.problem = problem
+        self.trainer = trainer
+        self.checkpoint = checkpoint
+        self.events = events
+
+    def export(self, step: int, ended: str, loss: float | None) -> None:
+        """Writes the artifacts of the state after `step` steps (`ended`: "completed" or
+        "stopped") and emits the "artifacts" event. A failure to write is logged, not raised:
+        the job's end must not hang on it; an evaluation that raises is logged and left out."""
+        try:
+            self._export(step, ended, loss)
+        except OSError as err:
+            self.events.log(f"could not write the job's artifacts: {err}")
+
+    def _export(self, step: int, ended: str, loss: float | None) -> None:
+        staging = self.directory.with_name(ARTIFACTS_DIR + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        torch.save(self.trainer.exported_model_state(), staging / MODEL_NAME)
+        shutil.copyfile(self.checkpoint, staging / CHECKPOINT_NAME)
+        try:
+            metrics = self.problem.evaluate()
+        except UserCodeError as err:
+            self.events.log(f"the final evaluation failed, the manifest has no metrics: {err}")
+            metrics = {}
+        manifest: dict[str, Any] = {
+            "job_id": self.job_id,
+            "ended": ended,
+            "step": step,
+            "total_steps": self.spec.total_steps(),
+            "world_size": self.trainer.world_size,
+            "spec": self.spec.model_dump(mode="json"),
+            "task": {"workload": self.spec.workload, "code": self.spec.code, "entrypoint": self.spec.entrypoint},
+            "final": {"loss": loss, "metrics": metrics, "evaluated_with_batch_size": self.problem.batch_size},
+            "files": {name: _sha256(staging / name) for name in (MODEL_NAME, CHECKPOINT_NAME)},
+            "bungee_version": __version__,
+            "torch_version": torch.__version__,
+            "created_at": time.time(),
+        }
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        shutil.rmtree(self.directory, ignore_errors=True)
+        os.replace(staging, self.directory)
+        self.events.emit("artifacts", step=step, message=str(self.directory))

@@ -1,0 +1,134 @@
+"""A job's model, checkpoint and manifest in the portal (elastic.worker.artifacts): taken from the
+agent of the node whose rank 0 wrote them, checked against the manifest's digests, kept under
+BUNGEE["ARTIFACT_DIR"]/job-N after the job's nodes are gone, handed to the job's owner and staff,
+and deleted BUNGEE["ARTIFACT_RETENTION_DAYS"] after the job ended."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.files.uploadedfile import UploadedFile
+from django.utils import timezone
+
+from elastic.artifacts import ARTIFACT_NAMES, MANIFEST_NAME
+from elastic.spec import FieldError
+from portal.cluster.models import Node
+from portal.errors import ApiError, forbidden
+from portal.jobs.models import Job, JobArtifacts, Worker
+from portal.live import broadcast
+
+log = logging.getLogger(__name__)
+
+
+def job_dir(job_id: int) -> Path:
+    return Path(settings.BUNGEE["ARTIFACT_DIR"]) / f"job-{job_id}"
+
+
+def _refused(message: str, name: str) -> ApiError:
+    return ApiError(400, "invalid_artifacts", message, [FieldError(name, message, None)])
+
+
+def _sha256(upload: UploadedFile) -> str:
+    digest = hashlib.sha256()
+    for chunk in upload.chunks():
+        digest.update(chunk)
+    upload.seek(0)
+    return digest.hexdigest()
+
+
+def store(node: Node, job: Job, uploads: dict[str, UploadedFile]) -> JobArtifacts:
+    """Keeps the artifacts `node`'s agent sent for `job`. Raises ApiError 403 if none of the
+    job's workers ran on that node, 400 if a file is missing, the manifest is not the job's or a
+    file is not what the manifest's digest says."""
+    if not Worker.objects.filter(job=job, node=node).exists():
+        raise forbidden(f"job {job.pk} never ran on node {node.name!r}")
+    for name in ARTIFACT_NAMES:
+        if name not in uploads:
+            raise _refused(f"{name} is missing", name)
+    try:
+        manifest = json.loads(uploads[MANIFEST_NAME].read(1 << 20))
+    except ValueError as err:
+        raise _refused(f"{MANIFEST_NAME} is not JSON: {err}", MANIFEST_NAME) from err
+    if not isinstance(manifest, dict) or manifest.get("job_id") != job.pk or not isinstance(manifest.get("files"), dict):
+        raise _refused(f"{MANIFEST_NAME} is not job {job.pk}'s", MANIFEST_NAME)
+    files: dict[str, dict[str, Any]] = {}
+    for name in ARTIFACT_NAMES:
+        if name == MANIFEST_NAME:
+            continue
+        got = _sha256(uploads[name])
+        if got != manifest["files"].get(name):
+            raise _refused(f"{name} has sha256 {got}, the manifest says {manifest['files'].get(name)}", name)
+        files[name] = {"size": uploads[name].size, "sha256": got}
+    uploads[MANIFEST_NAME].seek(0)
+    files[MANIFEST_NAME] = {"size": uploads[MANIFEST_NAME].size, "sha256": _sha256(uploads[MANIFEST_NAME])}
+    target = job_dir(job.pk)
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in ARTIFACT_NAMES:
+        with (staging / name).open("wb") as out:
+            for chunk in uploads[name].chunks():
+                out.write(chunk)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    row, _ = JobArtifacts.objects.update_or_create(
+        job=job,
+        defaults={
+            "step": int(manifest.get("step") or 0),
+            "ended": str(manifest.get("ended") or ""),
+            "manifest": manifest,
+            "files": files,
+            "node": node.name,
+            "stored_at": timezone.now(),
+        },
+    )
+    broadcast.job_changed(job)
+    return row
+
+
+def described(job: Job) -> dict[str, Any] | None:
+    """What the API says of the job's artifacts, or None if there are none."""
+    row = JobArtifacts.objects.filter(job=job).first()
+    if row is None:
+        return None
+    return {
+        "step": row.step,
+        "ended": row.ended,
+        "stored_at": row.stored_at,
+        "files": [
+            {"name": name, **info, "url": f"/api/jobs/{job.pk}/artifacts/{name}"} for name, info in row.files.items()
+        ],
+        "final": row.manifest.get("final"),
+        "bungee_version": row.manifest.get("bungee_version"),
+    }
+
+
+def file_path(job: Job, name: str) -> Path | None:
+    """The stored file `name` of the job's artifacts, or None."""
+    if name not in ARTIFACT_NAMES or not JobArtifacts.objects.filter(job=job).exists():
+        return None
+    path = job_dir(job.pk) / name
+    return path if path.exists() else None
+
+
+def prune() -> list[int]:
+    """Deletes the artifacts of jobs that ended more than ARTIFACT_RETENTION_DAYS ago (none if
+    it is 0). Returns those jobs' ids."""
+    days = settings.BUNGEE["ARTIFACT_RETENTION_DAYS"]
+    if days <= 0:
+        return []
+    cutoff = timezone.now() - timedelta(days=days)
+    old = list(JobArtifacts.objects.filter(job__finished_at__lt=cutoff).values_list("job_id", flat=True))
+    for job_id in old:
+        shutil.rmtree(job_dir(job_id), ignore_errors=True)
+    JobArtifacts.objects.filter(job_id__in=old).delete()
+    if old:
+        log.info("deleted the artifacts of jobs %s (older than %d days)", old, days)
+    return old

@@ -1,0 +1,151 @@
+"""A job's artifacts through the API: an agent hands them over only for a job that ran on its
+node, and only as the manifest describes them; they are kept under the portal's data directory,
+downloadable by the job's owner and staff only, shown with the job, and deleted after the
+retention period."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import Client
+from django.utils import timezone
+
+from elastic.wire import AgentReport, WorkerEvent
+from portal.accounts.models import ApiToken
+from portal.cluster.models import Node
+from portal.jobs import artifacts
+from portal.jobs.agents import ingest_report
+from portal.jobs.models import Job, JobArtifacts
+from portal.scheduling.cycle import run_cycle
+from tests.conftest import VALID_SPEC
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def artifact_dir(settings: Any, tmp_path: Path) -> Path:
+    settings.BUNGEE = {**settings.BUNGEE, "ARTIFACT_DIR": str(tmp_path / "artifacts")}
+    return tmp_path / "artifacts"
+
+
+@pytest.fixture
+def ran_here(api: dict, tokens: dict, cluster: Any) -> Job:
+    """Alice's job, whose rank 0 started on node-a; node-a is served by tokens["agent"]."""
+    Node.objects.filter(pk=cluster.pk).update(agent_token=ApiToken.lookup(tokens["agent"]))
+    job = Job.objects.get(pk=api["alice"].post("/api/jobs", VALID_SPEC).json()["id"])
+    run_cycle()
+    job.refresh_from_db()
+    started = WorkerEvent(job_id=job.pk, generation=job.generation, rank=0, kind="started", at=time.time(),
+                          pid=4242, device_index=0)
+    ingest_report(cluster, AgentReport(node="node-a", events=[started]))
+    return job
+
+
+def bundle(job_id: int, model: bytes = b"weights", checkpoint: bytes = b"state", **manifest: Any) -> dict[str, bytes]:
+    files = {"model.pt": model, "checkpoint.pt": checkpoint}
+    described = {
+        "job_id": job_id, "ended": "completed", "step": 50,
+        "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()},
+        "final": {"loss": 0.25, "metrics": {"accuracy": 0.9}}, "bungee_version": "0.1.0", **manifest,
+    }
+    return {**files, "manifest.json": json.dumps(described).encode()}
+
+
+def hand_over(tokens: dict, job_id: int, files: dict[str, bytes], token: str = "agent") -> Any:
+    return Client().post(
+        f"/api/agent/jobs/{job_id}/artifacts",
+        {name: SimpleUploadedFile(name, data) for name, data in files.items()},
+        HTTP_AUTHORIZATION=f"Bearer {tokens[token]}",
+    )
+
+
+def get(tokens: dict, user: str, path: str) -> Any:
+    return Client().get(path, HTTP_AUTHORIZATION=f"Bearer {tokens[user]}")
+
+
+def test_kept_and_downloadable_by_the_owner_and_staff_only(tokens: dict, ran_here: Job, artifact_dir: Path) -> None:
+    job_id = ran_here.pk
+    assert get(tokens, "alice", f"/api/jobs/{job_id}/artifacts").status_code == 404
+    files = bundle(job_id, model=bytes(range(256)) * 10)
+    reply = hand_over(tokens, job_id, files)
+    assert reply.status_code == 200, reply.content
+    assert (artifact_dir / f"job-{job_id}" / "model.pt").read_bytes() == files["model.pt"]
+    listed = get(tokens, "alice", f"/api/jobs/{job_id}/artifacts").json()
+    assert listed["step"] == 50 and listed["final"]["metrics"] == {"accuracy": 0.9}
+    assert {f["name"] for f in listed["files"]} == {"model.pt", "checkpoint.pt", "manifest.json"}
+    assert get(tokens, "alice", f"/api/jobs/{job_id}").json()["artifacts"]["step"] == 50
+    for user, status in (("alice", 200), ("staff", 200), ("bob", 403)):
+        reply = get(tokens, user, f"/api/jobs/{job_id}/artifacts/model.pt")
+        assert reply.status_code == status, user
+        if status == 200:
+            assert b"".join(reply.streaming_content) == files["model.pt"]
+    assert get(tokens, "bob", f"/api/jobs/{job_id}/artifacts").status_code == 403
+    assert get(tokens, "alice", f"/api/jobs/{job_id}/artifacts/secrets.txt").status_code == 404
+    assert get(tokens, "alice", f"/api/jobs/{job_id}/artifacts/..%2F..%2Fetc%2Fpasswd").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"drop": "checkpoint.pt"}, "checkpoint.pt"),
+        ({"model.pt": b"tampered"}, "model.pt"),
+        ({"manifest.json": b"not json"}, "manifest.json"),
+        ({"manifest_job": 999}, "manifest.json"),
+    ],
+)
+def test_what_the_manifest_does_not_describe_is_refused(
+    tokens: dict, ran_here: Job, artifact_dir: Path, change: dict, field: str
+) -> None:
+    files = bundle(change.get("manifest_job", ran_here.pk))
+    files.pop(change.get("drop", ""), None)
+    files.update({name: data for name, data in change.items() if name.endswith((".pt", ".json"))})
+    reply = hand_over(tokens, ran_here.pk, files)
+    assert reply.status_code == 400, reply.content
+    assert reply.json()["error"]["fields"][0]["field"] == field
+    assert not JobArtifacts.objects.exists() and not (artifact_dir / f"job-{ran_here.pk}").exists()
+
+
+def test_only_the_agent_of_a_node_the_job_ran_on_may_hand_them_over(
+    tokens: dict, ran_here: Job, users: dict
+) -> None:
+    other = ApiToken.issue(users["staff"], "other agent", ApiToken.Role.AGENT)[1]
+    tokens = {**tokens, "other": other}
+    Client().post(
+        "/api/agent/register",
+        json.dumps({"name": "node-z", "address": "127.0.0.2", "backend": "simulated", "devices": []}),
+        content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {other}",
+    )
+    assert hand_over(tokens, ran_here.pk, bundle(ran_here.pk), token="other").status_code == 403
+    assert hand_over(tokens, ran_here.pk, bundle(ran_here.pk), token="alice").status_code == 403
+    assert not JobArtifacts.objects.exists()
+
+
+def test_deleted_after_the_retention_period(tokens: dict, ran_here: Job, settings: Any, artifact_dir: Path) -> None:
+    hand_over(tokens, ran_here.pk, bundle(ran_here.pk))
+    settings.BUNGEE = {**settings.BUNGEE, "ARTIFACT_RETENTION_DAYS": 30}
+    Job.objects.filter(pk=ran_here.pk).update(finished_at=timezone.now() - timedelta(days=29))
+    assert artifacts.prune() == []
+    Job.objects.filter(pk=ran_here.pk).update(finished_at=timezone.now() - timedelta(days=31))
+    assert artifacts.prune() == [ran_here.pk]
+    assert not JobArtifacts.objects.exists() and not (artifact_dir / f"job-{ran_here.pk}").exists()
+    assert get(tokens, "alice", f"/api/jobs/{ran_here.pk}/artifacts").status_code == 404
+
+
+def test_a_torch_state_dict_round_trips(tokens: dict, ran_here: Job) -> None:
+    import torch
+
+    buffer = io.BytesIO()
+    state = {"weight": torch.arange(6.0).reshape(2, 3)}
+    torch.save(state, buffer)
+    hand_over(tokens, ran_here.pk, bundle(ran_here.pk, model=buffer.getvalue()))
+    reply = get(tokens, "alice", f"/api/jobs/{ran_here.pk}/artifacts/model.pt")
+    loaded = torch.load(io.BytesIO(b"".join(reply.streaming_content)), weights_only=True)
+    assert torch.equal(loaded["weight"], state["weight"])
