@@ -19,6 +19,7 @@ _CLASS = {
     "log": _LOG,
     "progress": _PROGRESS,
     "step_times": _PROGRESS,
+    "evaluation": _PROGRESS,
     "started": _LIFECYCLE,
     "joined": _LIFECYCLE,
     "resized": _LIFECYCLE,

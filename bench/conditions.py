@@ -3,6 +3,7 @@ figure is printed with, and small statistics."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -36,26 +37,93 @@ class BenchModel:
         return 8 * self.parameters
 
     def spec(self, steps: int, seed: int = 0) -> dict[str, Any]:
-        return {
-            "name": f"bench-{self.label}",
-            "workload": "digits-mlp",
-            "steps": steps,
-            "seed": seed,
-            # The plain data-parallel path (a hybrid job whose batch cannot change), which the
-            # resize and overhead benchmarks measure; strict mode's cost is bench/consistency.py's.
-            "max_workers": 4,
-            "consistency": "hybrid",
-            "batch_per_worker": self.batch_size,
-            "min_batch_size": self.batch_size,
-            "max_batch_size": self.batch_size,
-            "hyperparameters": {
-                "batch_size": self.batch_size,
-                "hidden": self.hidden,
-                "layers": self.layers,
-                "dropout": 0.0,
-                "lr": 0.01,
-            },
-        }
+        hyperparameters = {"batch_size": self.batch_size, "hidden": self.hidden, "layers": self.layers,
+                           "dropout": 0.0, "lr": 0.01}
+        return plain_spec(self.label, {"workload": "digits-mlp"}, self.batch_size, hyperparameters, steps, seed)
+
+
+    @property
+    def task(self) -> tuple[Path, str] | None:
+        """The job's own code, (directory, entrypoint); None: the digits-mlp workload."""
+        return None
+
+
+@dataclass(frozen=True)
+class TaskModel:
+    """A user's task (elastic.tasks) in place of the digits MLP: `--task DIR --entrypoint M:C`.
+    Its spec names the code by the digest the portal would give the directory."""
+
+    directory: Path
+    entrypoint: str
+    hyperparameters: dict[str, Any]
+    label: str = "task"
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.hyperparameters["batch_size"])
+
+    @property
+    def task(self) -> tuple[Path, str] | None:
+        return (self.directory, self.entrypoint)
+
+    @functools.cached_property
+    def _sizes(self) -> tuple[int, int]:
+        """(parameters, bytes of the model's and the optimiser's state after one step)."""
+        from elastic.tasks.runtime import bind_task
+
+        bound = bind_task(self.directory, self.entrypoint, self.hyperparameters, seed=0)
+        optimizer = bound.make_optimizer()
+        bound.loss(bound.batch(range(min(self.batch_size, bound.num_samples)))).backward()
+        optimizer.step()
+        tensors = [*bound.model.state_dict().values(), *_tensors(optimizer.state_dict()["state"])]
+        return (
+            sum(p.numel() for p in bound.model.parameters()),
+            sum(t.numel() * t.element_size() for t in tensors),
+        )
+
+    @property
+    def parameters(self) -> int:
+        return self._sizes[0]
+
+    @property
+    def state_bytes(self) -> int:
+        return self._sizes[1]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        import io
+
+        from elastic.codepack import pack_directory
+
+        return pack_directory(self.directory, io.BytesIO(), 1 << 30, 100_000).digest
+
+    def spec(self, steps: int, seed: int = 0) -> dict[str, Any]:
+        task = {"code": self.digest, "entrypoint": self.entrypoint}
+        return plain_spec(self.label, task, self.batch_size, self.hyperparameters, steps, seed)
+
+
+def plain_spec(
+    label: str, task: dict[str, Any], batch: int, hyperparameters: dict[str, Any], steps: int, seed: int
+) -> dict[str, Any]:
+    """A job on the plain data-parallel path (a hybrid job whose batch cannot change), which the
+    resize and overhead benchmarks measure; strict mode's cost is bench/consistency.py's."""
+    return {
+        "name": f"bench-{label}", **task, "steps": steps, "seed": seed, "max_workers": 4,
+        "consistency": "hybrid", "batch_per_worker": batch, "min_batch_size": batch, "max_batch_size": batch,
+        "hyperparameters": hyperparameters,
+    }
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 RESNET50_SIZED = BenchModel("25.6M", hidden=2060)

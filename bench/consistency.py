@@ -2,6 +2,8 @@
 
     python bench/consistency.py            # 13.5 minutes here before it was cut to fit 10 (2 busy cores)
     python bench/consistency.py --quick    # 2.5 to 3.4 minutes here, with the load of the day
+    python bench/consistency.py --quick --task DIR --entrypoint task:MyTask --hyperparameters '{"batch_size": 32}'
+                                           # parts 1 and 2 on a user's task (elastic.tasks)
 
 1. Step time of strict mode against plain DDP-style averaging, same model, same global batch,
    same world size, interleaved runs of the real worker (elastic.worker.local.LocalJob). "Plain"
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.conditions import REDIS_URL, ROOT, machine, show  # noqa: E402
+from bench.conditions import REDIS_URL, ROOT, TaskModel, machine, show  # noqa: E402
 from elastic.tasks.runtime import bind_task  # noqa: E402
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint  # noqa: E402
 from elastic.worker.local import LocalJob  # noqa: E402
@@ -70,6 +72,26 @@ HYBRID = {
     "max_batch_size": 64,
     "warmup_steps": 20,
 }
+
+
+def hybrid_of(spec: dict[str, Any]) -> dict[str, Any]:
+    """Hybrid mode's fields for `spec`: HYBRID for the digits CNN, else the same proportions
+    (a quarter of the batch a worker, from one worker's share to the whole batch)."""
+    if spec is CNN_SPEC:
+        return HYBRID
+    quarter = max(1, spec["hyperparameters"]["batch_size"] // 4)
+    return {**HYBRID, "batch_per_worker": quarter, "min_batch_size": quarter,
+            "max_batch_size": spec["hyperparameters"]["batch_size"]}
+
+
+def model_parameters(spec: dict[str, Any]) -> int:
+    """The parameters of the model `spec` trains."""
+    if TASK is not None:
+        return sum(p.numel() for p in bind_task(*TASK, spec["hyperparameters"], SEED).model.parameters())
+    hp = spec["hyperparameters"]
+    return int(
+        64 * hp["hidden"] + hp["hidden"] + (hp["layers"] - 1) * (hp["hidden"] ** 2 + hp["hidden"]) + hp["hidden"] * 10 + 10
+    )
 
 
 def plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -103,9 +125,14 @@ def _gaps(ends: list[float]) -> list[float]:
 # --- 1. step time ------------------------------------------------------------------------------
 
 
+TASK: tuple[Path, str] | None = None
+"""--task: the user's task (directory, entrypoint) every run trains instead of the digits."""
+
+
 def step_times(spec: dict[str, Any], steps: int, workers: int, work: Path) -> list[float]:
     with LocalJob(
-        {**spec, "steps": steps}, Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=environment(), heal=False
+        {**spec, "steps": steps}, Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=environment(), heal=False,
+        task=TASK,
     ) as job:
         job.start(list(range(workers)))
         outputs = job.wait(timeout_s=600)
@@ -117,7 +144,7 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     strict: list[float] = []
     averaged: list[float] = []
     per_pair = []
-    spec = {**OVERHEAD_SPEC, "max_workers": args.workers}  # V = the world size: one each
+    spec = {**(args.task_spec or OVERHEAD_SPEC), "max_workers": args.workers}  # V = the world size: one each
     for pair in range(pairs):
         ours = step_times(spec, steps, args.workers, work)
         theirs = step_times(plain(spec), steps, args.workers, work)
@@ -130,17 +157,12 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             f"{statistics.median(theirs) * 1000:.2f} ms a step ({per_pair[-1]:+.1f}%)",
             flush=True,
         )
-    hp = OVERHEAD_SPEC["hyperparameters"]
-    parameters = (
-        64 * hp["hidden"]
-        + hp["hidden"]
-        + (hp["layers"] - 1) * (hp["hidden"] ** 2 + hp["hidden"])
-        + hp["hidden"] * 10
-        + 10
-    )
+    hp = spec["hyperparameters"]
+    parameters = model_parameters(spec)
     pct = (statistics.median(strict) / statistics.median(averaged) - 1) * 100
     print(
-        f"\nstep time: digits-mlp {parameters / 1e6:.2f}M parameters, global batch {hp['batch_size']}, "
+        f"\nstep time: {spec.get('workload') or spec.get('entrypoint')} {parameters / 1e6:.4f}M parameters, "
+        f"global batch {hp['batch_size']}, "
         f"{args.workers} workers (strict: V = {args.workers}, one virtual worker each), "
         f"{pairs} interleaved pairs of {steps}-step runs ({WARMUP_STEPS} warm-up steps left out)"
     )
@@ -167,7 +189,7 @@ def resized_run(
     """Runs `spec` through the placements of `schedule`, `per_generation` steps in each at
     least, stops it and returns its state."""
     run_dir = Path(tempfile.mkdtemp(dir=work))
-    with LocalJob({**spec, "steps": ENDLESS}, run_dir, REDIS_URL, env=environment()) as job:
+    with LocalJob({**spec, "steps": ENDLESS}, run_dir, REDIS_URL, env=environment(), task=TASK) as job:
         for generation, slots in enumerate(schedule, start=1):
             if generation == 1:
                 job.start(slots)
@@ -192,7 +214,7 @@ def resized_run(
 
 def fixed_run(spec: dict[str, Any], steps: int, workers: int, work: Path) -> TrainingState:
     run_dir = Path(tempfile.mkdtemp(dir=work))
-    with LocalJob({**spec, "steps": steps}, run_dir, REDIS_URL, env=environment(), heal=False) as job:
+    with LocalJob({**spec, "steps": steps}, run_dir, REDIS_URL, env=environment(), heal=False, task=TASK) as job:
         job.start(list(range(workers)))
         job.wait(600)
     state = load_checkpoint(checkpoint_path(run_dir))
@@ -215,7 +237,8 @@ def differences(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     per_generation = 20 if args.quick else 25
     fixed_workers = len(schedule[0])
     result = {}
-    for label, spec in (("strict", CNN_SPEC), ("hybrid", {**CNN_SPEC, **HYBRID}), ("ddp", plain(CNN_SPEC))):
+    base = args.task_spec or CNN_SPEC
+    for label, spec in (("strict", base), ("hybrid", {**base, **hybrid_of(base)}), ("ddp", plain(base))):
         resized = resized_run(spec, schedule, per_generation, work)
         fixed = fixed_run(spec, resized.step, fixed_workers, work)
         result[f"{label}_max_abs_diff"] = max_abs_diff(resized, fixed)
@@ -315,11 +338,15 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     )
     result.update(differences(args, work))
     result.update(figures)
-    print(
-        "\n3. hybrid against strict on fixed worker counts (digits CNN; strict V = 4, batch 64; hybrid 16 a worker)",
-        flush=True,
-    )
-    result.update(hybrid_against_strict(args, work))
+    if TASK is not None:
+        print("\n3. (left out for a user's task: it is timed to the digits CNN's accuracy target)", flush=True)
+        result["task"] = f"{TASK[0]} {TASK[1]}"
+    else:
+        print(
+            "\n3. hybrid against strict on fixed worker counts (digits CNN; strict V = 4, batch 64; hybrid 16 a worker)",
+            flush=True,
+        )
+        result.update(hybrid_against_strict(args, work))
     result["conditions"] = conditions
     result["wall_s"] = round(time.monotonic() - began, 1)
     return result
@@ -329,7 +356,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer and shorter runs (about 3 minutes)")
     parser.add_argument("--workers", type=int, default=2, help="world size of the step-time comparison")
+    parser.add_argument("--task", type=Path, help="a user's task directory, trained instead of the digits")
+    parser.add_argument("--entrypoint", default="task:Task", help="the task class in --task, module:ClassName")
+    parser.add_argument(
+        "--hyperparameters", default='{"batch_size": 64}', help="the task's hyperparameters as JSON (batch_size required)"
+    )
     args = parser.parse_args(argv)
+    args.task_spec = None
+    if args.task:
+        global TASK
+        model = TaskModel(args.task.resolve(), args.entrypoint, json.loads(args.hyperparameters))
+        TASK = model.task
+        args.task_spec = {
+            "name": "bench-task", "code": model.digest, "entrypoint": args.entrypoint, "max_workers": 4,
+            "seed": SEED, "hyperparameters": model.hyperparameters,
+        }
     result = report(args)
     ordered = {
         key: result[key]

@@ -3,6 +3,8 @@
     python bench/resize.py            # 5 rounds on the 25.6M model, 1 on the 100M (about 10 minutes)
     python bench/resize.py --quick    # 1 round on the 25.6M model, one torchrun run each setting
     python bench/resize.py --device cuda   # NCCL; needs a GPU per worker (4 for every scenario)
+    python bench/resize.py --quick --task DIR --entrypoint task:MyTask --hyperparameters '{"batch_size": 32}'
+                                      # a user's task (elastic.tasks) in place of the MLP
 
 For each model (a deep MLP on the digits, SGD with momentum: 25.6M parameters is ResNet-50's
 size, 205 MB of parameters and momentum; and a 100M one) a job trains on real worker processes
@@ -43,7 +45,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.conditions import LARGE, REDIS_URL, RESNET50_SIZED, ROOT, BenchModel, machine, show, spread  # noqa: E402
+from bench.conditions import (  # noqa: E402
+    LARGE,
+    REDIS_URL,
+    RESNET50_SIZED,
+    ROOT,
+    BenchModel,
+    TaskModel,
+    machine,
+    show,
+    spread,
+)
 from elastic.wire import WorkerEvent  # noqa: E402
 from elastic.worker.local import LocalJob, free_port  # noqa: E402
 
@@ -114,7 +126,7 @@ class Resize:
 
 @dataclass
 class OursResult:
-    model: BenchModel
+    model: BenchModel | TaskModel
     resizes: list[Resize] = field(default_factory=list)
     crash_recovery_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
@@ -138,7 +150,7 @@ class OursResult:
         return rates
 
 
-def run_ours(model: BenchModel, rounds: int, crashes: int, device: str, work: Path) -> OursResult:
+def run_ours(model: BenchModel | TaskModel, rounds: int, crashes: int, device: str, work: Path) -> OursResult:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -149,7 +161,9 @@ def run_ours(model: BenchModel, rounds: int, crashes: int, device: str, work: Pa
         "PYTHONPATH": str(ROOT),
     }
     result = OursResult(model)
-    with LocalJob(model.spec(10**7), work / f"run-{model.label}", REDIS_URL, env=env, device=device) as job:
+    with LocalJob(
+        model.spec(10**7), work / f"run-{model.label}", REDIS_URL, env=env, device=device, task=model.task
+    ) as job:
 
         def formed(generation: int, timeout_s: float = 300) -> None:
             members = len(job.records[generation - 1].members)
@@ -238,7 +252,7 @@ def timeline_transitions(path: Path) -> list[Transition]:
 
 
 def run_torchrun(
-    model: BenchModel, last_call_s: float | None, sequences: int, work: Path
+    model: BenchModel | TaskModel, last_call_s: float | None, sequences: int, work: Path
 ) -> list[Transition]:
     """Grows a torchrun job one agent at a time, 1 -> 2 -> 3 (a restart each), `sequences`
     times; returns every world-size change with its pause. Growing to 3 fills --nnodes=1:3, so
@@ -264,6 +278,7 @@ def run_torchrun(
             "--max-restarts=100", *extra, str(ROOT / "bench" / "torchrun_train.py"),
             "--spec", json.dumps(model.spec(10**7)), "--checkpoint", str(folder / "checkpoint.pt"),
             "--timeline", str(timeline),
+            *(["--code-dir", str(model.task[0])] if model.task else []),
         ]  # fmt: skip
         agents: list[subprocess.Popen[bytes]] = []
         try:
@@ -307,30 +322,35 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     conditions = machine()
     print(f"conditions: {conditions}", flush=True)
-    models = [RESNET50_SIZED] if args.quick else [RESNET50_SIZED, LARGE]
+    models: list[BenchModel | TaskModel]
+    if args.task:
+        models = [TaskModel(args.task.resolve(), args.entrypoint, json.loads(args.hyperparameters))]
+    else:
+        models = [RESNET50_SIZED] if args.quick else [RESNET50_SIZED, LARGE]
+    first = models[0]
     work = Path(tempfile.mkdtemp(prefix="bungee-bench-resize-"))
-    bandwidth = broadcast_bandwidth(RESNET50_SIZED.state_bytes, args.device)
+    bandwidth = broadcast_bandwidth(first.state_bytes, args.device)
     print(
         f"raw {'NCCL' if args.device == 'cuda' else 'gloo'} broadcast, 1 -> 1, "
-        f"{RESNET50_SIZED.state_bytes / 1e6:.0f} MB: {show(bandwidth, 'GB/s', 2)}",
+        f"{first.state_bytes / 1e6:.3f} MB: {show(bandwidth, 'GB/s', 2)}",
         flush=True,
     )
     ours = {}
     for model in models:
         # Five of each resize on the 25.6M model (one round in --quick), one round on the 100M one.
         rounds = 1 if args.quick or model is LARGE else 5
-        crashes = (1 if args.quick else 2) if model is RESNET50_SIZED else 0
+        crashes = (1 if args.quick else 2) if model is first else 0
         ours[model.label] = run_ours(model, rounds, crashes, args.device, work)
     # The machine's load drifts over a run this long: the raw bandwidth is measured again after
     # our resizes, and the ratio uses every measurement.
-    bandwidth += broadcast_bandwidth(RESNET50_SIZED.state_bytes, args.device)
+    bandwidth += broadcast_bandwidth(first.state_bytes, args.device)
     print(f"raw broadcast again after our resizes: {show(bandwidth, 'GB/s', 2)} (all)", flush=True)
     torchrun: dict[str, list[Transition]] = {}
     if not args.skip_torchrun:
         for last_call in (1.0, None):
             sequences = 1 if last_call is None or args.quick else 2
             label = "defaults" if last_call is None else "last_call_timeout=1"
-            torchrun[label] = run_torchrun(RESNET50_SIZED, last_call, sequences, work)
+            torchrun[label] = run_torchrun(first, last_call, sequences, work)
 
     print(
         f"\nIn-place resize, {conditions['cores']} cores, device {args.device}, load average "
@@ -339,7 +359,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     for label, result in ours.items():
         print(
             f"\n{label} model ({result.model.parameters / 1e6:.1f}M parameters, "
-            f"{result.model.state_bytes / 1e6:.0f} MB of parameters and momentum, batch {result.model.batch_size}); "
+            f"{result.model.state_bytes / 1e6:.1f} MB of model and optimiser state, batch {result.model.batch_size}); "
             f"normal step {show(result.step_s)} at 2 workers"
         )
         for scenario in SCENARIOS:
@@ -370,11 +390,11 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         outs = [t.pause_s for t in transitions if (t.before, t.after) == (2, 3)]
         partial = [t.pause_s for t in transitions if (t.before, t.after) == (1, 2)]
         print(
-            f"\ntorchrun --nnodes=1:3 c10d {label} (25.6M model, gloo, DDP, checkpoint reload): scale out 2->3 "
+            f"\ntorchrun --nnodes=1:3 c10d {label} ({first.label} model, gloo, DDP, checkpoint reload): scale out 2->3 "
             f"{show(outs)}; scale out 1->2 (the rendezvous waits for the last call) {show(partial)}"
         )
 
-    main = ours[RESNET50_SIZED.label]
+    main = ours[first.label]
     ours_out = spread(main.pauses(OUT))["median"]
     fast = [t.pause_s for t in torchrun.get("last_call_timeout=1", []) if (t.before, t.after) == (2, 3)]
     slow = [t.pause_s for t in torchrun.get("defaults", []) if (t.before, t.after) == (2, 3)]
@@ -388,6 +408,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "bench": "resize",
         "model_params": main.model.parameters,
+        "model": main.model.label if not args.task else f"{args.task} {args.entrypoint}",
         "pause_median_s": spread(main.pauses())["median"],
         "pause_median_by_scenario_s": {s: spread(main.pauses(s))["median"] for s in SCENARIOS},
         "torchrun_pause_median_s": spread(fast)["median"],
@@ -422,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--skip-torchrun", action="store_true", help="leave the torchrun baseline out")
+    parser.add_argument("--task", type=Path, help="a user's task directory, trained instead of the MLP")
+    parser.add_argument("--entrypoint", default="task:Task", help="the task class in --task, module:ClassName")
+    parser.add_argument(
+        "--hyperparameters", default='{"batch_size": 64}', help="the task's hyperparameters as JSON (batch_size required)"
+    )
     args = parser.parse_args(argv)
     summary = report(args)
     print(json.dumps(summary))

@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--timeline", type=Path, required=True)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--code-dir", type=Path, help="the job's own code, for a spec that names code")
     parser.add_argument("--no-stop-flag", action="store_true", help="plain DDP: no per-step stop vote")
     args = parser.parse_args()
     stopping = False
@@ -57,8 +58,12 @@ def main() -> int:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = JobSpec(**json.loads(args.spec))
-    info = CATALOGUE[spec.workload]
-    problem = bind_task(info.path, info.entrypoint, spec.hyperparameters, spec.seed, device)
+    if spec.workload is not None:
+        info = CATALOGUE[spec.workload]
+        problem = bind_task(info.path, info.entrypoint, spec.hyperparameters, spec.seed, device)
+    else:
+        assert args.code_dir is not None and spec.entrypoint is not None, "a spec with code needs --code-dir"
+        problem = bind_task(args.code_dir, spec.entrypoint, spec.hyperparameters, spec.seed, device)
     model = problem.model
     optimizer = problem.make_optimizer()
     step = 0

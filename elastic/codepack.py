@@ -268,3 +268,24 @@ def unpack(archive: Path, target: Path, max_unpacked_bytes: int) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+SKIPPED_WHEN_PACKING = ("__pycache__", ".git")
+"""Directories `pack_directory` never takes (a .bungeeignore can leave out more)."""
+
+
+def pack_directory(directory: Path, destination: BinaryIO, max_unpacked_bytes: int, max_files: int) -> Packed:
+    """Packs the directory as an upload would be, canonically (see `repack`), into
+    `destination`; the digest is the one the portal gives the same files. Raises ArchiveError
+    (a link in the directory is refused, as in an upload)."""
+    import tempfile
+
+    def skip(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if set(PurePosixPath(info.name).parts) & set(SKIPPED_WHEN_PACKING) else info
+
+    with tempfile.TemporaryFile() as plain:
+        with tarfile.open(fileobj=plain, mode="w") as archive:
+            for path in sorted(directory.iterdir()):
+                archive.add(path, arcname=path.name, filter=skip)
+        plain.seek(0)
+        return repack(plain, destination, max_unpacked_bytes, max_files)  # type: ignore[arg-type]

@@ -53,6 +53,10 @@ class JobSpec(BaseModel):
     warmup_steps: int = Field(50, ge=0, le=1_000_000)
     """Hybrid: steps over which the learning rate moves to its new value, at the start and after
     every change of the global batch."""
+    eval_every_steps: int | None = Field(
+        None, ge=1, le=10_000_000,
+        description="evaluate the task on its eval_data every this many steps (always at the end)",
+    )
     steps: int | None = Field(None, ge=1, le=10_000_000)
     epochs: float | None = Field(None, gt=0, le=100_000)
     seed: int = Field(0, ge=0, le=2**31 - 1)

@@ -112,7 +112,10 @@ class WorkerEvent(WorkerKey):
       resize, so its generation and rank follow it while its pid stays the same.
     - resized (rank 0 only): generation `generation` took over at `step`: members_before and
       members_after ("node/device_index"), pause_s, bytes_moved, phases (seconds per phase)
-    - progress: step, total_steps, epoch, loss, samples_per_s, global_batch, lr
+    - progress: step, total_steps, epoch, loss, samples_per_s, global_batch, lr; metrics, the
+      named metrics the task's `loss` returned on rank 0's part of the step
+    - evaluation (rank 0): step, metrics, the task's `evaluate` over its eval_data (every
+      spec.eval_every_steps, and at the end)
     - log: message
     - exited: exit_code, reason (completed, stopped, left, failed, user_error), step (last completed step)
     - step_times (every rank): step_times, its compute seconds (step start to all-reduce) of
@@ -130,7 +133,7 @@ class WorkerEvent(WorkerKey):
 
     kind: Literal[
         "started", "joined", "resized", "progress", "log", "exited", "step_times", "exiting", "form_failed",
-        "artifacts",
+        "artifacts", "evaluation",
     ]
     at: float
     pid: int | None = None
@@ -154,6 +157,9 @@ class WorkerEvent(WorkerKey):
     failed_generation: int | None = Field(None, ge=1, description="form_failed: the generation that did not form")
     global_batch: int | None = Field(None, ge=1, description="progress: the global batch of the last step")
     lr: float | None = Field(None, ge=0, description="progress: the learning rate of the last step")
+    metrics: dict[str, float] | None = Field(
+        None, description="progress: the task's named training metrics; evaluation: its evaluation metrics"
+    )
 
 
 class AgentReport(_Message):

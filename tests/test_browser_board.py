@@ -43,7 +43,10 @@ def test_utilisation_changes_live(browser_platform: Any, chromium: Any) -> None:
     page = log_in(chromium, browser_platform, "alice")
     bar(page, job_id).wait_for()
     cell = page.locator('#devices tbody tr:first-child [data-field="util"]')
-    page.wait_for_function("() => document.querySelector('#devices tbody tr [data-field=util]').textContent.endsWith('%')")
+    # The devices table may render after the job's bar: until it has a row, there is no cell.
+    page.wait_for_function(
+        "() => document.querySelector('#devices tbody tr [data-field=util]')?.textContent.endsWith('%')"
+    )
     readings = {cell.inner_text()}
     for _ in range(20):
         page.wait_for_timeout(700)

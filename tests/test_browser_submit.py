@@ -68,6 +68,7 @@ def test_submit_your_own_code_through_the_form(browser_platform: Any, chromium: 
     page.set_input_files("#code_file", str(archive))
     page.fill("#entrypoint", "task:RingsTask")
     page.fill("#code_hyperparameters", "hidden: 16\n")  # batch_size forgotten
+    page.fill("#eval_every_steps", "20")
     page.fill("#length", "100000")
     page.click("button[type=submit] >> text=Submit")
     error = page.locator("#code_hyperparameters-error")
@@ -83,6 +84,13 @@ def test_submit_your_own_code_through_the_form(browser_platform: Any, chromium: 
     page.wait_for_selector("#job-state.state-running", timeout=60_000)
     page.wait_for_function(
         "() => document.querySelector('#log') && document.querySelector('#log').textContent.includes('starting from step 0')",
+        timeout=60_000,
+    )
+    page.wait_for_selector("#metrics-figure:not([hidden]) .u-legend", timeout=60_000)
+    legend = page.locator("#metrics-figure .u-legend").inner_text()
+    assert "accuracy (train)" in legend
+    page.wait_for_function(
+        "() => document.querySelector('#metrics-figure .u-legend')?.textContent.includes('accuracy (eval)')",
         timeout=60_000,
     )
     screenshot(page, "job-page-own-code")

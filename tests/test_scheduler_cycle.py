@@ -313,6 +313,25 @@ def test_a_user_error_fails_the_job_at_once_and_stops_the_other_workers(
     assert run_cycle().launched_jobs == [], "no new generation for a job whose code is broken"
 
 
+def test_named_metrics_and_evaluations_are_kept_and_served(api: dict, cluster: Any, redis_client: Any) -> None:
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    form(cluster, job, 2)
+    report(
+        cluster,
+        event(job, "progress", step=10, loss=1.5, samples_per_s=90.0, metrics={"accuracy": 0.5, "top5": 0.9}),
+        event(job, "evaluation", step=10, metrics={"accuracy": 0.45}),
+        event(job, "progress", step=20, loss=1.2, samples_per_s=95.0, metrics={"accuracy": 0.6, "top5": 0.95}),
+    )
+    served = api["alice"].get(f"/api/jobs/{job.pk}/metrics").json()
+    assert [(m["step"], m["metrics"]) for m in served] == [(10, {"accuracy": 0.5, "top5": 0.9}),
+                                                          (20, {"accuracy": 0.6, "top5": 0.95})]
+    evaluations = api["alice"].get(f"/api/jobs/{job.pk}/evaluations").json()
+    assert [(e["step"], e["metrics"]) for e in evaluations] == [(10, {"accuracy": 0.45})]
+    assert api["bob"].get(f"/api/jobs/{job.pk}/evaluations").status_code == 403
+
+
 def test_lost_node_frees_its_devices(api: dict, cluster: Any, redis_client: Any) -> None:
     from datetime import timedelta
 

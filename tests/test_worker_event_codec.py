@@ -34,6 +34,7 @@ EVENTS = [
         samples_per_s=100.0,
         global_batch=64,
         lr=0.1,
+        metrics={"accuracy": 0.75},
     ),
     WorkerEvent(
         job_id=5,
@@ -58,6 +59,8 @@ EVENTS = [
         failed_generation=4,
         message="could not form generation 4: timeout",
     ),
+    WorkerEvent(job_id=5, generation=3, rank=0, kind="artifacts", at=7.0, step=9, message="/runs/job-5/artifacts"),
+    WorkerEvent(job_id=5, generation=3, rank=0, kind="evaluation", at=8.0, step=9, metrics={"accuracy": 0.8}),
 ]
 
 

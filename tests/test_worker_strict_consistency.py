@@ -76,7 +76,6 @@ def _resized_run(spec: dict[str, Any], run_dir: Path) -> tuple[TrainingState, li
     record = run_dir / "samples.jsonl"
     env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
     with LocalJob({**spec, "steps": 10_000_000}, run_dir / "run", REDIS_URL, env=env) as job:
-
         job.start([0, 1, 2, 3])
         job.trained_past(1, 5)
         job.resize([0, 1])

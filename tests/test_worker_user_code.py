@@ -2,12 +2,15 @@
 ships, its own collate and metrics), run by real worker processes from its own directory.
 
 In strict mode, resized 2 -> 3 -> (a worker SIGKILLed) 2 -> 1 in place, it ends `torch.equal` to
-the same task on a fixed 2 workers, every sample of every step trained exactly once. A bug in
+the same task on a fixed 2 workers, every sample of every step trained exactly once, and the
+model file it leaves loads without Bungee and gives its manifest's evaluation. In hybrid mode,
+resized 3 -> 1 -> 2, its batch follows the workers over a contiguous sample stream. A bug in
 its `loss` at the fifth call fails the worker with the job's own traceback in the log and exit
 code USER_ERROR_EXIT_CODE, and the job is not healed into a restart loop."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from elastic.artifacts import MANIFEST_NAME, MODEL_NAME, artifacts_dir
+from elastic.codepack import pack_directory
 from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 from elastic.worker.checkpoint import checkpoint_path, load_checkpoint
 from elastic.worker.data import SampleStream
@@ -33,8 +37,9 @@ SEED = 5
 BATCH = 24
 SPEC: dict[str, Any] = {
     "name": "rings",
-    # The spec's workload is not what runs: the worker loads the job's own code (RINGS).
-    "workload": "digits-mlp",
+    # LocalJob hands the workers the directory, as an agent does once it has unpacked the code.
+    "code": pack_directory(RINGS[0], io.BytesIO(), 10**8, 1000).digest,
+    "entrypoint": RINGS[1],
     "max_workers": 3,
     "seed": SEED,
     "hyperparameters": {"batch_size": BATCH, "hidden": 16, "dropout": 0.2},
@@ -46,7 +51,6 @@ def test_a_users_task_resized_in_place_is_bitwise_the_fixed_run(tmp_path: Path) 
     env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
     spec = {**SPEC, "steps": 10_000_000}
     with LocalJob(spec, tmp_path / "resized", REDIS_URL, env=env, task=RINGS) as job:
-
         job.start([0, 1])
         job.trained_past(1, 5)
         job.resize([0, 1, 2])
@@ -91,6 +95,49 @@ def test_a_users_task_resized_in_place_is_bitwise_the_fixed_run(tmp_path: Path) 
     assert json.loads((resized_dir / MANIFEST_NAME).read_text())["ended"] == "stopped"
     assert set(manifest["final"]["metrics"]) == {"accuracy", "loss"}
     assert evaluate_without_bungee(fixed_dir / MODEL_NAME, fixed_dir / MANIFEST_NAME) == manifest["final"]["metrics"]
+
+
+def test_a_users_task_in_hybrid_mode_resized_in_place(tmp_path: Path) -> None:
+    # Hybrid: the global batch follows the workers (8 a worker), consecutive steps train
+    # consecutive runs of the sample stream whatever their batch, and the model learns.
+    record = tmp_path / "samples.jsonl"
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
+    spec = {
+        **SPEC, "steps": 10_000_000, "consistency": "hybrid", "batch_per_worker": 8, "min_batch_size": 8,
+        "max_batch_size": 24, "warmup_steps": 5, "eval_every_steps": 25,
+    }
+    with LocalJob(spec, tmp_path / "run", REDIS_URL, env=env, task=RINGS) as job:
+        job.start([0, 1, 2])
+        job.trained_past(1, 40)
+        job.resize([0])
+        job.trained_past(2, 40)
+        job.resize([0, 1])
+        job.trained_past(3, 150)
+        job.send_signal(0, signal.SIGTERM)
+        job.wait(120)
+    assert [r.world_size for r in job.records] == [3, 1, 2] and len(job.outputs) == 4, job.describe()
+    progress = {e.generation: e for o in job.outputs for e in o.of_kind("progress")}
+    assert [progress[g].global_batch for g in (1, 2, 3)] == [24, 8, 16]
+    state = load_checkpoint(checkpoint_path(tmp_path / "run"))
+    assert state is not None
+    batches: dict[int, list[tuple[int, list[int]]]] = {}
+    for line in record.read_text().splitlines():
+        entry = json.loads(line)
+        batches.setdefault(entry["step"], []).append((entry["rank"], entry["indices"]))
+    stream, position = SampleStream(RING_SAMPLES, SEED), 0
+    for step in range(state.step):
+        indices = [index for _, share in sorted(batches[step]) for index in share]
+        assert indices == stream.positions(position, position + len(indices)).tolist(), step
+        position += len(indices)
+    manifest = json.loads((artifacts_dir(tmp_path / "run") / MANIFEST_NAME).read_text())
+    assert manifest["ended"] == "stopped" and manifest["final"]["metrics"]["accuracy"] >= 0.9, manifest["final"]
+    # The task's named metrics: its loss's on every progress report, its evaluation every 25
+    # steps and at the end (the last one is the manifest's).
+    reports = [e for o in job.outputs for e in o.of_kind("progress")]
+    assert reports and all(set(e.metrics or {}) == {"accuracy"} for e in reports)
+    evaluations = [e for o in job.outputs for e in o.of_kind("evaluation")]
+    assert [e.step for e in evaluations][:-1] == list(range(25, state.step, 25))
+    assert evaluations[-1].step == state.step and evaluations[-1].metrics == manifest["final"]["metrics"]
 
 
 def test_a_bug_in_loss_fails_the_worker_once_with_the_traceback(tmp_path: Path) -> None:

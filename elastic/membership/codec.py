@@ -21,7 +21,9 @@ from elastic.wire import WORKER_EVENT_PREFIX, WorkerEvent
 
 __all__ = ["MAX_LOG_CHARS", "WORKER_KINDS", "WorkerKind", "decode", "encode", "is_event_line"]
 
-WorkerKind = Literal["joined", "resized", "progress", "log", "step_times", "form_failed", "exiting", "artifacts"]
+WorkerKind = Literal[
+    "joined", "resized", "progress", "log", "step_times", "form_failed", "exiting", "artifacts", "evaluation"
+]
 """The kinds of event a worker writes; "started" and "exited" are the supervisor's own."""
 WORKER_KINDS: frozenset[str] = frozenset(get_args(WorkerKind))
 MAX_LOG_CHARS = 2000

@@ -42,7 +42,8 @@ def _sha256(path: Path) -> str:
 
 
 class ArtifactExporter:
-    """Rank 0's export of the job's model, checkpoint and manifest (see the module)."""
+    """Rank 0's evaluations of the task, and its export of the job's model, checkpoint and
+    manifest at the end (see the module)."""
 
     def __init__(
         self,
@@ -62,6 +63,18 @@ class ArtifactExporter:
         self.checkpoint = checkpoint
         self.events = events
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluates the task after `step` steps, reports it (an "evaluation" event) and returns
+        the metrics; none, with a log line, if the task's evaluation raises."""
+        try:
+            metrics = self.problem.evaluate()
+        except UserCodeError as err:
+            self.events.log(f"the evaluation after step {step} failed: {err}")
+            return {}
+        if metrics:
+            self.events.emit("evaluation", step=step, metrics=metrics)
+        return metrics
+
     def export(self, step: int, ended: str, loss: float | None) -> None:
         """Writes the artifacts of the state after `step` steps (`ended`: "completed" or
         "stopped") and emits the "artifacts" event. A failure to write is logged, not raised:
@@ -77,11 +90,7 @@ class ArtifactExporter:
         staging.mkdir(parents=True)
         torch.save(self.trainer.exported_model_state(), staging / MODEL_NAME)
         shutil.copyfile(self.checkpoint, staging / CHECKPOINT_NAME)
-        try:
-            metrics = self.problem.evaluate()
-        except UserCodeError as err:
-            self.events.log(f"the final evaluation failed, the manifest has no metrics: {err}")
-            metrics = {}
+        metrics = self.evaluate(step)
         manifest: dict[str, Any] = {
             "job_id": self.job_id,
             "ended": ended,

@@ -93,11 +93,13 @@ class ProgressReporter:
         global_batch: int | None = None,
         lr: float | None = None,
         samples_done: int | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> bool:
         """Record that global step `step` (completed steps) trained `samples` samples with mean
         loss `loss`, at global batch `global_batch` and learning rate `lr` where given; report it
         if due. `samples_done`: the job's samples so far, where the batch changes (by default
-        `step` fixed batches). Return whether an event was written."""
+        `step` fixed batches); `metrics`: the task's named training metrics. Return whether an
+        event was written."""
         self._samples_since_report += samples
         now = time.monotonic()
         elapsed = now - self._last_report_at
@@ -113,6 +115,7 @@ class ProgressReporter:
             samples_per_s=self._samples_since_report / elapsed if elapsed > 0 else 0.0,
             global_batch=global_batch,
             lr=lr,
+            metrics=metrics or None,
         )
         self._reported_once = True
         self._last_report_at = now

@@ -266,6 +266,8 @@ class TrainingLoop:
         pending: Callable[[], int],
         barrier: Callable[[], None] = group_barrier,
         export: Callable[[int, str, float | None], None] | None = None,
+        evaluate: Callable[[int], object] | None = None,
+        eval_every_steps: int | None = None,
     ) -> None:
         self.trainer = trainer
         self.position = position
@@ -282,6 +284,9 @@ class TrainingLoop:
         self.export = export
         """Rank 0's export of the job's artifacts at its end: (step, "completed" or "stopped",
         the last step's loss) (elastic.worker.artifacts)."""
+        self.evaluate = evaluate
+        """Rank 0's evaluation of the task after a step, every `eval_every_steps` steps."""
+        self.eval_every_steps = eval_every_steps
         self._last_loss: float | None = None
 
     def train(self) -> int | SwitchAgreed:
@@ -309,6 +314,7 @@ class TrainingLoop:
                     global_batch=self.trainer.batch_size,
                     lr=self.trainer.lr,
                     samples_done=self.trainer.batch_start(position.step),
+                    metrics=self.trainer.problem.metrics,
                 )
                 self.resizes.step_ended(position.last_step_end, now=finished or bool(outcome.switch_to))
             if finished:
@@ -317,6 +323,13 @@ class TrainingLoop:
                 self._log(f"stopping at step {position.step}")
                 self.save_and_wait("stopped")
                 return STOPPED_EXIT_CODE
+            if (
+                position.is_leader
+                and self.evaluate is not None
+                and self.eval_every_steps
+                and position.step % self.eval_every_steps == 0
+            ):
+                self.evaluate(position.step)  # the others wait in the next step's all-reduce
             if outcome.switch_to:
                 self.resizes.switch_started = time.perf_counter()
                 return SwitchAgreed(outcome.switch_to)

@@ -179,6 +179,15 @@ class WorkerRun:
             self.resizes,
             self._saver,
         )
+        outputs = ArtifactExporter(
+            self.config.run_dir,
+            self.config.job_id,
+            self.spec,
+            problem,
+            trainer,
+            checkpoint_path(self.config.run_dir),
+            self.events,
+        )
         loop = TrainingLoop(
             trainer,
             self.position,
@@ -191,15 +200,9 @@ class WorkerRun:
             self.total_steps,
             self.settings.checkpoint_every_s,
             pending=lambda: self.rendezvous.pending,
-            export=ArtifactExporter(
-                self.config.run_dir,
-                self.config.job_id,
-                self.spec,
-                problem,
-                trainer,
-                checkpoint_path(self.config.run_dir),
-                self.events,
-            ).export,
+            export=outputs.export,
+            evaluate=outputs.evaluate,
+            eval_every_steps=self.spec.eval_every_steps,
         )
         return restore, loop
 

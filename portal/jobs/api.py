@@ -16,7 +16,7 @@ from portal.errors import ApiError, not_found
 from portal.jobs import artifacts
 from portal.jobs.access import job_for
 from portal.jobs.models import Job
-from portal.jobs.schemas import JobDetailOut, JobSummaryOut, LogOut, MetricOut, ResizeIn
+from portal.jobs.schemas import EvaluationOut, JobDetailOut, JobSummaryOut, LogOut, MetricOut, ResizeIn
 from portal.jobs.services import cancel_job, request_resize, submit_job
 from portal.jobs.states import JobState
 
@@ -149,7 +149,13 @@ def cancel(request: HttpRequest, job_id: int) -> dict[str, Any]:
     return detail(cancel_job(job_for(request.user, job_id)))
 
 
-@router.get("/{int:job_id}/metrics", response=list[MetricOut], summary="Loss and throughput history")
+@router.get("/{int:job_id}/evaluations", response=list[EvaluationOut], summary="The task's evaluations, by step")
+def evaluations(request: HttpRequest, job_id: int) -> Any:
+    job = job_for(request.user, job_id)
+    return list(job.evaluations.order_by("step", "at")[:MAX_METRICS])
+
+
+@router.get("/{int:job_id}/metrics", response=list[MetricOut], summary="Loss, throughput and named metrics history")
 def metrics(request: HttpRequest, job_id: int) -> Any:
     job = job_for(request.user, job_id)
     rows = job.metrics.order_by("-at")[:MAX_METRICS]

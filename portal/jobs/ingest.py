@@ -14,7 +14,7 @@ from django.db.models import F
 from elastic.wire import WorkerEvent
 from portal.cluster.models import Node
 from portal.jobs import lifecycle
-from portal.jobs.models import Job, JobLog, JobMetric, ResizeEvent, Worker
+from portal.jobs.models import Job, JobEvaluation, JobLog, JobMetric, ResizeEvent, Worker
 from portal.live import broadcast
 from portal.redis import client, key
 
@@ -98,6 +98,7 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
         epoch=event.epoch,
         loss=event.loss,
         samples_per_s=event.samples_per_s,
+        metrics=event.metrics or {},
         at=at,
     )
     broadcast.send(
@@ -113,6 +114,7 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
             "samples_per_s": event.samples_per_s,
             "global_batch": event.global_batch,
             "learning_rate": event.lr,
+            "metrics": event.metrics or {},
             "at": event.at,
         },
     )
@@ -156,6 +158,15 @@ def _on_log(node: Node, job: Job, event: WorkerEvent) -> None:
     )
 
 
+def _on_evaluation(node: Node, job: Job, event: WorkerEvent) -> None:
+    metrics = {str(name)[:100]: float(value) for name, value in (event.metrics or {}).items()}
+    JobEvaluation.objects.create(job=job, step=event.step or 0, metrics=metrics, at=_at(event.at))
+    broadcast.send(
+        broadcast.job_group(job.pk),
+        {"type": "evaluation", "job_id": job.pk, "step": event.step, "metrics": metrics, "at": event.at},
+    )
+
+
 def _on_form_failed(node: Node, job: Job, event: WorkerEvent) -> None:
     _on_log(node, job, event)
     lifecycle.form_failed(node, job, event)
@@ -170,4 +181,5 @@ _HANDLERS: dict[str, Callable[[Node, Job, WorkerEvent], None]] = {
     "progress": _on_progress,
     "log": _on_log,
     "step_times": _on_step_times,
+    "evaluation": _on_evaluation,
 }

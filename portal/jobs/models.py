@@ -209,10 +209,23 @@ class JobMetric(models.Model):
     epoch = models.FloatField(null=True)
     loss = models.FloatField(null=True)
     samples_per_s = models.FloatField(null=True)
+    metrics = models.JSONField(default=dict, blank=True, help_text="the task's named training metrics")
     at = models.DateTimeField()
 
     class Meta:
         ordering = ["job", "at"]
+
+
+class JobEvaluation(models.Model):
+    """The task's evaluation over its eval_data after `step` steps (rank 0 reports it)."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="evaluations")
+    step = models.PositiveIntegerField()
+    metrics = models.JSONField()
+    at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["job", "step", "at"]
 
 
 class JobLog(models.Model):

@@ -113,6 +113,13 @@ class MetricOut(Schema):
     epoch: float | None
     loss: float | None
     samples_per_s: float | None
+    metrics: dict[str, float] = Field(description="the task's named training metrics (rank 0's part of the step)")
+    at: datetime
+
+
+class EvaluationOut(Schema):
+    step: int
+    metrics: dict[str, float]
     at: datetime
 
 

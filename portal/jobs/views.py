@@ -103,7 +103,8 @@ def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
         if exc.status == 404:
             raise Http404(exc.message) from exc
         raise PermissionDenied(exc.message) from exc
-    metrics = list(job.metrics.order_by("-at").values("step", "loss", "samples_per_s", "at")[:2000])[::-1]
+    metrics = list(job.metrics.order_by("-at").values("step", "loss", "samples_per_s", "metrics", "at")[:2000])[::-1]
+    evaluations = list(job.evaluations.order_by("step", "at").values("step", "metrics")[:2000])
     logs = list(job.logs.order_by("-id").values("id", "generation", "rank", "line")[:200])[::-1]
     return render(
         request,
@@ -114,6 +115,7 @@ def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
                 "viewer": _viewer(request),
                 "job": detail(job),
                 "metrics": [{**m, "at": m["at"].timestamp()} for m in metrics],
+                "evaluations": evaluations,
                 "logs": logs,
             },
         },

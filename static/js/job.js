@@ -42,12 +42,52 @@
   }
   const lossChart = chart($("#loss-chart"), "loss", losses, "#d9480f");
   const speedChart = chart($("#speed-chart"), "samples/s", speeds, "#1c7ed6");
+  // The task's named metrics: "name (train)" from loss, "name (eval)" from evaluate, on one
+  // step axis (gaps where a series has no point); the chart is rebuilt when a name appears.
+  const named = new Map();  // series label -> Map(step -> value)
+  function addNamed(step, metrics, kind) {
+    let added = false;
+    Object.entries(metrics || {}).forEach(([name, value]) => {
+      const label = name + " (" + kind + ")";
+      if (!named.has(label)) { named.set(label, new Map()); added = true; }
+      named.get(label).set(step, value);
+    });
+    return added;
+  }
+  boot.metrics.forEach((m) => addNamed(m.step, m.metrics, "train"));
+  (boot.evaluations || []).forEach((e) => addNamed(e.step, e.metrics, "eval"));
+  const PALETTE = ["#2f9e44", "#ae3ec9", "#f08c00", "#1098ad", "#e03131", "#5c7cfa"];
+  let metricsChart = null;
+  function namedData() {
+    const xs = [...new Set([...named.values()].flatMap((m) => [...m.keys()]))].sort((a, b) => a - b);
+    return [xs, ...[...named.values()].map((m) => xs.map((x) => (m.has(x) ? m.get(x) : null)))];
+  }
+  function drawNamed(rebuild) {
+    if (!named.size) return;
+    $("#metrics-figure").hidden = false;
+    const labels = [...named.keys()];
+    if (metricsChart && !rebuild) { metricsChart.setData(namedData()); return; }
+    if (metricsChart) metricsChart.destroy();
+    const target = $("#metrics-chart");
+    metricsChart = new uPlot({
+      width: Math.max(280, target.clientWidth || 480), height: 220,
+      scales: { x: { time: false } },
+      axes: [{ label: "step", stroke: css.getPropertyValue("--fg") },
+        { stroke: css.getPropertyValue("--fg"), size: 56 }],
+      series: [{ label: "step" }, ...labels.map((label, i) => ({
+        label: label, stroke: PALETTE[i % PALETTE.length], width: 2, spanGaps: true,
+        points: { show: label.endsWith("(eval)") },
+      }))],
+      legend: { show: true, live: false },
+    }, namedData(), target);
+  }
+  drawNamed(true);
   function redraw() {
     lossChart.setData([steps, losses]);
     speedChart.setData([steps, speeds]);
   }
   window.addEventListener("resize", () => {
-    [lossChart, speedChart].forEach((c) => c.setSize({ width: Math.max(280, c.root.parentElement.clientWidth), height: 220 }));
+    [lossChart, speedChart, metricsChart].filter(Boolean).forEach((c) => c.setSize({ width: Math.max(280, c.root.parentElement.clientWidth), height: 220 }));
   });
 
   // --- facts, devices, resizes, log ---------------------------------------------------------
@@ -212,6 +252,9 @@
       if (msg.global_batch) job.global_batch = msg.global_batch;
       if (msg.learning_rate !== null && msg.learning_rate !== undefined) job.learning_rate = msg.learning_rate;
       redraw(); renderFacts();
+      drawNamed(addNamed(msg.step, msg.metrics, "train"));
+    } else if (msg.type === "evaluation" && msg.job_id === job.id) {
+      drawNamed(addNamed(msg.step, msg.metrics, "eval"));
     } else if (msg.type === "log" && msg.job_id === job.id) {
       addLog(msg);
     } else if (msg.type === "job_state" && msg.job.id === job.id) {
