@@ -332,10 +332,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     print("\n1. strict against plain averaging, step time", flush=True)
     result: dict[str, Any] = {"bench": "consistency"}
     figures = overhead(args, work)
-    print(
-        "\n2. parameters after a resize schedule against a fixed run (digits CNN, batch norm, dropout)",
-        flush=True,
-    )
+    trained = f"{TASK[1]} of {TASK[0]}" if TASK is not None else "digits CNN, batch norm, dropout"
+    print(f"\n2. parameters after a resize schedule against a fixed run ({trained})", flush=True)
     result.update(differences(args, work))
     result.update(figures)
     if TASK is not None:

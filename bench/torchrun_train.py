@@ -79,7 +79,7 @@ def main() -> int:
     while step < spec.total_steps():
         indices = stream.local_batch(step, problem.batch_size, world, rank)
         optimizer.zero_grad(set_to_none=True)
-        problem.task.loss(ddp, problem.batch(indices)).backward()
+        problem.loss(problem.batch(indices), model=ddp).backward()
         optimizer.step()
         step += 1
         if not args.no_stop_flag:

@@ -44,6 +44,7 @@ class FakeTrainer:
     ) -> None:
         self.batch_size = BATCH
         self.lr = 0.1
+        self.metrics = {"accuracy": 0.5}
         self.stop_after = stop_after
         self.switch_after = switch_after or {}
         self.fail_at = fail_at
@@ -86,6 +87,7 @@ class Harness:
         pending: int = 0,
         checkpoint_every_s: float = 3600.0,
         barrier_fails: bool = False,
+        eval_every_steps: int | None = None,
     ) -> None:
         self.stream = io.StringIO()
         self.events = EventWriter(CONFIG, self.stream)
@@ -105,6 +107,8 @@ class Harness:
         self.resizes = ResizeMeter(self.events, TOTAL_STEPS)
         self.barriers = 0
         self._barrier_fails = barrier_fails
+        self.calls: list[tuple[Any, ...]] = []
+        """Evaluations and exports, in order, with the barriers passed by then."""
         self.loop = TrainingLoop(
             trainer,  # type: ignore[arg-type]
             self.position,
@@ -118,6 +122,9 @@ class Harness:
             checkpoint_every_s,
             pending=lambda: pending,
             barrier=self._barrier,
+            export=lambda step, ended, loss: self.calls.append(("export", step, ended, self.barriers)),
+            evaluate=lambda step: self.calls.append(("evaluate", step)),
+            eval_every_steps=eval_every_steps,
         )
 
     def _barrier(self) -> None:
@@ -150,6 +157,17 @@ def test_rank_0_trains_to_the_end_saves_and_waits_for_every_rank(tmp_path: Path)
     assert progress[0].step == 1
     assert progress[-1].step == TOTAL_STEPS
     assert run.logs() == [f"completed all {TOTAL_STEPS} steps"]
+
+
+def test_rank_0_evaluates_on_schedule_and_exports_once_every_rank_has_the_checkpoint(tmp_path: Path) -> None:
+    run = Harness(tmp_path, FakeTrainer(), eval_every_steps=4)
+    assert run.loop.train() == COMPLETED_EXIT_CODE
+    evaluations = [call[1] for call in run.calls if call[0] == "evaluate"]
+    assert evaluations == list(range(4, TOTAL_STEPS, 4)), "every 4 steps; the end's is the export's"
+    assert run.calls[-1] == ("export", TOTAL_STEPS, "completed", 1), "after the barrier"
+    assert run.emitted("progress")[-1].metrics == {"accuracy": 0.5}
+    other = Harness(tmp_path / "other", FakeTrainer(), rank=1, eval_every_steps=4)
+    assert other.loop.train() == COMPLETED_EXIT_CODE and other.calls == []
 
 
 def test_another_rank_trains_to_the_end_and_waits_for_rank_0(tmp_path: Path) -> None:

@@ -126,11 +126,12 @@ class BoundTask:
         with blaming_the_task("collate(items)"):
             return to_device(self._collate(items), self.device)
 
-    def loss(self, batch: Any) -> torch.Tensor:
-        """The task's mean loss over `batch`; its named metrics go to `metrics`. Raises
-        UserCodeError if the task raises or returns no scalar tensor."""
+    def loss(self, batch: Any, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """The task's mean loss over `batch` with its model (or `model`, a wrapper of it such
+        as DDP's); its named metrics go to `metrics`. Raises UserCodeError if the task raises
+        or returns no scalar tensor."""
         with blaming_the_task("loss(model, batch)"):
-            result = self.task.loss(self.model, batch)
+            result = self.task.loss(self.model if model is None else model, batch)
         metrics: dict[str, Any] = {}
         if isinstance(result, tuple) and len(result) == 2:
             result, metrics = result

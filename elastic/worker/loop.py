@@ -314,7 +314,7 @@ class TrainingLoop:
                     global_batch=self.trainer.batch_size,
                     lr=self.trainer.lr,
                     samples_done=self.trainer.batch_start(position.step),
-                    metrics=self.trainer.problem.metrics,
+                    metrics=self.trainer.metrics,
                 )
                 self.resizes.step_ended(position.last_step_end, now=finished or bool(outcome.switch_to))
             if finished:

@@ -189,6 +189,11 @@ class Trainer:
             self.recorder.record(step, indices, outcome.loss)
 
     @property
+    def metrics(self) -> dict[str, float]:
+        """The task's named metrics of this rank's last `loss` call."""
+        return self.problem.metrics
+
+    @property
     def lr(self) -> float:
         """The learning rate of the optimiser's first parameter group."""
         return float(self.optimizer.param_groups[0]["lr"])
