@@ -212,6 +212,17 @@ def test_rank_0_asks_for_the_pending_generation_and_the_group_switches_after_the
     assert load_checkpoint(run.path) is None
 
 
+def test_the_first_step_of_each_generation_is_reported_at_once(tmp_path: Path) -> None:
+    # The progress period is an hour: only forced reports are written. After the switch, the
+    # next generation's first step is one of them (its new batch and rate show at once).
+    run = Harness(tmp_path, FakeTrainer(switch_after={3: 2}))
+    assert run.loop.train() == SwitchAgreed(2)
+    reported, switched_at = len(run.emitted("progress")), run.position.step
+    assert run.loop.train() == COMPLETED_EXIT_CODE
+    after = [event.step for event in run.emitted("progress")][reported:]
+    assert after == [switched_at + 1, TOTAL_STEPS], after
+
+
 def test_a_switch_asked_by_rank_0_ends_the_loop_of_another_rank(tmp_path: Path) -> None:
     run = Harness(tmp_path, FakeTrainer(switch_after={4: 2}), rank=1)
     assert run.loop.train() == SwitchAgreed(2)

@@ -292,8 +292,10 @@ class TrainingLoop:
     def train(self) -> int | SwitchAgreed:
         """Trains until the job is done (COMPLETED_EXIT_CODE) or a stop is agreed
         (STOPPED_EXIT_CODE), rank 0 having saved the checkpoint, or a switch is agreed
-        (SwitchAgreed). Raises CollectiveError if a peer fails."""
+        (SwitchAgreed). Raises CollectiveError if a peer fails. Rank 0 reports the first step of
+        each generation at once (its new batch and rate), then every progress period."""
         position = self.position
+        first_of_generation = True
         while position.step < self.total_steps:
             switch_to = self.pending()
             began = time.perf_counter()
@@ -310,12 +312,13 @@ class TrainingLoop:
                     position.step,
                     outcome.loss,
                     outcome.samples,
-                    force=finished or outcome.stop or bool(outcome.switch_to),
+                    force=finished or outcome.stop or bool(outcome.switch_to) or first_of_generation,
                     global_batch=self.trainer.batch_size,
                     lr=self.trainer.lr,
                     samples_done=self.trainer.batch_start(position.step),
                     metrics=self.trainer.metrics,
                 )
+                first_of_generation = False
                 self.resizes.step_ended(position.last_step_end, now=finished or bool(outcome.switch_to))
             if finished:
                 break
