@@ -267,6 +267,22 @@ def test_owner_return_shrinks_the_job(api: dict, cluster: Any, redis_client: Any
     assert state["nodes"][0]["devices"][0]["sample"]["utilization_pct"] == 50
 
 
+def test_a_job_succeeds_when_its_rank_0_is_done_writing_its_model(api: dict, cluster: Any) -> None:
+    """The other ranks exit completed as soon as the last step is trained; rank 0 exports the
+    artifacts first. Finishing the job then would stop rank 0 mid-export."""
+    job = submit(api, min_workers=2, max_workers=2)
+    run_cycle()
+    job.refresh_from_db()
+    form(cluster, job, 2)
+    report(cluster, event(job, "exited", rank=1, exit_code=0, reason="completed", step=50))
+    job.refresh_from_db()
+    assert job.state == "running" and job.generation == 1 and job.allocations.count() == 2
+    report(cluster, event(job, "exited", rank=0, exit_code=0, reason="completed", step=50))
+    job.refresh_from_db()
+    assert job.state == "succeeded" and job.allocations.count() == 0
+    assert sorted(job.workers.values_list("reason", flat=True)) == ["completed", "completed"]
+
+
 def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, settings: Any) -> None:
     done = submit(api, max_workers=1)
     flaky = submit(api, max_workers=1, name="flaky")

@@ -517,7 +517,8 @@ def form_failed(node: Node, job: Job, event: WorkerEvent) -> None:
 
 
 def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
-    """A worker process is gone. The last step trained: the job succeeded. A crash: the newest
+    """A worker process is gone. The last step trained and rank 0 done: the job succeeded (the
+    other ranks' completed exits change nothing, rank 0 exits after its export). A crash: the newest
     generation is lost (the survivors hold the state of the last step) and the job is planned
     again without the device, if it can do without it. A worker that left although its device
     is still the job's: planned again, with a new worker there."""
@@ -544,8 +545,11 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     mattered = was_running and row is not None and (
         row.joined_at is not None or job.allocations.filter(device_id=device).exists()
     )
-    if job.state in ACTIVE_STATES and event.reason == "completed":
-        finish(job)
+    if event.reason == "completed":
+        # Every rank trains the last step; rank 0 then writes the job's artifacts and exits
+        # last. Finishing the job on another rank's exit would stop rank 0 mid-export.
+        if job.state in ACTIVE_STATES and event.rank == 0:
+            finish(job)
     elif job.state in (JobState.RUNNING, JobState.RESIZING) and event.reason == "user_error":
         _end(
             job, JobState.FAILED, "finished",
