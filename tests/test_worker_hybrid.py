@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import json
 import signal
-import time
+import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elastic.spec import JobSpec
-from elastic.tasks.runtime import bind_task
 from elastic.worker import COMPLETED_EXIT_CODE
-from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint
+from elastic.worker.checkpoint import checkpoint_path, load_checkpoint
 from elastic.worker.data import SampleStream
 from elastic.worker.local import LocalJob
-from elastic.workloads import CATALOGUE
 from tests.worker_support import DIGITS_SAMPLES, REDIS_URL, worker_env
 
 pytestmark = pytest.mark.slow
@@ -38,63 +37,35 @@ SPEC = {
     "warmup_steps": 20,
     "seed": SEED,
     "hyperparameters": {"batch_size": 48, "channels": 8, "lr": 0.05},
+    "eval_every_steps": 20,
 }
+EVAL_EVERY = 20
 TARGET_ACCURACY = 0.94
 TAIL_STEPS = 300
 """Held-out accuracy wobbles by about a point from one step to the next on these 360 images at a
-constant rate, so each run is judged by the mean over the checkpoints of its last TAIL_STEPS."""
+constant rate, so each run is judged by the mean of its scheduled evaluations (every EVAL_EVERY
+steps, counted in steps, not seconds) over its last TAIL_STEPS."""
 
 
-def accuracy_of(state: TrainingState) -> float:
-    """The accuracy of the checkpoint's model on the digits the job never trained on."""
-    info = CATALOGUE[SPEC["workload"]]
-    problem = bind_task(info.path, info.entrypoint, SPEC["hyperparameters"], SEED)
-    problem.model.load_state_dict(state.model)
-    return problem.evaluate()["accuracy"]
-
-
-class CheckpointWatch:
-    """Evaluates each new periodic checkpoint of a run (rank 0 writes one every 0.2 s)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = checkpoint_path(run_dir)
-        self.accuracy: dict[int, float] = {}
-
-    def poll(self) -> None:
-        try:
-            state = load_checkpoint(self.path)
-        except (OSError, RuntimeError, EOFError):  # replaced while read
-            return
-        if state is not None and state.step not in self.accuracy:
-            self.accuracy[state.step] = accuracy_of(state)
-
-    def mean_from(self, first_step: int) -> float:
-        tail = [accuracy for step, accuracy in self.accuracy.items() if step >= first_step]
-        assert len(tail) >= 5, f"only {len(tail)} checkpoints after step {first_step}"
-        return sum(tail) / len(tail)
+def accuracy_tail(outputs: list[Any], first_step: int) -> float:
+    """The mean held-out accuracy of rank 0's scheduled evaluations from `first_step` on."""
+    tail = [e.metrics["accuracy"] for o in outputs for e in o.of_kind("evaluation") if (e.step or 0) >= first_step]
+    assert len(tail) >= TAIL_STEPS // EVAL_EVERY - 1, f"only {len(tail)} evaluations after step {first_step}"
+    return statistics.fmean(tail)
 
 
 def test_hybrid_resizes_reach_the_fixed_runs_accuracy(tmp_path: Path) -> None:
     record = tmp_path / "samples.jsonl"
-    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record), BUNGEE_CHECKPOINT_EVERY_S="0.2")
-    resized_watch = CheckpointWatch(tmp_path / "resized")
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
     with LocalJob({**SPEC, "steps": 10_000_000}, tmp_path / "resized", REDIS_URL, env=env) as job:
 
         def after_progress(generation: int, steps: int) -> int:
             _, formed = job.wait_for(lambda _, e: e.kind == "resized" and e.generation == generation, 180)
             target = (formed.step or 0) + steps
-            while True:
-                resized_watch.poll()
-                try:
-                    _, event = job.wait_for(
-                        lambda _, e: (
-                            e.kind == "progress" and e.generation == generation and (e.step or 0) >= target
-                        ),
-                        0.1,
-                    )
-                    return event.step or 0
-                except TimeoutError:
-                    continue
+            _, event = job.wait_for(
+                lambda _, e: e.kind == "progress" and e.generation == generation and (e.step or 0) >= target, 180
+            )
+            return event.step or 0
 
         job.start([0, 1, 2])
         after_progress(1, 100)
@@ -107,7 +78,6 @@ def test_hybrid_resizes_reach_the_fixed_runs_accuracy(tmp_path: Path) -> None:
     resized = load_checkpoint(checkpoint_path(tmp_path / "resized"))
     assert resized is not None
     steps = resized.step
-    resized_watch.accuracy[steps] = accuracy_of(resized)
 
     progress = [e for o in job.outputs for e in o.of_kind("progress")]
     by_generation = {e.generation: e for e in progress}  # the last report of each
@@ -130,20 +100,13 @@ def test_hybrid_resizes_reach_the_fixed_runs_accuracy(tmp_path: Path) -> None:
     assert resized.trainer["position"] == position
 
     fixed_dir = tmp_path / "fixed"
-    fixed_watch = CheckpointWatch(fixed_dir)
-    fixed_env = worker_env(BUNGEE_CHECKPOINT_EVERY_S="0.2")
-    with LocalJob({**SPEC, "steps": steps}, fixed_dir, REDIS_URL, env=fixed_env, heal=False) as fixed_job:
+    with LocalJob({**SPEC, "steps": steps}, fixed_dir, REDIS_URL, env=worker_env(), heal=False) as fixed_job:
         fixed_job.start([0, 1, 2])
-        while fixed_job.live() or not fixed_job.outputs:
-            fixed_watch.poll()
-            time.sleep(0.05)
         outputs = fixed_job.wait(300)
     assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE] * 3, fixed_job.describe()
-    fixed_watch.poll()
-    assert max(fixed_watch.accuracy) == steps
     JobSpec(**SPEC, steps=steps)  # the spec the test ran is one a user may submit
 
     first = steps - TAIL_STEPS
-    resized_accuracy, fixed_accuracy = resized_watch.mean_from(first), fixed_watch.mean_from(first)
+    resized_accuracy, fixed_accuracy = accuracy_tail(job.outputs, first), accuracy_tail(outputs, first)
     assert fixed_accuracy >= TARGET_ACCURACY
     assert abs(resized_accuracy - fixed_accuracy) <= 0.01, (resized_accuracy, fixed_accuracy)
