@@ -21,6 +21,7 @@ REGISTER_PATH = "/api/agent/register"
 REPORT_PATH = "/api/agent/report"
 CODE_PATH = "/api/agent/code/{digest}"
 ARTIFACTS_PATH = "/api/agent/jobs/{job_id}/artifacts"
+INITIAL_MODEL_PATH = "/api/agent/jobs/{job_id}/initial-model"
 ARTIFACTS_TIMEOUT_S = 600.0
 """An upload of a job's artifacts may take this long (a large checkpoint)."""
 _RETRIABLE_STATUSES = frozenset({408, 429})
@@ -91,7 +92,19 @@ class PortalClient:
     def fetch_code(self, digest: str, out: BinaryIO, max_bytes: int) -> None:
         """Writes the archive of the job code `digest` to `out`, as the portal sends it (the
         caller checks the digest). Raises PortalError, also if it is over `max_bytes`."""
-        path = CODE_PATH.format(digest=digest)
+        self._download(CODE_PATH.format(digest=digest), out, max_bytes, f"the code {digest}")
+
+    def fetch_initial_model(self, job_id: int, out: BinaryIO, max_bytes: int) -> str:
+        """Writes the model job `job_id` starts from (its spec's init_from) to `out`, and
+        returns the sha256 the portal holds for it (the caller checks it). Raises PortalError,
+        also if it is over `max_bytes`."""
+        headers = self._download(
+            INITIAL_MODEL_PATH.format(job_id=job_id), out, max_bytes, f"the initial model of job {job_id}"
+        )
+        return headers.get("X-Bungee-Sha256", "")
+
+    def _download(self, path: str, out: BinaryIO, max_bytes: int, what: str) -> httpx.Headers:
+        """Streams GET `path` into `out`; returns the reply's headers. Raises PortalError."""
         try:
             with self._http.stream("GET", path) as response:
                 if response.status_code == 403:  # the token is fine: this node runs no such job
@@ -105,8 +118,9 @@ class PortalClient:
                 for chunk in response.iter_bytes():
                     received += len(chunk)
                     if received > max_bytes:
-                        raise PortalRejectedError(f"the code {digest} is over {max_bytes} bytes", 413, "too_large")
+                        raise PortalRejectedError(f"{what} is over {max_bytes} bytes", 413, "too_large")
                     out.write(chunk)
+                return response.headers
         except httpx.TransportError as err:
             raise PortalUnavailableError(
                 f"portal at {self.base_url} unreachable ({type(err).__name__}: {err})"

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -20,6 +21,9 @@ log = logging.getLogger(__name__)
 MAX_ARCHIVE_BYTES = 256 * 1024 * 1024
 """The agent's own bound on a fetched archive (the portal's limits are lower)."""
 MAX_UNPACKED_BYTES = 1024 * 1024 * 1024
+MAX_MODEL_BYTES = 64 * 1024 * 1024 * 1024
+"""The agent's bound on a model a job starts from (init_from)."""
+INITIAL_MODEL_NAME = "initial-model.pt"
 
 
 class CodeUnavailable(Exception):  # noqa: N818 - a condition, reported as a failed start
@@ -29,9 +33,12 @@ class CodeUnavailable(Exception):  # noqa: N818 - a condition, reported as a fai
 class CodeSource(Protocol):
     def fetch_code(self, digest: str, out: BinaryIO, max_bytes: int) -> None: ...
 
+    def fetch_initial_model(self, job_id: int, out: BinaryIO, max_bytes: int) -> str: ...
+
 
 class CodeCache:
-    """Archives under `state_dir/code`, unpacked copies under `state_dir/jobs/job-N/code`."""
+    """Archives under `state_dir/code`, unpacked copies under `state_dir/jobs/job-N/code`, and
+    the model a job starts from (init_from) at `state_dir/jobs/job-N/initial-model.pt`."""
 
     def __init__(self, source: CodeSource, state_dir: Path) -> None:
         self._source = source
@@ -57,24 +64,50 @@ class CodeCache:
             marker.write_text(digest)
             return target
 
+    def initial_model(self, job_id: int) -> Path:
+        """The model job `job_id` starts from, fetched once and checked against the sha256 the
+        portal holds for it. Raises CodeUnavailable."""
+        with self._lock:
+            target = self._jobs / f"job-{job_id}" / INITIAL_MODEL_NAME
+            if target.exists():
+                return target
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _fetch_checked(
+                target,
+                lambda out: self._source.fetch_initial_model(job_id, out, MAX_MODEL_BYTES),
+                f"the model job {job_id} starts from",
+            )
+            return target
+
     def _archive(self, digest: str) -> Path:
         archive = self._archives / f"{digest}.tar.gz"
         if archive.exists():
             return archive
         self._archives.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=self._archives, suffix=".partial")
-        try:
-            with os.fdopen(descriptor, "wb") as out:
-                try:
-                    self._source.fetch_code(digest, out, MAX_ARCHIVE_BYTES)
-                except Exception as err:  # PortalError, or the disk
-                    raise CodeUnavailable(f"cannot fetch code {digest}: {err}") from err
-            got = file_digest(Path(temporary))
-            if got != digest:
-                raise CodeUnavailable(f"refused code {digest}: what the portal sent has sha256 {got}")
-            os.replace(temporary, archive)
-            log.info("fetched code %s", digest)
-            return archive
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+
+        def fetch(out: BinaryIO) -> str:
+            self._source.fetch_code(digest, out, MAX_ARCHIVE_BYTES)
+            return digest
+
+        _fetch_checked(archive, fetch, f"code {digest}")
+        log.info("fetched code %s", digest)
+        return archive
+
+
+def _fetch_checked(target: Path, fetch: Callable[[BinaryIO], str], what: str) -> None:
+    """Writes what `fetch` writes to `target`, if its sha256 is the one `fetch` returns, through
+    a temporary file beside it. Raises CodeUnavailable."""
+    descriptor, temporary = tempfile.mkstemp(dir=target.parent, suffix=".partial")
+    try:
+        with os.fdopen(descriptor, "wb") as out:
+            try:
+                expected = fetch(out)
+            except Exception as err:  # PortalError, or the disk
+                raise CodeUnavailable(f"cannot fetch {what}: {err}") from err
+        got = file_digest(Path(temporary))
+        if got != expected:
+            raise CodeUnavailable(f"refused {what}: what the portal sent has sha256 {got}, not {expected!r}")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)

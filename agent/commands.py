@@ -135,19 +135,23 @@ class CommandDispatcher:
 
     def _launch(self, command: LaunchCommand) -> None:
         """Starts the command's workers; a job with code of its own gets it first (fetched and
-        checked once per digest), and if that fails, its workers here are reported as failed to
+        checked once per digest), and one that starts from another job's model gets that; if
+        either fails, its workers here are reported as failed to
         start."""
         digest = command.spec.get("code")
-        code_dir = None
-        if digest and command.workers:
+        code_dir = initial_model = None
+        if command.workers and (digest or command.spec.get("init_from")):
             try:
                 if self._code is None:
-                    raise CodeUnavailable("this agent cannot fetch code (no portal client)")
-                code_dir = self._code.prepare(command.job_id, str(digest))
+                    raise CodeUnavailable("this agent cannot fetch code or models (no portal client)")
+                if digest:
+                    code_dir = self._code.prepare(command.job_id, str(digest))
+                if command.spec.get("init_from"):
+                    initial_model = self._code.initial_model(command.job_id)
             except CodeUnavailable as err:
                 self._supervisor.launch_failed(command, str(err))
                 return
-        self._supervisor.launch(command, self._backend, self.redis_url, code_dir)
+        self._supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model)
 
     def _play_owner(self, command: SimulateOwnerCommand) -> None:
         """Plays the owner, then has the agent report at once: the portal takes a device back

@@ -270,10 +270,16 @@ class WorkerSupervisor:
     # --- commands ----------------------------------------------------------------------------
 
     def launch(
-        self, command: LaunchCommand, backend: DeviceBackend, redis_url: str, code_dir: Path | None = None
+        self,
+        command: LaunchCommand,
+        backend: DeviceBackend,
+        redis_url: str,
+        code_dir: Path | None = None,
+        initial_model: Path | None = None,
     ) -> bool:
         """Starts the joiners of `command.generation` here (their membership board is at
-        `redis_url`; a job with code of its own runs it from `code_dir`) and sets leavers a
+        `redis_url`; a job with code of its own runs it from `code_dir`; one that starts from
+        another job's model finds it at `initial_model`) and sets leavers a
         deadline; survivors go on untouched. Returns False, and does nothing, if that generation
         was already launched or passed, or the supervisor is shut down."""
         with self._lock:
@@ -316,7 +322,7 @@ class WorkerSupervisor:
                         assignment.device_index,
                     )
                     continue
-                self._spawn(command, assignment, backend, redis_url, code_dir)
+                self._spawn(command, assignment, backend, redis_url, code_dir, initial_model)
         return True
 
     def launch_failed(self, command: LaunchCommand, message: str) -> None:
@@ -483,6 +489,7 @@ class WorkerSupervisor:
         backend: DeviceBackend,
         redis_url: str,
         code_dir: Path | None = None,
+        initial_model: Path | None = None,
     ) -> None:
         def failed(message: str) -> None:
             self._start_failed(command, assignment, message)
@@ -508,6 +515,7 @@ class WorkerSupervisor:
             coordination_key=command.coordination_key,
             code_dir=str(code_dir) if code_dir is not None else None,
             entrypoint=command.spec.get("entrypoint") if code_dir is not None else None,
+            initial_model=str(initial_model) if initial_model is not None else None,
         )
         python_path = os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
         env = {

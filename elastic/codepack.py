@@ -24,6 +24,7 @@ import hashlib
 import io
 import shutil
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -278,7 +279,6 @@ def pack_directory(directory: Path, destination: BinaryIO, max_unpacked_bytes: i
     """Packs the directory as an upload would be, canonically (see `repack`), into
     `destination`; the digest is the one the portal gives the same files. Raises ArchiveError
     (a link in the directory is refused, as in an upload)."""
-    import tempfile
 
     def skip(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         return None if set(PurePosixPath(info.name).parts) & set(SKIPPED_WHEN_PACKING) else info

@@ -57,6 +57,16 @@ class JobSpec(BaseModel):
         None, ge=1, le=10_000_000,
         description="evaluate the task on its eval_data every this many steps (always at the end)",
     )
+    nan_loss: Literal["fail", "skip"] = Field(
+        "fail",
+        description="a step whose loss is NaN or infinite on any worker: fail the job at once, or skip the "
+        "step (nothing of it is applied) and go on",
+    )
+    init_from: int | None = Field(
+        None, ge=1, le=2**31 - 1,
+        description="start from the final model of this finished job of yours (its model.pt); the optimiser "
+        "starts fresh",
+    )
     steps: int | None = Field(None, ge=1, le=10_000_000)
     epochs: float | None = Field(None, gt=0, le=100_000)
     seed: int = Field(0, ge=0, le=2**31 - 1)

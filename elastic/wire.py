@@ -268,6 +268,9 @@ class WorkerConfig(_Message):
         None, description="the directory of the job's own code; None: the shipped task the spec's workload names"
     )
     entrypoint: str | None = Field(None, description="the task in code_dir, as module:ClassName")
+    initial_model: str | None = Field(
+        None, description="a state dict the model starts from (the spec's init_from, fetched by the agent)"
+    )
 
     @model_validator(mode="after")
     def _code_and_entrypoint_together(self) -> WorkerConfig:

@@ -1,6 +1,8 @@
 """The agent's copies of jobs' code (agent.code) against a real HTTP server on loopback standing
 in for the portal's code endpoint: fetched once per digest, checked against it (a wrong archive
-is refused and nothing is kept), unpacked per job, and a refusal is a failed start, not a crash."""
+is refused and nothing is kept), unpacked per job, and a refusal is a failed start, not a crash.
+The model a job starts from (init_from) is fetched the same way, once per job, and checked
+against the digest the portal states for it."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ class CodeServer(http.server.ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.archives: dict[str, bytes] = {}
+        self.models: dict[str, tuple[bytes, str]] = {}
+        """job id -> (the model it starts from, the digest the portal states for it)"""
         self.requests: list[str] = []
 
 
@@ -39,8 +43,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server API
         self.server.requests.append(self.path)
-        digest = self.path.rsplit("/", 1)[-1]
-        body = self.server.archives.get(digest)
+        headers: dict[str, str] = {}
+        if self.path.endswith("/initial-model"):
+            body, stated = self.server.models.get(self.path.split("/")[-2], (None, ""))
+            headers["X-Bungee-Sha256"] = stated
+        else:
+            body = self.server.archives.get(self.path.rsplit("/", 1)[-1])
         if body is None:
             payload = b'{"error": {"status": 403, "code": "forbidden", "message": "no job on node-a runs it"}}'
             self.send_response(403)
@@ -51,6 +59,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in headers.items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
@@ -102,3 +112,18 @@ def test_a_refusal_by_the_portal_is_code_unavailable(server: CodeServer, tmp_pat
     digest = "0" * 64
     with pytest.raises(CodeUnavailable, match="no job on node-a runs it"):
         cache_for(server, tmp_path).prepare(1, digest)
+
+
+def test_the_model_a_job_starts_from_is_fetched_once_and_checked(server: CodeServer, tmp_path: Path) -> None:
+    weights = b"a state dict" * 1000
+    server.models["7"] = (weights, hashlib.sha256(weights).hexdigest())
+    server.models["8"] = (weights, hashlib.sha256(b"something else").hexdigest())
+    cache = cache_for(server, tmp_path)
+    path = cache.initial_model(7)
+    assert path.read_bytes() == weights and cache.initial_model(7) == path
+    assert server.requests == ["/api/agent/jobs/7/initial-model"], "fetched once per job"
+    with pytest.raises(CodeUnavailable, match="refused the model job 8 starts from"):
+        cache.initial_model(8)
+    with pytest.raises(CodeUnavailable, match="no job on node-a runs it"):
+        cache.initial_model(9)
+    assert sorted(p.name for p in (tmp_path / "jobs").rglob("*") if p.is_file()) == ["initial-model.pt"]

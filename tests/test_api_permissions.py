@@ -118,6 +118,7 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
         "/api/jobs/{job_id}/artifacts",
         "/api/jobs/{job_id}/artifacts/{name}",
         "/api/agent/jobs/{job_id}/artifacts",
+        "/api/agent/jobs/{job_id}/initial-model",
         "/api/jobs/{job_id}/logs",
         "/api/cluster",
         "/api/cluster/history",

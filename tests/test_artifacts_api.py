@@ -149,3 +149,37 @@ def test_a_torch_state_dict_round_trips(tokens: dict, ran_here: Job) -> None:
     reply = get(tokens, "alice", f"/api/jobs/{ran_here.pk}/artifacts/model.pt")
     loaded = torch.load(io.BytesIO(b"".join(reply.streaming_content)), weights_only=True)
     assert torch.equal(loaded["weight"], state["weight"])
+
+
+def test_a_job_starts_from_a_kept_model_of_its_owner_only(tokens: dict, ran_here: Job, api: dict, users: dict) -> None:
+    """init_from: the owner (or staff) names a job whose final model is kept; the agent of a
+    node the new job runs on fetches that model, with its digest, and no other agent may."""
+    source = ran_here.pk
+    unkept = api["alice"].post("/api/jobs", {**VALID_SPEC, "init_from": source})
+    assert unkept.status_code == 400 and unkept.json()["error"]["fields"][0]["field"] == "init_from", unkept.json()
+    files = bundle(source, model=b"the final weights")
+    assert hand_over(tokens, source, files).status_code == 200
+    for user, status in (("bob", 400), ("staff", 201), ("alice", 201)):
+        reply = api[user].post("/api/jobs", {**VALID_SPEC, "init_from": source})
+        assert reply.status_code == status, (user, reply.json())
+    refused = api["bob"].post("/api/jobs", {**VALID_SPEC, "init_from": source}).json()
+    assert refused["error"]["fields"] == [{"field": "init_from", "message": f"no job {source} of yours has a final model to "
+                                  "start from", "value": source}]
+    assert api["alice"].post("/api/jobs", {**VALID_SPEC, "init_from": 10**6}).status_code == 400
+
+    tuned = Job.objects.get(pk=reply.json()["id"])
+    path = f"/api/agent/jobs/{tuned.pk}/initial-model"
+    assert get(tokens, "agent", path).status_code == 403, "not placed on the agent's node yet"
+    run_cycle()
+    fetched = get(tokens, "agent", path)
+    assert fetched.status_code == 200, fetched.content
+    assert b"".join(fetched.streaming_content) == files["model.pt"]
+    assert fetched["X-Bungee-Sha256"] == hashlib.sha256(files["model.pt"]).hexdigest()
+    other = ApiToken.issue(users["staff"], "other agent", ApiToken.Role.AGENT)[1]
+    Client().post(
+        "/api/agent/register",
+        json.dumps({"name": "node-z", "address": "127.0.0.2", "backend": "simulated", "devices": []}),
+        content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {other}",
+    )
+    assert get({"other": other}, "other", path).status_code == 403
+    assert get(tokens, "alice", path).status_code in (401, 403)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from elastic.worker.data import SampleStream
 from tests.code_support import RINGS, directory_files, evaluate_without_bungee, tar_gz
@@ -350,6 +351,23 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
     metrics = json.loads((tmp_path / "manifest.json").read_text())["final"]["metrics"]
     assert evaluate_without_bungee(tmp_path / "model.pt", tmp_path / "manifest.json") == metrics
     assert platform.api("bob").get(f"/api/jobs/{job_id}/artifacts/model.pt").status_code == 403
+
+    # A job that starts from that model (init_from, its owner's only): at a negligible rate, one
+    # step leaves its weights where the first job's ended, far from any fresh initialisation.
+    refused = platform.api("bob").post("/api/jobs", json={**SPEC, "steps": 5, "init_from": job_id})
+    assert refused.status_code == 400 and refused.json()["error"]["fields"][0]["field"] == "init_from", refused.text
+    tuned = {**spec, "name": "rings-tuned", "steps": 1, "init_from": job_id, "hyperparameters": {
+        **spec["hyperparameters"], "lr": 1e-9}}
+    reply = alice.post("/api/jobs", json=tuned)
+    assert reply.status_code == 201, reply.text
+    tuned_id = reply.json()["id"]
+    platform.wait_for("the tuned job's model", lambda: detail(platform, tuned_id)["artifacts"])
+    reply = alice.get(f"/api/jobs/{tuned_id}/artifacts/model.pt")
+    assert reply.status_code == 200, reply.text
+    (tmp_path / "tuned.pt").write_bytes(reply.content)
+    before = torch.load(tmp_path / "model.pt", weights_only=True)
+    after = torch.load(tmp_path / "tuned.pt", weights_only=True)
+    assert torch.allclose(after["0.weight"], before["0.weight"], atol=1e-6), "it did not start from the model"
 
     # The same code with a bug at the fifth call of loss (each worker counts its own calls, so
     # every worker that reaches it fails; a peer may first wait in that step's all-reduce): the

@@ -156,3 +156,16 @@ def test_a_loss_that_is_no_scalar_is_refused(tmp_path: Path) -> None:
     task = bind_task(directory, "task:Task", {"batch_size": 2}, seed=0)
     with pytest.raises(UserCodeError, match="must return a scalar tensor"):
         task.loss(task.batch([0, 1]))
+
+
+def test_a_job_starts_from_another_jobs_model_only_if_it_fits(tmp_path: Path) -> None:
+    trained = bind_task(RINGS, "task:RingsTask", {"hidden": 8}, seed=1)
+    torch.nn.init.constant_(trained.model[0].weight, 0.5)
+    torch.save(trained.model.state_dict(), tmp_path / "model.pt")
+    fresh = bind_task(RINGS, "task:RingsTask", {"hidden": 8}, seed=2)
+    fresh.load_initial_model(tmp_path / "model.pt", "job 4")
+    for name, value in trained.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[name], value), name
+    wider = bind_task(RINGS, "task:RingsTask", {"hidden": 9}, seed=2)
+    with pytest.raises(UserCodeError, match="(?s)init_from: the final model of job 4 does not load .*size mismatch"):
+        wider.load_initial_model(tmp_path / "model.pt", "job 4")

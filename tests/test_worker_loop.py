@@ -6,6 +6,7 @@ waits for it; rank 0 measures the pause of a switch from the step ends around it
 from __future__ import annotations
 
 import io
+import math
 import signal
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,10 @@ class FakeTrainer:
         stop_after: int | None = None,
         switch_after: dict[int, int] | None = None,
         fail_at: int | None = None,
+        skip: set[int] | None = None,
     ) -> None:
         self.batch_size = BATCH
+        self.skip = skip or set()
         self.lr = 0.1
         self.metrics = {"accuracy": 0.5}
         self.stop_after = stop_after
@@ -59,10 +62,11 @@ class FakeTrainer:
         done = step + 1
         return StepOutcome(
             step=done,
-            loss=1.0 / done,
+            loss=math.nan if done in self.skip else 1.0 / done,
             samples=BATCH,
             stop=stop_requested or done == self.stop_after,
             switch_to=switch_to or self.switch_after.get(done, 0),
+            skipped=done in self.skip,
         )
 
     def batch_start(self, step: int) -> int:
@@ -334,3 +338,14 @@ def test_only_rank_0_measures_a_switch() -> None:
     meter.step_ended(12.0, now=True)
     meter.report()
     assert _events(stream) == []
+
+
+def test_skipped_steps_are_logged_and_never_reported_as_a_loss(tmp_path: Path) -> None:
+    run = Harness(tmp_path, FakeTrainer(skip={1, 4, 5, 6, 10}))
+    assert run.loop.train() == COMPLETED_EXIT_CODE
+    assert run.loop.skipped_steps == 5
+    skipped = [line for line in run.logs() if "was skipped" in line]
+    assert len(skipped) == 3 and skipped[0].startswith("step 1: the loss was not finite"), skipped
+    progress = run.emitted("progress")
+    assert progress and all(math.isfinite(event.loss) for event in progress if event.loss is not None)
+    assert run.calls[-1][:3] == ("export", TOTAL_STEPS, "completed")

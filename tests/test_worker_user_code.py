@@ -1,7 +1,8 @@
 """A user's own task (tests/tasks/rings: batch norm, dropout, its own Dataset over a file it
 ships, its own collate and metrics), run by real worker processes from its own directory.
 
-In strict mode, resized 2 -> 3 -> (a worker SIGKILLed) 2 -> 1 in place, it ends `torch.equal` to
+In strict mode, with a learning-rate scheduler, resized 2 -> 3 -> (a worker SIGKILLed) 2 -> 1 in
+place, it ends `torch.equal` to
 the same task on a fixed 2 workers, every sample of every step trained exactly once, and the
 model file it leaves loads without Bungee and gives its manifest's evaluation. In hybrid mode,
 resized 3 -> 1 -> 2, its batch follows the workers over a contiguous sample stream. A bug in
@@ -42,7 +43,7 @@ SPEC: dict[str, Any] = {
     "entrypoint": RINGS[1],
     "max_workers": 3,
     "seed": SEED,
-    "hyperparameters": {"batch_size": BATCH, "hidden": 16, "dropout": 0.2},
+    "hyperparameters": {"batch_size": BATCH, "hidden": 16, "dropout": 0.2, "lr_decay_every": 50},
 }
 
 
@@ -141,14 +142,23 @@ def test_a_users_task_in_hybrid_mode_resized_in_place(tmp_path: Path) -> None:
 
 
 def test_a_bug_in_loss_fails_the_worker_once_with_the_traceback(tmp_path: Path) -> None:
-    # One worker hosting the 3 virtual workers: a warm-up call, then 3 calls a step; the fifth
-    # is in step 1. (The portal's side, failing the job and stopping the other workers, is in
-    # test_generation_lifecycle.)
-    spec = {**SPEC, "steps": 1000, "hyperparameters": {**SPEC["hyperparameters"], "fail_at_call": 5}}
+    # One worker hosting the 3 virtual workers: a warm-up call, then 3 calls a step; the 11th
+    # is in step 3 (0-based). (The portal's side, failing the job and stopping the other
+    # workers, is in test_generation_lifecycle.)
+    spec = {**SPEC, "steps": 1000, "hyperparameters": {**SPEC["hyperparameters"], "fail_at_call": 11}}
     with LocalJob(spec, tmp_path / "run", REDIS_URL, env=worker_env(), task=RINGS) as job:
         job.start([0])
         outputs = job.wait(120)
     assert [o.returncode for o in outputs] == [USER_ERROR_EXIT_CODE], job.describe()
     [failure] = [m for m in outputs[0].log_messages() if m.startswith("the job's code failed")]
-    assert "loss(model, batch) raised ValueError: the task's own bug, at call 5" in failure
+    assert "loss(model, batch) raised ValueError: the task's own bug, at call 11" in failure
     assert "Traceback (most recent call last)" in failure and "rings/task.py" in failure
+    # What it trained is not lost: the state of the last completed step, as the job's artifacts.
+    directory = artifacts_dir(tmp_path / "run")
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    assert (manifest["ended"], manifest["step"]) == ("failed", 3)
+    saved = load_checkpoint(checkpoint_path(tmp_path / "run"))
+    model = torch.load(directory / MODEL_NAME, weights_only=True)
+    assert saved is not None and saved.step == 3
+    assert all(torch.equal(model[name], saved.model[name]) for name in model)
+    assert [e.step for e in outputs[0].of_kind("artifacts")] == [3]

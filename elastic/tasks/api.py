@@ -20,6 +20,14 @@ and, when the class defines them:
                                 the dict as submitted). It must have `batch_size`, the global
                                 batch; strict mode's virtual workers and hybrid mode's per-worker
                                 batches are cut from it. Hybrid mode also reads `lr`.
+    scheduler(optimizer)        -> a torch.optim.lr_scheduler.LRScheduler over the optimiser,
+                                   stepped once after every global step. Its state travels with
+                                   the optimiser's to joiners and into checkpoints. In hybrid
+                                   mode the rate it sets is multiplied by hybrid mode's scaling
+                                   and warm-up factor.
+    data_workers                an int class attribute: reader processes for the training
+                                   items (elastic.tasks.readers), each item seeded by its place
+                                   in the sample stream; 0 (the default): read in the worker.
     collate(items)              -> one batch from a list of dataset items (default: torch's
                                    default_collate, which stacks tensors and numbers).
     eval_data()                 -> a Dataset held out from training.
@@ -34,7 +42,7 @@ from __future__ import annotations
 
 TASK_METHODS = ("model", "optimizer", "train_data", "loss")
 """What every task class defines."""
-OPTIONAL_TASK_METHODS = ("collate", "eval_data", "evaluate")
+OPTIONAL_TASK_METHODS = ("scheduler", "collate", "eval_data", "evaluate")
 
 
 class UserCodeError(Exception):

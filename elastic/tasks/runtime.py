@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ValidationError
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import default_collate
 
 from elastic.tasks.api import TaskDefinitionError, UserCodeError
 from elastic.tasks.loader import load_task_class
+from elastic.tasks.readers import ItemReaders
 
 
 def validate_hyperparameters(task_class: type[Any], given: dict[str, Any]) -> Any:
@@ -73,9 +76,25 @@ class BoundTask:
     """The task `task_class` built for one job on `device`: the model's initial weights depend
     only on `seed`. Raises TaskDefinitionError or UserCodeError if the task's code fails."""
 
-    def __init__(self, task_class: type[Any], hyperparameters: dict[str, Any], seed: int, device: torch.device):
+    def __init__(
+        self,
+        task_class: type[Any],
+        hyperparameters: dict[str, Any],
+        seed: int,
+        device: torch.device,
+        source: tuple[Path, str] | None = None,
+    ):
         self.hyperparameters = validate_hyperparameters(task_class, hyperparameters)
         self.device = device
+        self.data_workers = getattr(task_class, "data_workers", 0)
+        """Reader processes for the training items (elastic.tasks.readers); 0: read here."""
+        if not isinstance(self.data_workers, int) or isinstance(self.data_workers, bool) or not 0 <= self.data_workers <= 64:
+            raise TaskDefinitionError(f"data_workers must be an integer in 0..64, not {self.data_workers!r}")
+        if self.data_workers and source is None:
+            raise TaskDefinitionError("data_workers needs the task's directory and entrypoint (bind_task gives them)")
+        self._source = source
+        self._given_hyperparameters = dict(hyperparameters)
+        self._readers: ItemReaders | None = None
         with blaming_the_task(f"{task_class.__name__}(hyperparameters)"):
             self.task = task_class(self.hyperparameters)
         torch.manual_seed(seed)
@@ -93,6 +112,18 @@ class BoundTask:
         self._collate: Callable[[list[Any]], Any] = getattr(self.task, "collate", None) or default_collate
         self.metrics: dict[str, float] = {}
         """The named metrics of the last `loss` call, if the task returns any."""
+
+    def load_initial_model(self, path: Path, source: str) -> None:
+        """Loads the state dict at `path` (the final model of `source`) into the model, before
+        any training: a job's init_from. Raises UserCodeError if it does not fit the model."""
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)
+            self.model.load_state_dict(state)
+        except Exception as err:  # a file torch cannot read, missing or unexpected keys, shapes
+            raise UserCodeError(
+                f"init_from: the final model of {source} does not load into this task's model: "
+                f"{type(err).__name__}: {str(err)[:1500]}"
+            ) from err
 
     @property
     def batch_size(self) -> int:
@@ -115,14 +146,62 @@ class BoundTask:
             raise TaskDefinitionError(f"optimizer() returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
         return optimizer
 
-    def batch(self, indices: torch.Tensor | Sequence[int]) -> Any:
+    def make_scheduler(self, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
+        """The task's learning-rate scheduler over `optimizer`, or None if it defines none."""
+        make = getattr(self.task, "scheduler", None)
+        if make is None:
+            return None
+        with blaming_the_task("scheduler(optimizer)"):
+            scheduler = make(optimizer)
+        if scheduler is None:
+            return None
+        if not isinstance(scheduler, LRScheduler) or scheduler.optimizer is not optimizer:
+            raise TaskDefinitionError(
+                f"scheduler() returned {type(scheduler).__name__}, not a torch.optim.lr_scheduler.LRScheduler "
+                "over the optimiser it was given"
+            )
+        if isinstance(scheduler, ReduceLROnPlateau):
+            raise TaskDefinitionError(
+                "scheduler() returned a ReduceLROnPlateau, which steps on a metric; Bungee steps the scheduler "
+                "once per global step with no argument"
+            )
+        return scheduler
+
+    def batch(self, indices: torch.Tensor | Sequence[int], seeds: Sequence[int] | None = None) -> Any:
         """The batch of the training samples `indices`, read one by one, collated, on the
-        device."""
-        return self._collated(self.dataset, indices.tolist() if isinstance(indices, torch.Tensor) else indices)
+        device. With `seeds` (one per item) and the task's data_workers, the items are read by
+        the reader processes, each right after its generators are seeded with its seed."""
+        listed = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        if seeds is None or not self.data_workers:
+            return self._collated(self.dataset, listed)
+        return self._collate_items(self._read_elsewhere(listed, seeds))
+
+    def _read_elsewhere(self, indices: list[int], seeds: Sequence[int]) -> list[Any]:
+        if self._readers is None:
+            assert self._source is not None
+            self._readers = ItemReaders(self.data_workers, *self._source, self._given_hyperparameters)
+        try:
+            return self._readers.read(indices, seeds)
+        except BrokenProcessPool as err:  # a reader was killed: the node's trouble, not the code's
+            raise RuntimeError(f"a data reader process died: {err}") from err
+        except Exception as err:
+            remote = getattr(err.__cause__, "tb", "")  # the reader's traceback, as text
+            raise UserCodeError(
+                f"reading the data set (in a data reader) raised {type(err).__name__}: {err}", str(remote)
+            ) from err
+
+    def close(self) -> None:
+        """Stops the task's reader processes, if it has any."""
+        if self._readers is not None:
+            self._readers.close()
+            self._readers = None
 
     def _collated(self, dataset: Any, indices: Sequence[int]) -> Any:
         with blaming_the_task("reading the data set"):
             items = [dataset[index] for index in indices]
+        return self._collate_items(items)
+
+    def _collate_items(self, items: list[Any]) -> Any:
         with blaming_the_task("collate(items)"):
             return to_device(self._collate(items), self.device)
 
@@ -180,4 +259,4 @@ def bind_task(
     """Imports the task `entrypoint` from `directory` and binds it to one job (on the CPU unless
     `device` says otherwise). Raises TaskDefinitionError or UserCodeError."""
     task_class = load_task_class(directory, entrypoint)
-    return BoundTask(task_class, hyperparameters, seed, device or torch.device("cpu"))
+    return BoundTask(task_class, hyperparameters, seed, device or torch.device("cpu"), source=(directory, entrypoint))

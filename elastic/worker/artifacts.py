@@ -1,5 +1,6 @@
-"""What a job leaves its owner: rank 0 writes it when the job completes or its workers are told
-to stop (a cancel), in `<run_dir>/artifacts`, then says so with an "artifacts" event; the agent
+"""What a job leaves its owner: rank 0 writes it when the job completes, when its workers are
+told to stop (a cancel), or when the job's code fails after steps were trained (the state of
+the last completed step), in `<run_dir>/artifacts`, then says so with an "artifacts" event; the agent
 hands the files to the portal, which keeps them after the nodes are gone.
 
     model.pt        the final model as a plain state dict: torch.load(..., weights_only=True)
@@ -17,7 +18,6 @@ eval mode: reloading model.pt and doing the same gives the same numbers."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,16 +29,12 @@ import torch
 
 from elastic import __version__
 from elastic.artifacts import ARTIFACTS_DIR, CHECKPOINT_NAME, MANIFEST_NAME, MODEL_NAME, artifacts_dir
+from elastic.codepack import file_digest
 from elastic.spec import JobSpec
 from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.events import EventWriter
 from elastic.worker.trainer import Trainer
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as stream:
-        return hashlib.file_digest(stream, "sha256").hexdigest()
 
 
 class ArtifactExporter:
@@ -76,8 +72,8 @@ class ArtifactExporter:
         return metrics
 
     def export(self, step: int, ended: str, loss: float | None) -> None:
-        """Writes the artifacts of the state after `step` steps (`ended`: "completed" or
-        "stopped") and emits the "artifacts" event. A failure to write is logged, not raised:
+        """Writes the artifacts of the state after `step` steps (`ended`: "completed", "stopped"
+        or "failed") and emits the "artifacts" event. A failure to write is logged, not raised:
         the job's end must not hang on it; an evaluation that raises is logged and left out."""
         try:
             self._export(step, ended, loss)
@@ -100,7 +96,7 @@ class ArtifactExporter:
             "spec": self.spec.model_dump(mode="json"),
             "task": {"workload": self.spec.workload, "code": self.spec.code, "entrypoint": self.spec.entrypoint},
             "final": {"loss": loss, "metrics": metrics, "evaluated_with_batch_size": self.problem.batch_size},
-            "files": {name: _sha256(staging / name) for name in (MODEL_NAME, CHECKPOINT_NAME)},
+            "files": {name: file_digest(staging / name) for name in (MODEL_NAME, CHECKPOINT_NAME)},
             "bungee_version": __version__,
             "torch_version": torch.__version__,
             "created_at": time.time(),

@@ -16,6 +16,10 @@ batch, and it moves to each new value gradually.
   (adjust the rate smoothly over time) but not its schedule; a linear ramp over a fixed number
   of steps, in both directions, is our choice.
 
+A task's own learning-rate scheduler keeps its rates; a step trains at the scheduler's rate
+times hybrid mode's factor (the ramp's rate over the tuned `lr`), and the scheduler steps from
+its own rates, so that chainable schedulers (StepLR, ExponentialLR) never see the scaled ones.
+
 Data: the batches of consecutive steps are consecutive runs of the sample stream whatever their
 size, so within an epoch no sample is skipped or seen twice; the stream position is carried in
 the state (small_state), since it no longer follows from the step alone.
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream
@@ -93,6 +98,8 @@ class HybridTrainer(Trainer):
         world_size: int,
         recorder: SampleRecorder | None = None,
         compute_done: Callable[[], None] | None = None,
+        scheduler: LRScheduler | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         super().__init__(
             problem,
@@ -104,6 +111,8 @@ class HybridTrainer(Trainer):
             world_size,
             recorder,
             compute_done=compute_done,
+            scheduler=scheduler,
+            skip_nonfinite=skip_nonfinite,
         )
         self.schedule = schedule
         self.position = 0
@@ -122,7 +131,7 @@ class HybridTrainer(Trainer):
         if self.ramp is None:
             self.ramp = LrRamp(step, self.schedule.warmup_steps, min(self.schedule.base_lr, target), target)
         elif batch != self.batch_size:
-            self.ramp = LrRamp(step, self.schedule.warmup_steps, self.lr, target)
+            self.ramp = LrRamp(step, self.schedule.warmup_steps, self.ramp.lr_at(step - 1), target)
         self.batch_size = batch
 
     def batch_start(self, step: int) -> int:
@@ -132,21 +141,36 @@ class HybridTrainer(Trainer):
         if self.ramp is None:
             raise RuntimeError("rebind_members must be called before the first step")
         lr = self.ramp.lr_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        if self.scheduler is None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        else:  # the task's schedule, times hybrid mode's scaling and ramp
+            factor = lr / self.schedule.base_lr
+            for group, scheduled in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = scheduled * factor
         outcome = super().step(step, stop_requested, switch_to)
         self.position += outcome.samples
         return outcome
 
+    def advance_schedule(self) -> None:
+        """The scheduler steps from its own rates, not from the scaled ones the step used."""
+        self._step_lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.scheduler is not None:
+            for group, scheduled in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                group["lr"] = scheduled
+            self.scheduler.step()
+
     def small_state(self) -> dict[str, Any]:
         ramp = self.ramp
         return {
+            **super().small_state(),
             "position": self.position,
             "batch_size": self.batch_size,
             "ramp": None if ramp is None else [ramp.start_step, ramp.steps, ramp.from_lr, ramp.to_lr],
         }
 
     def load_small_state(self, state: dict[str, Any]) -> None:
+        super().load_small_state(state)
         self.position = int(state["position"])
         self.batch_size = int(state["batch_size"])
         ramp = state.get("ramp")

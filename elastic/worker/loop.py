@@ -54,6 +54,12 @@ def _detached_copy(value: Any) -> Any:
     return value
 
 
+def _worth_logging(count: int) -> bool:
+    """Whether the `count`th occurrence of a repeated event goes to the log: the first three,
+    then every hundredth."""
+    return count <= 3 or count % 100 == 0
+
+
 # --- resize measurement ----------------------------------------------------------------------
 
 
@@ -282,12 +288,14 @@ class TrainingLoop:
         self.pending = pending
         self.barrier = barrier
         self.export = export
-        """Rank 0's export of the job's artifacts at its end: (step, "completed" or "stopped",
-        the last step's loss) (elastic.worker.artifacts)."""
+        """Rank 0's export of the job's artifacts at its end: (step, "completed", "stopped" or
+        "failed", the last step's loss) (elastic.worker.artifacts)."""
         self.evaluate = evaluate
         """Rank 0's evaluation of the task after a step, every `eval_every_steps` steps."""
         self.eval_every_steps = eval_every_steps
         self._last_loss: float | None = None
+        self.skipped_steps = 0
+        """Steps skipped for a loss that was not finite (nan_loss: skip)."""
 
     def train(self) -> int | SwitchAgreed:
         """Trains until the job is done (COMPLETED_EXIT_CODE) or a stop is agreed
@@ -305,20 +313,29 @@ class TrainingLoop:
             self.resizes.step_took(time.perf_counter() - began)
             position.last_step_end = time.time()
             position.step = outcome.step
-            self._last_loss = outcome.loss
             finished = position.step == self.total_steps
+            if outcome.skipped:
+                self.skipped_steps += 1
+                if position.is_leader and _worth_logging(self.skipped_steps):
+                    self.events.log(
+                        f"step {position.step}: the loss was not finite, the step was skipped (nan_loss: skip); "
+                        f"{self.skipped_steps} step(s) skipped in this worker's life"
+                    )
+            else:
+                self._last_loss = outcome.loss
             if position.is_leader:
-                self.progress.step_done(
-                    position.step,
-                    outcome.loss,
-                    outcome.samples,
-                    force=finished or outcome.stop or bool(outcome.switch_to) or first_of_generation,
-                    global_batch=self.trainer.batch_size,
-                    lr=self.trainer.lr,
-                    samples_done=self.trainer.batch_start(position.step),
-                    metrics=self.trainer.metrics,
-                )
-                first_of_generation = False
+                if not outcome.skipped:
+                    self.progress.step_done(
+                        position.step,
+                        outcome.loss,
+                        outcome.samples,
+                        force=finished or outcome.stop or bool(outcome.switch_to) or first_of_generation,
+                        global_batch=self.trainer.batch_size,
+                        lr=self.trainer.lr,
+                        samples_done=self.trainer.batch_start(position.step),
+                        metrics=self.trainer.metrics,
+                    )
+                    first_of_generation = False
                 self.resizes.step_ended(position.last_step_end, now=finished or bool(outcome.switch_to))
             if finished:
                 break
@@ -352,7 +369,12 @@ class TrainingLoop:
             self.barrier()
         except RuntimeError as err:
             raise CollectiveError(f"the barrier after saving failed: {err}") from err
-        if self.position.is_leader and self.export is not None:
+        if self.position.is_leader:
+            self.export_now(ended)
+
+    def export_now(self, ended: str) -> None:
+        """Exports the job's artifacts of the current step, if this loop exports any (rank 0)."""
+        if self.export is not None:
             self.export(self.position.step, ended, self._last_loss)
 
     def _log(self, message: str) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.membership.api import Board
 from elastic.membership.codec import MAX_LOG_CHARS
@@ -76,6 +77,8 @@ class WorkerRun:
         )
         self.resizes = ResizeMeter(events, self.total_steps)
         self._saver: CheckpointSaver | None = None
+        self._loop: TrainingLoop | None = None
+        self._problem: BoundTask | None = None
 
     def run(self) -> int:
         """Live until the job is done, a stop is agreed, or this worker leaves; return the exit
@@ -96,12 +99,29 @@ class WorkerRun:
             head = f"the job's code failed: {err}"[: MAX_LOG_CHARS // 4]
             tail = err.traceback_text.rstrip()[-(MAX_LOG_CHARS - len(head) - 1) :]
             self.events.log(f"{head}\n{tail}" if tail else head)
+            self._export_after_failure()
             return USER_ERROR_EXIT_CODE
         finally:
+            if self._problem is not None:
+                self._problem.close()
             self.rendezvous.stop_watching()
             if self._saver is not None:
                 self._saver.finish()
             self.rendezvous.leave_group()
+
+    def _export_after_failure(self) -> None:
+        """Rank 0, holding the state of a completed step when the job's code failed, saves it
+        and exports it as the job's artifacts (ended "failed"): what it had trained is not lost
+        with the job. The state is the last completed step's: a failed step applies nothing."""
+        position, saver, loop = self.position, self._saver, self._loop
+        if not (position.is_leader and position.holds_state and position.step > 0 and saver and loop):
+            return
+        try:
+            saver.save(position.step)
+        except OSError as err:
+            self.events.log(f"could not save the state of step {position.step} after the failure: {err}")
+            return
+        loop.export_now("failed")
 
     def _live(self, restore: StateRestore, loop: TrainingLoop) -> int:
         rendezvous = self.rendezvous
@@ -137,9 +157,13 @@ class WorkerRun:
 
     def _build(self) -> tuple[StateRestore, TrainingLoop]:
         device = self.rendezvous.device
-        task_class = self._task_class()
-        problem = BoundTask(task_class, self.spec.hyperparameters, self.spec.seed, device)
+        task_class, source = self._task_class()
+        problem = BoundTask(task_class, self.spec.hyperparameters, self.spec.seed, device, source)
+        self._problem = problem
+        if self.config.initial_model is not None:
+            problem.load_initial_model(Path(self.config.initial_model), f"job {self.spec.init_from}")
         optimizer = problem.make_optimizer()
+        scheduler = problem.make_scheduler(optimizer)
         recorder = (
             SampleRecorder(
                 self.settings.record_samples,
@@ -152,7 +176,7 @@ class WorkerRun:
             else None
         )
         clock = StepClock(self.events, self.settings.progress_every_s, self.settings.simulated_slowdown)
-        trainer = self._make_trainer(problem, optimizer, recorder, clock)
+        trainer = self._make_trainer(problem, optimizer, scheduler, recorder, clock)
         start, stop = share_bounds(problem.batch_size, self.config.world_size, self.config.rank)
         trainer.warm_up(stop - start)
         progress = ProgressReporter(
@@ -204,23 +228,27 @@ class WorkerRun:
             evaluate=outputs.evaluate,
             eval_every_steps=self.spec.eval_every_steps,
         )
+        self._loop = loop
         return restore, loop
 
-    def _task_class(self) -> type:
-        """The job's own code, as the agent unpacked it, or the shipped task of its workload.
-        Raises TaskDefinitionError."""
+    def _task_class(self) -> tuple[type, tuple[Path, str]]:
+        """The job's own code, as the agent unpacked it, or the shipped task of its workload,
+        with its directory and entrypoint. Raises TaskDefinitionError."""
         config = self.config
         if config.code_dir is not None and config.entrypoint is not None:
-            return load_task_class(Path(config.code_dir), config.entrypoint)
-        if self.spec.workload is None:
+            source = (Path(config.code_dir), config.entrypoint)
+        elif self.spec.workload is None:
             raise TaskDefinitionError("the job names code of its own, but the agent gave this worker none")
-        info = CATALOGUE[self.spec.workload]
-        return load_task_class(info.path, info.entrypoint)
+        else:
+            info = CATALOGUE[self.spec.workload]
+            source = (info.path, info.entrypoint)
+        return load_task_class(*source), source
 
     def _make_trainer(
         self,
         problem: BoundTask,
         optimizer: torch.optim.Optimizer,
+        scheduler: LRScheduler | None,
         recorder: SampleRecorder | None,
         clock: StepClock,
     ) -> Trainer:
@@ -239,6 +267,8 @@ class WorkerRun:
                 virtual_workers=self.spec.virtual_worker_count(),
                 recorder=recorder,
                 compute_done=clock.compute_done,
+                scheduler=scheduler,
+                skip_nonfinite=self.spec.nan_loss == "skip",
             )
         per_worker, low, high = self.spec.hybrid_batch_bounds(batch_size)
         schedule = HybridSchedule(
@@ -260,4 +290,6 @@ class WorkerRun:
             world_size=self.config.world_size,
             recorder=recorder,
             compute_done=clock.compute_done,
+            scheduler=scheduler,
+            skip_nonfinite=self.spec.nan_loss == "skip",
         )

@@ -37,15 +37,16 @@ from typing import Any
 import numpy
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.consistency.exact_sum import spare_bits, tensor_scales
 from elastic.consistency.placement import check_shares, even_shares, hosted
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
-from elastic.worker.trainer import CollectiveError, SampleRecorder, StepOutcome, Trainer
+from elastic.worker.trainer import CollectiveError, NonFiniteLossError, SampleRecorder, StepOutcome, Trainer
 
-_COUNT, _STOP_VOTES, _SWITCH_TO = 0, 1, 2
-_STATS = 3
+_COUNT, _STOP_VOTES, _SWITCH_TO, _NONFINITE_VOTES = 0, 1, 2, 3
+_STATS = 4
 MIN_SPARE_BITS = 24
 """Fixed-point bits a term must keep below its tensor's largest magnitude: a float32's."""
 
@@ -70,6 +71,8 @@ class StrictTrainer(Trainer):
         virtual_workers: int,
         recorder: SampleRecorder | None = None,
         compute_done: Callable[[], None] | None = None,
+        scheduler: LRScheduler | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         super().__init__(
             problem,
@@ -81,6 +84,8 @@ class StrictTrainer(Trainer):
             world_size,
             recorder,
             compute_done=compute_done,
+            scheduler=scheduler,
+            skip_nonfinite=skip_nonfinite,
         )
         if not 1 <= virtual_workers <= batch_size:
             raise ValueError(f"virtual_workers ({virtual_workers}) must be in 1..batch_size ({batch_size})")
@@ -155,9 +160,10 @@ class StrictTrainer(Trainer):
             self._unpack(self.contexts[0])
 
     def small_state(self) -> dict[str, Any]:
-        return {"virtual_workers": self.virtual_workers}
+        return {**super().small_state(), "virtual_workers": self.virtual_workers}
 
     def load_small_state(self, state: dict[str, Any]) -> None:
+        super().load_small_state(state)
         if state.get("virtual_workers", self.virtual_workers) != self.virtual_workers:
             raise ValueError(
                 f"the state is of {state['virtual_workers']} virtual workers, this job has {self.virtual_workers}"
@@ -193,14 +199,25 @@ class StrictTrainer(Trainer):
             torch.manual_seed(vw_seed)
             numpy.random.seed(vw_seed)
             random.seed(vw_seed)
-            loss = self.problem.loss(self.problem.batch(indices))
-            loss.backward()
+            try:
+                items = self.problem.batch(indices, self.item_seeds(first + start, len(indices)))
+                loss = self.problem.loss(items)
+                loss.backward()
+            except BaseException:  # the task's own error: the model's buffers back to vw 0's
+                self.state_arrived()
+                raise
             share = len(indices) / batch
             terms[row, : size - 1].mul_(share)
             terms[row, size - 1] = loss.detach() * share
             if words:
                 outgoing[vw] = self._pack()
         max_abs = self._segment_max_abs(terms)
+        # A NaN or infinite loss or gradient here (NaN survives aminmax) is voted on; the terms
+        # are zeroed so that the sums stay finite and every rank skips or fails the same step.
+        nonfinite = not bool(torch.isfinite(max_abs).all())
+        if nonfinite:
+            terms.zero_()
+            max_abs.zero_()
         if self.compute_done is not None:
             self.compute_done()
         try:
@@ -210,26 +227,39 @@ class StrictTrainer(Trainer):
             stats[_COUNT] = sum(len(indices) for indices in trained)
             stats[_STOP_VOTES] = 1 if stop_requested else 0
             stats[_SWITCH_TO] = switch_to
+            stats[_NONFINITE_VOTES] = 1 if nonfinite else 0
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self.state_arrived()  # the model's buffers back to vw 0's committed context
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
-        exact = self._result
-        exact.copy_(total[:size])  # int64 to float, rounded once
-        for (begin, stop), scale in zip(self._bounds, scales, strict=True):
-            exact[begin:stop].mul_(1.0 / scale)  # a power of two: exact
-        self._point_gradients_at(exact[: size - 1])
-        self.optimizer.step()
-        if words:
-            self.contexts.copy_(outgoing)
-            self._unpack(self.contexts[0])
         agreed = stats.tolist()
+        try:
+            skipped = self.nonfinite_agreed(step, agreed[_NONFINITE_VOTES])
+        except NonFiniteLossError:
+            self.state_arrived()
+            raise
+        if skipped:
+            self.state_arrived()  # the model's buffers back to vw 0's committed context
+            step_loss = math.nan
+        else:
+            exact = self._result
+            exact.copy_(total[:size])  # int64 to float, rounded once
+            for (begin, stop), scale in zip(self._bounds, scales, strict=True):
+                exact[begin:stop].mul_(1.0 / scale)  # a power of two: exact
+            self._point_gradients_at(exact[: size - 1])
+            self.optimizer.step()
+            self.advance_schedule()
+            if words:
+                self.contexts.copy_(outgoing)
+                self._unpack(self.contexts[0])
+            step_loss = float(exact[size - 1])
         outcome = StepOutcome(
             step=step + 1,
-            loss=float(exact[size - 1]),
+            loss=step_loss,
             samples=agreed[_COUNT],
             stop=agreed[_STOP_VOTES] > 0,
             switch_to=agreed[_SWITCH_TO],
+            skipped=math.isnan(step_loss),
         )
         local = torch.cat(trained) if trained else torch.empty(0, dtype=torch.int64)
         self._committed(step, local, outcome)

@@ -14,6 +14,7 @@ raises CollectiveError and every survivor still holds the state of the last comp
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,15 +23,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
+from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
 
-# The buffer of the per-step all-reduce ends with four statistics after the gradients. The
+# The buffer of the per-step all-reduce ends with five statistics after the gradients. The
 # generation to switch to is summed with zeros from the other ranks; float32 holds it exactly
-# up to 2**24.
-_LOSS_SUM, _COUNT, _STOP_VOTES, _SWITCH_TO = -4, -3, -2, -1
-_STATS = 4
+# up to 2**24. A rank whose loss is not finite votes for it, so that every rank fails or skips
+# the same step.
+_NONFINITE_VOTES, _LOSS_SUM, _COUNT, _STOP_VOTES, _SWITCH_TO = -5, -4, -3, -2, -1
+_STATS = 5
+_ITEM_SALT = 0xDA7A
+
+
+class NonFiniteLossError(UserCodeError):
+    """The step's loss was NaN or infinite on some rank, and the job's `nan_loss` is "fail"."""
 
 
 class CollectiveError(RuntimeError):
@@ -66,6 +75,9 @@ class StepOutcome:
     """Some rank was asked to stop; every rank stops after this step."""
     switch_to: int = 0
     """The generation every rank switches to after this step, or 0."""
+    skipped: bool = False
+    """The loss was not finite on some rank and the job skips such steps: nothing of the step
+    was applied (parameters, optimiser, scheduler, running statistics), and `loss` is NaN."""
 
 
 class SampleRecorder:
@@ -116,9 +128,15 @@ class Trainer:
         recorder: SampleRecorder | None = None,
         reduce: Callable[[torch.Tensor], None] = all_reduce_sum,
         compute_done: Callable[[], None] | None = None,
+        scheduler: LRScheduler | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         self.problem = problem
         self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.skip_nonfinite = skip_nonfinite
+        """What a step whose loss is not finite does: skipped if true, else NonFiniteLossError."""
+        self._step_lr: float | None = None
         self.stream = stream
         self.batch_size = batch_size
         self.seed = seed
@@ -151,11 +169,18 @@ class Trainer:
         indices = self.stream.positions(first + start, first + stop)
         buffer = self._gradients_in_buffer()
         count = len(indices)
+        saved_buffers = self._copy_model_buffers()  # what a step that is not applied gives back
         if count:
-            loss = self.problem.loss(self.problem.batch(indices))
-            loss.backward()  # accumulates into the zeroed views, that is into the buffer
+            try:
+                batch = self.problem.batch(indices, self.item_seeds(first + start, count))
+                loss = self.problem.loss(batch)
+                loss.backward()  # accumulates into the zeroed views, that is into the buffer
+            except BaseException:  # the task's own error: nothing of the step stays
+                self._restore_model_buffers(saved_buffers)
+                raise
             buffer[: self._gradient_size].mul_(count / self.batch_size)
             buffer[_LOSS_SUM] = loss.detach() * count
+            buffer[_NONFINITE_VOTES] = (~torch.isfinite(loss.detach())).to(buffer.dtype)
         buffer[_COUNT] = count
         buffer[_STOP_VOTES] = 1.0 if stop_requested else 0.0
         buffer[_SWITCH_TO] = switch_to
@@ -164,18 +189,68 @@ class Trainer:
         try:
             self.reduce(buffer)
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
+            self._restore_model_buffers(saved_buffers)
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
-        self.optimizer.step()
         stats = buffer[-_STATS:].tolist()  # one device-to-host copy; the indices work on both
+        try:
+            skipped = self.nonfinite_agreed(step, stats[_NONFINITE_VOTES])
+        except NonFiniteLossError:
+            self._restore_model_buffers(saved_buffers)
+            raise
+        if skipped:
+            self._restore_model_buffers(saved_buffers)
+        else:
+            self.optimizer.step()
+            self.advance_schedule()
         outcome = StepOutcome(
             step=step + 1,
-            loss=stats[_LOSS_SUM] / stats[_COUNT],
+            loss=math.nan if skipped else stats[_LOSS_SUM] / stats[_COUNT],
             samples=round(stats[_COUNT]),
             stop=stats[_STOP_VOTES] > 0,
             switch_to=round(stats[_SWITCH_TO]),
+            skipped=skipped,
         )
         self._committed(step, indices, outcome)
         return outcome
+
+    def nonfinite_agreed(self, step: int, votes: float) -> bool:
+        """Whether step `step` is skipped, given the ranks' votes that its loss was not finite.
+        Raises NonFiniteLossError if some rank voted and the job does not skip such steps; every rank
+        sees the same votes, so all of them raise at the same step."""
+        if votes <= 0:
+            return False
+        if not self.skip_nonfinite:
+            raise NonFiniteLossError(
+                f"the loss was not finite (NaN or infinite) at step {step + 1} on {round(votes)} worker(s); "
+                "the job's nan_loss setting is fail (set it to skip to skip such steps)"
+            )
+        return True
+
+    def item_seeds(self, position: int, count: int) -> list[int] | None:
+        """The seeds of the `count` items from stream position `position` on, when the task
+        reads its items in reader processes (None otherwise: they are read here, after the
+        step's own seeding). An item's seed depends only on the job's seed and its position."""
+        if not self.problem.data_workers:
+            return None
+        return [derive_seed(self.seed, at, _ITEM_SALT) for at in range(position, position + count)]
+
+    def advance_schedule(self) -> None:
+        """Notes the rate the step trained at, then steps the task's learning-rate scheduler
+        once; called after the optimiser stepped."""
+        self._step_lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _copy_model_buffers(self) -> list[torch.Tensor]:
+        """Copies of the model's buffers (running statistics, small beside the parameters), to
+        undo the forward of a step that is not applied: skipped, failed, or cut by a peer's
+        death."""
+        return [buffer.detach().clone() for buffer in self.problem.model.buffers()]
+
+    def _restore_model_buffers(self, saved: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for buffer, value in zip(self.problem.model.buffers(), saved, strict=True):
+                buffer.copy_(value)
 
     # --- what a subclass changes -------------------------------------------------------------
 
@@ -195,7 +270,10 @@ class Trainer:
 
     @property
     def lr(self) -> float:
-        """The learning rate of the optimiser's first parameter group."""
+        """The learning rate of the optimiser's first parameter group in the last applied step
+        (before any step: its rate now)."""
+        if self._step_lr is not None:
+            return self._step_lr
         return float(self.optimizer.param_groups[0]["lr"])
 
     def rebind_members(self, rank: int, world_size: int, shares: list[int] | None, step: int) -> None:
@@ -206,11 +284,22 @@ class Trainer:
 
     def small_state(self) -> dict[str, Any]:
         """Picklable values that the mode carries between steps and that a joiner, or a run
-        resumed from the checkpoint, needs: they travel in the state's outline."""
-        return {}
+        resumed from the checkpoint, needs: they travel in the state's outline. A subclass adds
+        its own to these (the scheduler's state)."""
+        return {} if self.scheduler is None else {"scheduler": self.scheduler.state_dict()}
 
     def load_small_state(self, state: dict[str, Any]) -> None:
-        """Takes on what small_state returned on a holder of the state."""
+        """Takes on what small_state returned on a holder of the state. Raises ValueError if
+        the state has a scheduler's and this job has none, or the other way round."""
+        carried = state.get("scheduler")
+        if (carried is None) != (self.scheduler is None):
+            raise ValueError(
+                "the state "
+                + ("carries a learning-rate scheduler's, but the task defines none" if carried is not None
+                   else "carries no learning-rate scheduler's, but the task defines one")
+            )
+        if self.scheduler is not None and carried is not None:
+            self.scheduler.load_state_dict(carried)
 
     def bulk_state(self) -> list[torch.Tensor]:
         """Tensors of the mode's own state, moved with the model's (elastic.worker.transfer):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import transaction
-from django.http import HttpRequest
+from django.http import FileResponse, HttpRequest
 from ninja import Router
 
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
@@ -20,6 +20,7 @@ from portal.jobs import artifacts, lifecycle
 from portal.jobs.board import cluster_state
 from portal.jobs.ingest import ingest_events
 from portal.jobs.models import Job
+from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
 
 board_router = Router(auth=user_auth, tags=["cluster"])
@@ -82,3 +83,23 @@ def artifacts_endpoint(request: HttpRequest, job_id: int) -> dict[str, Any]:
     row = artifacts.store(node, job, dict(request.FILES.items()))
     return {"job_id": job_id, "step": row.step, "files": row.files}
 
+
+
+@agent_router.get("/jobs/{int:job_id}/initial-model", summary="An agent fetches the model a job starts from")
+def initial_model_endpoint(request: HttpRequest, job_id: int) -> FileResponse:
+    """The final model of the job that job `job_id`'s spec names in init_from, with its sha256 in
+    the X-Bungee-Sha256 header. 403 unless the job is active and holds a device of the token's
+    node; 404 if it starts from no kept model."""
+    node = Node.objects.filter(agent_token=request.api_token).first()  # type: ignore[attr-defined]
+    if node is None:
+        raise forbidden("this agent token has registered no node yet")
+    job = Job.objects.filter(pk=job_id, state__in=ACTIVE_STATES, allocations__device__node=node).first()
+    if job is None:
+        raise forbidden(f"no active job {job_id} holds a device of node {node.name!r}")
+    found = artifacts.initial_model(job)
+    if found is None:
+        raise not_found(f"the model job {job_id} starts from")
+    path, digest = found
+    response = FileResponse(path.open("rb"), content_type="application/octet-stream")
+    response["X-Bungee-Sha256"] = digest
+    return response

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
 from django.core.files.uploadedfile import UploadedFile
 from django.utils import timezone
 
-from elastic.artifacts import ARTIFACT_NAMES, MANIFEST_NAME
+from elastic.artifacts import ARTIFACT_NAMES, MANIFEST_NAME, MODEL_NAME
 from elastic.spec import FieldError
 from portal.cluster.models import Node
 from portal.errors import ApiError, forbidden
@@ -35,11 +36,14 @@ def _refused(message: str, name: str) -> ApiError:
     return ApiError(400, "invalid_artifacts", message, [FieldError(name, message, None)])
 
 
-def _sha256(upload: UploadedFile) -> str:
+def _write_hashed(upload: UploadedFile, path: Path) -> str:
+    """Writes `upload` to `path` in one pass, returning its sha256."""
     digest = hashlib.sha256()
-    for chunk in upload.chunks():
-        digest.update(chunk)
     upload.seek(0)
+    with path.open("wb") as out:
+        for chunk in upload.chunks():
+            digest.update(chunk)
+            out.write(chunk)
     return digest.hexdigest()
 
 
@@ -58,24 +62,21 @@ def store(node: Node, job: Job, uploads: dict[str, UploadedFile]) -> JobArtifact
         raise _refused(f"{MANIFEST_NAME} is not JSON: {err}", MANIFEST_NAME) from err
     if not isinstance(manifest, dict) or manifest.get("job_id") != job.pk or not isinstance(manifest.get("files"), dict):
         raise _refused(f"{MANIFEST_NAME} is not job {job.pk}'s", MANIFEST_NAME)
-    files: dict[str, dict[str, Any]] = {}
-    for name in ARTIFACT_NAMES:
-        if name == MANIFEST_NAME:
-            continue
-        got = _sha256(uploads[name])
-        if got != manifest["files"].get(name):
-            raise _refused(f"{name} has sha256 {got}, the manifest says {manifest['files'].get(name)}", name)
-        files[name] = {"size": uploads[name].size, "sha256": got}
-    uploads[MANIFEST_NAME].seek(0)
-    files[MANIFEST_NAME] = {"size": uploads[MANIFEST_NAME].size, "sha256": _sha256(uploads[MANIFEST_NAME])}
     target = job_dir(job.pk)
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for name in ARTIFACT_NAMES:
-        with (staging / name).open("wb") as out:
-            for chunk in uploads[name].chunks():
-                out.write(chunk)
+    files: dict[str, dict[str, Any]] = {}
+    try:
+        for name in ARTIFACT_NAMES:
+            got = _write_hashed(uploads[name], staging / name)
+            wanted = manifest["files"].get(name, got) if name != MANIFEST_NAME else got
+            if got != wanted:
+                raise _refused(f"{name} has sha256 {got}, the manifest says {wanted}", name)
+            files[name] = {"size": uploads[name].size, "sha256": got}
+    except ApiError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     row, _ = JobArtifacts.objects.update_or_create(
@@ -116,6 +117,29 @@ def file_path(job: Job, name: str) -> Path | None:
         return None
     path = job_dir(job.pk) / name
     return path if path.exists() else None
+
+
+def check_init_from(user: AbstractBaseUser, job_id: int) -> None:
+    """Raises ApiError 400 on the spec's `init_from` unless job `job_id` is `user`'s (or `user`
+    is staff) and its final model is kept. Another user's job reads as absent."""
+    source = Job.objects.filter(pk=job_id).first()
+    if source is not None and not (user.is_staff or source.owner_id == user.pk):  # type: ignore[attr-defined]
+        source = None
+    if source is None or file_path(source, MODEL_NAME) is None:
+        message = f"no job {job_id} of yours has a final model to start from"
+        raise ApiError(400, "invalid_spec", message, [FieldError("init_from", message, job_id)])
+
+
+def initial_model(job: Job) -> tuple[Path, str] | None:
+    """The model file `job` starts from (its spec's init_from) and its sha256, or None."""
+    source_id = job.spec.get("init_from")
+    if not source_id:
+        return None
+    row = JobArtifacts.objects.filter(job_id=source_id).first()
+    path = job_dir(int(source_id)) / MODEL_NAME
+    if row is None or not path.exists():
+        return None
+    return path, str(row.files[MODEL_NAME]["sha256"])
 
 
 def prune() -> list[int]:

@@ -11,7 +11,7 @@ from django.db import transaction
 from elastic.spec import FieldError, SpecError, validate_spec
 from portal.cluster.models import Device, Node
 from portal.errors import ApiError, conflict
-from portal.jobs import lifecycle
+from portal.jobs import artifacts, lifecycle
 from portal.jobs.code import check_usable
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES
@@ -27,6 +27,8 @@ def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
         raise ApiError(400, "invalid_spec", f"the job spec has {len(exc.errors)} invalid field(s)", exc.errors) from exc
     if spec.code is not None:
         check_usable(owner, spec.code)
+    if spec.init_from is not None:
+        artifacts.check_init_from(owner, spec.init_from)
     with transaction.atomic():
         job = lifecycle.create_job(owner, spec)
         transaction.on_commit(lambda: broadcast.job_changed(job))

@@ -1,6 +1,7 @@
 """A task written only for the tests (not one of the examples): which of three rings a point lies
 on. A small network with batch norm and dropout, its own Dataset over a file it ships, a collate
-function of its own, and metrics from both `loss` and `evaluate`."""
+function of its own, metrics from both `loss` and `evaluate`, and, when asked, a learning-rate
+scheduler, a bug in `loss` or a NaN loss."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ class RingsHyperparameters(BaseModel):
     lr: float = Field(0.1, gt=0)
     hidden: int = Field(32, ge=1)
     dropout: float = Field(0.1, ge=0, lt=1)
+    lr_decay_every: int = Field(0, ge=0, description="halve the rate every this many steps (0: no scheduler)")
     fail_at_call: int = Field(0, ge=0, description="raise in loss() on this call (0: never)")
+    nan_at_call: int = Field(0, ge=0, description="return a NaN loss on this call (0: never)")
 
 
 class RingsTask:
@@ -40,6 +43,14 @@ class RingsTask:
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=self.hp.lr, momentum=0.9)
 
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        if not self.hp.lr_decay_every:
+            return None
+        every = self.hp.lr_decay_every
+        # A closed-form schedule (from the scheduler's own step count), unlike the chainable
+        # StepLR: a worker that missed the scheduler's state would restart it at the full rate.
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** (step // every))
+
     def train_data(self) -> Rings:
         return Rings(held_out=False)
 
@@ -58,7 +69,10 @@ class RingsTask:
         features, rings = batch
         logits = model(features)
         accuracy = (logits.argmax(dim=1) == rings).float().mean()
-        return functional.cross_entropy(logits, rings), {"accuracy": float(accuracy)}
+        loss = functional.cross_entropy(logits, rings)
+        if self.calls == self.hp.nan_at_call:
+            loss = loss * float("nan")
+        return loss, {"accuracy": float(accuracy)}
 
     def evaluate(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
         features, rings = batch

@@ -1,0 +1,74 @@
+"""A task's data read in worker processes of its own (the task's `data_workers`), for data sets
+whose `__getitem__` is slow: decoding, augmenting, reading files.
+
+Each reader process imports the task from its directory, builds it with the job's
+hyperparameters and calls `train_data()` once. A step's items are spread over the readers, and
+before reading an item a reader seeds torch's, numpy's and Python's generators with the item's
+own seed, which the caller derives from the job's seed and the item's place in the sample stream
+(elastic.worker.trainer). So what an item draws (a random crop, noise) does not depend on how
+many readers there are, which reader reads it, the number of workers or the resizes: only on
+the item. The items come back in order and are collated in the worker.
+
+The readers are spawned (not forked: the worker has threads and a process group by then), and
+each asks Linux to kill it when its worker dies, so that a SIGKILLed worker leaves none behind."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import multiprocessing
+import random
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+
+_PR_SET_PDEATHSIG = 1
+_dataset: Any = None
+
+
+def _start(directory: str, entrypoint: str, hyperparameters: dict[str, Any]) -> None:
+    """A reader process's start: dies with its parent; builds the task's training data."""
+    global _dataset
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    torch.set_num_threads(1)
+    from elastic.tasks.loader import load_task_class
+    from elastic.tasks.runtime import validate_hyperparameters
+
+    task_class = load_task_class(Path(directory), entrypoint)
+    _dataset = task_class(validate_hyperparameters(task_class, hyperparameters)).train_data()
+
+
+def _read(index: int, seed: int) -> Any:
+    torch.manual_seed(seed)
+    numpy.random.seed(seed)
+    random.seed(seed)
+    return _dataset[index]
+
+
+class ItemReaders:
+    """`count` reader processes of the task `entrypoint` in `directory`."""
+
+    def __init__(self, count: int, directory: Path, entrypoint: str, hyperparameters: dict[str, Any]) -> None:
+        self.count = count
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            count,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start,
+            initargs=(str(directory), entrypoint, hyperparameters),
+        )
+
+    def read(self, indices: Sequence[int], seeds: Sequence[int]) -> list[Any]:
+        """The items `indices`, in order, item i read right after seeding with `seeds[i]`.
+        Raises what the task's code raised (with the reader's traceback as its cause), or
+        concurrent.futures.process.BrokenProcessPool if a reader died."""
+        chunk = max(1, len(indices) // (self.count * 4))
+        return list(self._pool.map(_read, indices, seeds, chunksize=chunk))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,101 @@
+"""A task's items read in reader processes (elastic.tasks.readers, the task's `data_workers`):
+an item is what its own seed makes it, whatever the number of readers, the order of reading or
+the placement of the virtual workers; strict mode trains bit for bit alike with one reader or
+two; the task's error in a reader is the user's error with the reader's traceback; and readers
+die with their worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from elastic.tasks.api import UserCodeError
+from elastic.tasks.runtime import BoundTask, bind_task
+from elastic.worker.data import SampleStream
+from elastic.worker.strict import StrictTrainer
+
+NOISY = Path(__file__).parent / "tasks" / "noisy"
+SEED = 4
+
+
+@pytest.fixture
+def bound() -> Iterator[list[BoundTask]]:
+    """Tasks bound by the test, closed (their readers stopped) after it."""
+    tasks: list[BoundTask] = []
+    yield tasks
+    for task in tasks:
+        task.close()
+
+
+def _bind(tasks: list[BoundTask], entrypoint: str, **hyperparameters: object) -> BoundTask:
+    task = bind_task(NOISY, f"task:{entrypoint}", dict(hyperparameters), seed=SEED)
+    tasks.append(task)
+    return task
+
+
+def test_an_item_is_what_its_seed_makes_it_whoever_reads_it(bound: list[BoundTask]) -> None:
+    two, one = _bind(bound, "Noisy"), _bind(bound, "NoisyOneReader")
+    indices, seeds = list(range(0, 40, 3)), [1000 + i for i in range(14)]
+    points, labels = two.batch(indices, seeds)
+    assert torch.equal(points, one.batch(indices, seeds)[0]) and torch.equal(labels, one.batch(indices, seeds)[1])
+    backwards = two.batch(indices[::-1], seeds[::-1])[0]
+    assert torch.equal(backwards, points.flip(0)), "an item does not depend on what was read before it"
+    assert not torch.equal(two.batch(indices, [s + 1 for s in seeds])[0], points), "the noise follows the seed"
+    here = _bind(bound, "NoisyHere")
+    here.batch(indices, seeds)
+    assert here._readers is None, "data_workers 0 reads in the worker, after the step's own seeding"
+
+
+def test_a_failure_in_a_reader_is_the_users_error_with_its_traceback(bound: list[BoundTask]) -> None:
+    broken = _bind(bound, "Noisy", broken=True)
+    broken.batch([1, 2, 3], [1, 2, 3])
+    with pytest.raises(UserCodeError, match="in a data reader.* raised KeyError: 'item 13 is broken'") as caught:
+        broken.batch([12, 13, 14], [1, 2, 3])
+    assert "noisy/task.py" in caught.value.traceback_text and "__getitem__" in caught.value.traceback_text
+
+
+
+def test_strict_mode_trains_alike_with_one_reader_or_two(bound: list[BoundTask], group_of_one: None) -> None:
+    states = []
+    for entrypoint in ("Noisy", "NoisyOneReader"):
+        task = _bind(bound, entrypoint)
+        trainer = StrictTrainer(
+            task, task.make_optimizer(), SampleStream(task.num_samples, SEED), 12, SEED, 0, 1, virtual_workers=3
+        )
+        for step in range(6):
+            trainer.step(step, stop_requested=False)
+        states.append({k: v.clone() for k, v in task.model.state_dict().items()})
+    assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+
+
+def test_readers_die_with_their_worker(tmp_path: Path) -> None:
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from elastic.tasks.runtime import bind_task\n"
+        f"task = bind_task(Path({str(NOISY)!r}), 'task:Noisy', {{}}, seed=1)\n"
+        "task.batch([0, 1, 2, 3], [5, 6, 7, 8])\n"
+        "print('read', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).parents[1])
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "read"
+        readers = psutil.Process(worker.pid).children(recursive=True)
+        assert len(readers) >= 2, readers
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        gone, alive = psutil.wait_procs(readers, timeout=10)
+        assert not alive, f"readers outlived their worker: {alive}"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
