@@ -113,7 +113,7 @@ class WorkerEvent(WorkerKey):
     - resized (rank 0 only): generation `generation` took over at `step`: members_before and
       members_after ("node/device_index"), pause_s, bytes_moved, phases (seconds per phase)
     - progress: step, total_steps, epoch, loss, samples_per_s, global_batch, lr; metrics, the
-      named metrics the task's `loss` returned on rank 0's part of the step
+      named metrics the task's `loss` returned, averaged over the step's global batch
     - evaluation (rank 0): step, metrics, the task's `evaluate` over its eval_data (every
       spec.eval_every_steps, and at the end)
     - log: message

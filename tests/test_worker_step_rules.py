@@ -8,12 +8,15 @@ of one).
 - The scheduler steps once per applied step, its state is part of the mode's small state (what
   travels to joiners and into the checkpoint), and a trainer that takes it on goes on exactly as
   the one it came from. In hybrid mode a step trains at the scheduler's rate times the ramp's
-  factor, and the scheduler never sees the scaled rates."""
+  factor, and the scheduler never sees the scaled rates.
+- The task's named training metrics are averaged over the global batch, as the loss is."""
 
 from __future__ import annotations
 
 import copy
 import math
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ import torch
 
 from elastic.tasks.api import TaskDefinitionError, UserCodeError
 from elastic.tasks.runtime import BoundTask, bind_task
-from elastic.worker.data import SampleStream
+from elastic.worker.data import SampleStream, share_bounds
 from elastic.worker.hybrid import HybridSchedule, HybridTrainer
 from elastic.worker.strict import StrictTrainer
 from elastic.worker.trainer import NonFiniteLossError, Trainer
@@ -165,3 +168,66 @@ def test_a_scheduler_that_steps_on_a_metric_is_refused() -> None:
     task.task.scheduler = lambda opt: torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1)], lr=1), 1)
     with pytest.raises(TaskDefinitionError, match="over the optimiser it was given"):
         task.make_scheduler(optimizer)
+
+
+class ThreadGroup:
+    """A SUM all-reduce between trainers stepping in threads of this process."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.buffers: list[torch.Tensor | None] = [None] * size
+
+    def reducer(self, rank: int) -> Callable[[torch.Tensor], None]:
+        def reduce(buffer: torch.Tensor) -> None:
+            self.buffers[rank] = buffer.clone()
+            self.barrier.wait()
+            total = torch.stack([b for b in self.buffers if b is not None]).sum(0)
+            self.barrier.wait()
+            buffer.copy_(total)
+
+        return reduce
+
+
+def test_training_metrics_are_the_global_batchs_like_the_loss() -> None:
+    group = ThreadGroup(2)
+    tasks = [_task(dropout=0.0) for _ in range(2)]
+    trainers = [
+        Trainer(task, task.make_optimizer(), SampleStream(task.num_samples, SEED), 30, SEED, rank, 2,
+                reduce=group.reducer(rank))
+        for rank, task in enumerate(tasks)
+    ]
+    differed = False
+    for step in range(4):
+        outcomes: list[Any] = [None, None]
+
+        def run(rank: int, step: int, outcomes: list[Any]) -> None:
+            outcomes[rank] = trainers[rank].step(step, stop_requested=False)
+
+        threads = [threading.Thread(target=run, args=(rank, step, outcomes)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        own = [task.metrics["accuracy"] for task in tasks]  # each rank's share: 15 samples
+        differed |= own[0] != own[1]
+        for trainer in trainers:
+            assert trainer.metrics == {"accuracy": pytest.approx((own[0] + own[1]) / 2, abs=1e-6)}, step
+        assert outcomes[0].loss == outcomes[1].loss
+    assert differed, "the ranks' own metrics never differed: nothing was averaged"
+
+
+def test_strict_metrics_are_the_global_batchs_whatever_the_virtual_workers(group_of_one: None) -> None:
+    task = _task(dropout=0.0)
+    trainer = _trainer("strict", task)
+    assert isinstance(trainer, StrictTrainer)
+    for step in range(3):
+        before = copy.deepcopy(task.model)  # train mode: batch norm uses each vw's own batch
+        first = trainer.batch_start(step)
+        expected = 0.0
+        for vw in range(3):
+            start, stop = share_bounds(BATCH, 3, vw)
+            features, rings = task.batch(trainer.stream.positions(first + start, first + stop))
+            accuracy = float((before(features).argmax(1) == rings).float().mean())
+            expected += accuracy * (stop - start) / BATCH
+        trainer.step(step, stop_requested=False)
+        assert trainer.metrics == {"accuracy": pytest.approx(expected, abs=1e-6)}, step

@@ -43,10 +43,19 @@ from elastic.consistency.exact_sum import spare_bits, tensor_scales
 from elastic.consistency.placement import check_shares, even_shares, hosted
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
-from elastic.worker.trainer import CollectiveError, NonFiniteLossError, SampleRecorder, StepOutcome, Trainer
+from elastic.worker.trainer import (
+    METRIC_SLOTS,
+    CollectiveError,
+    NonFiniteLossError,
+    SampleRecorder,
+    StepOutcome,
+    Trainer,
+    finite_or_zero,
+    names_fingerprint,
+)
 
-_COUNT, _STOP_VOTES, _SWITCH_TO, _NONFINITE_VOTES = 0, 1, 2, 3
-_STATS = 4
+_COUNT, _STOP_VOTES, _SWITCH_TO, _NONFINITE_VOTES, _METRIC_NAMES = 0, 1, 2, 3, 4
+_STATS = 5
 MIN_SPARE_BITS = 24
 """Fixed-point bits a term must keep below its tensor's largest magnitude: a float32's."""
 
@@ -98,10 +107,14 @@ class StrictTrainer(Trainer):
         """Every vw's context after the last completed step, as int64 words."""
         if words:
             self.contexts[:] = self._pack()
-        sizes = [p.numel() for p in self._parameters] + [1]  # the last segment is the loss
+        # The segments after the gradients: the loss, then the named metrics (one segment, one
+        # scale: they are reported, never trained on).
+        sizes = [p.numel() for p in self._parameters] + [1, METRIC_SLOTS]
         ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
         self._bounds = [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
-        """[begin, stop) of each parameter's gradient, then of the loss, in a row of terms."""
+        """[begin, stop) of each parameter's gradient, then of the loss and of the metrics, in a
+        row of terms."""
+        self._row_width = ends[-1]
         self._terms: torch.Tensor | None = None
         # int32 fixed point where it keeps as many bits below each tensor's largest entry as a
         # float32 term has (24): the SUM then moves the bytes of a float32 all-reduce. With more
@@ -176,12 +189,12 @@ class StrictTrainer(Trainer):
         ranks agree on; a collective call. Raises CollectiveError if a peer fails or times out:
         then nothing of the step is applied (parameters, optimiser, contexts)."""
         virtual, batch = self.virtual_workers, self.batch_size
-        size = self._gradient_size + 1  # the gradients, then the loss
+        g, width = self._gradient_size, self._row_width  # the gradients, the loss, the metrics
         terms, total = self._step_buffers()
         words = self.contexts.shape[1]
-        stats = total[size : size + _STATS]
+        stats = total[width : width + _STATS]
         outgoing = total[self._contexts_at :].view(torch.int64).view(virtual, words)
-        total[size:].zero_()
+        total[width:].zero_()
         first = self.batch_start(step)
         trained = []
         for row, vw in enumerate(self.hosted):
@@ -192,7 +205,7 @@ class StrictTrainer(Trainer):
                 outgoing[vw] = self.contexts[vw]
             if not len(indices):
                 continue
-            self._point_gradients_at(terms[row, : size - 1])
+            self._point_gradients_at(terms[row, :g])
             if words:
                 self._unpack(self.contexts[vw])
             vw_seed = virtual_worker_seed(self.seed, step, vw)
@@ -207,8 +220,12 @@ class StrictTrainer(Trainer):
                 self.state_arrived()
                 raise
             share = len(indices) / batch
-            terms[row, : size - 1].mul_(share)
-            terms[row, size - 1] = loss.detach() * share
+            terms[row, :g].mul_(share)
+            terms[row, g] = loss.detach() * share
+            names = self.metric_names()
+            if names:
+                values = [finite_or_zero(self.problem.metrics[name]) * share for name in names]
+                terms[row, g + 1 : g + 1 + len(names)] = torch.tensor(values, dtype=terms.dtype)
             if words:
                 outgoing[vw] = self._pack()
         max_abs = self._segment_max_abs(terms)
@@ -223,11 +240,12 @@ class StrictTrainer(Trainer):
         try:
             dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
             scales = self._scales(max_abs)
-            self._to_fixed(terms, scales, total[:size])
+            self._to_fixed(terms, scales, total[:width])
             stats[_COUNT] = sum(len(indices) for indices in trained)
             stats[_STOP_VOTES] = 1 if stop_requested else 0
             stats[_SWITCH_TO] = switch_to
             stats[_NONFINITE_VOTES] = 1 if nonfinite else 0
+            stats[_METRIC_NAMES] = names_fingerprint(self.metric_names())
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self.state_arrived()  # the model's buffers back to vw 0's committed context
@@ -243,16 +261,18 @@ class StrictTrainer(Trainer):
             step_loss = math.nan
         else:
             exact = self._result
-            exact.copy_(total[:size])  # int64 to float, rounded once
+            exact.copy_(total[:width])  # int64 to float, rounded once
             for (begin, stop), scale in zip(self._bounds, scales, strict=True):
                 exact[begin:stop].mul_(1.0 / scale)  # a power of two: exact
-            self._point_gradients_at(exact[: size - 1])
+            self._point_gradients_at(exact[:g])
             self.optimizer.step()
             self.advance_schedule()
             if words:
                 self.contexts.copy_(outgoing)
                 self._unpack(self.contexts[0])
-            step_loss = float(exact[size - 1])
+            step_loss = float(exact[g])
+            metric_sums = exact[g + 1 :].tolist()  # weighted by share: they sum to 1 per batch
+            self.agree_metrics(metric_sums, agreed[_METRIC_NAMES], agreed[_COUNT] / batch)
         outcome = StepOutcome(
             step=step + 1,
             loss=step_loss,
@@ -269,9 +289,9 @@ class StrictTrainer(Trainer):
         """The step's buffers, kept between steps so that a step faults in no memory: one row of
         gradients and loss per hosted vw (zeroed: backward accumulates), and the int64 buffer of
         the SUM all-reduce (fixed-point sums, then the step's votes, then every vw's context)."""
-        rows, size = len(self.hosted), self._gradient_size + 1
+        rows, width = len(self.hosted), self._row_width
         if self._terms is None or self._terms.shape[0] != rows:
-            self._terms = torch.zeros(rows, size, dtype=self._dtype, device=self._device)
+            self._terms = torch.zeros(rows, width, dtype=self._dtype, device=self._device)
         else:
             self._terms.zero_()
         return self._terms, self._total

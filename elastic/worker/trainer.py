@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,17 +30,35 @@ from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
 
-# The buffer of the per-step all-reduce ends with five statistics after the gradients. The
-# generation to switch to is summed with zeros from the other ranks; float32 holds it exactly
-# up to 2**24. A rank whose loss is not finite votes for it, so that every rank fails or skips
-# the same step.
-_NONFINITE_VOTES, _LOSS_SUM, _COUNT, _STOP_VOTES, _SWITCH_TO = -5, -4, -3, -2, -1
-_STATS = 5
+METRIC_SLOTS = 8
+"""The task's named training metrics averaged over the global batch, as the loss is: the first
+this many, by name. The step's all-reduce carries them in slots of a fixed number, so that a rank
+whose metrics differ cannot make the collectives' sizes disagree."""
+
+# The buffer of the per-step all-reduce ends with statistics after the gradients: the metric
+# sums (weighted by samples), then six values. The generation to switch to is summed with zeros
+# from the other ranks; float32 holds it exactly up to 2**24. A rank whose loss is not finite
+# votes for it, so that every rank fails or skips the same step. Each rank adds a fingerprint of
+# its metrics' names: the sums are averages only if every rank added the same.
+_METRIC_NAMES, _NONFINITE_VOTES, _LOSS_SUM, _COUNT, _STOP_VOTES, _SWITCH_TO = -6, -5, -4, -3, -2, -1
+_STATS = 6 + METRIC_SLOTS
 _ITEM_SALT = 0xDA7A
 
 
 class NonFiniteLossError(UserCodeError):
     """The step's loss was NaN or infinite on some rank, and the job's `nan_loss` is "fail"."""
+
+
+def finite_or_zero(value: float) -> float:
+    """A metric as the step's all-reduce carries it: a NaN or infinite one as 0, so that it
+    never reads as a loss that is not finite."""
+    return value if math.isfinite(value) else 0.0
+
+
+def names_fingerprint(names: list[str]) -> int:
+    """12 bits that tell metric name lists apart (0 for none): a sum of 4,096 of them is still
+    exact in float32."""
+    return zlib.crc32(",".join(names).encode()) & 0xFFF if names else 0
 
 
 class CollectiveError(RuntimeError):
@@ -137,6 +156,7 @@ class Trainer:
         self.skip_nonfinite = skip_nonfinite
         """What a step whose loss is not finite does: skipped if true, else NonFiniteLossError."""
         self._step_lr: float | None = None
+        self._metrics: dict[str, float] = {}
         self.stream = stream
         self.batch_size = batch_size
         self.seed = seed
@@ -181,6 +201,11 @@ class Trainer:
             buffer[: self._gradient_size].mul_(count / self.batch_size)
             buffer[_LOSS_SUM] = loss.detach() * count
             buffer[_NONFINITE_VOTES] = (~torch.isfinite(loss.detach())).to(buffer.dtype)
+            names = self.metric_names()
+            if names:
+                sums = [finite_or_zero(self.problem.metrics[name]) * count for name in names]
+                buffer[-_STATS : len(names) - _STATS] = torch.tensor(sums, dtype=buffer.dtype)
+        buffer[_METRIC_NAMES] = names_fingerprint(self.metric_names())
         buffer[_COUNT] = count
         buffer[_STOP_VOTES] = 1.0 if stop_requested else 0.0
         buffer[_SWITCH_TO] = switch_to
@@ -202,6 +227,7 @@ class Trainer:
         else:
             self.optimizer.step()
             self.advance_schedule()
+            self.agree_metrics(stats[:METRIC_SLOTS], stats[_METRIC_NAMES], stats[_COUNT])
         outcome = StepOutcome(
             step=step + 1,
             loss=math.nan if skipped else stats[_LOSS_SUM] / stats[_COUNT],
@@ -265,8 +291,22 @@ class Trainer:
 
     @property
     def metrics(self) -> dict[str, float]:
-        """The task's named metrics of this rank's last `loss` call."""
-        return self.problem.metrics
+        """The task's named training metrics of the last applied step, averaged over the global
+        batch; this rank's own if the ranks' metrics had different names."""
+        return self._metrics
+
+    def metric_names(self) -> list[str]:
+        """The names of the metrics the step's all-reduce averages (METRIC_SLOTS at most)."""
+        return sorted(self.problem.metrics)[:METRIC_SLOTS]
+
+    def agree_metrics(self, sums: list[float], fingerprints: float, total_weight: float) -> None:
+        """Takes the step's reduced metric sums as the metrics, if every rank summed metrics of
+        the same names (their fingerprints add up to world_size of this rank's)."""
+        names = self.metric_names()
+        if names and total_weight > 0 and round(fingerprints) == names_fingerprint(names) * self.world_size:
+            self._metrics = {name: sums[slot] / total_weight for slot, name in enumerate(names)}
+        else:
+            self._metrics = dict(self.problem.metrics)
 
     @property
     def lr(self) -> float:
