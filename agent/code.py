@@ -1,7 +1,8 @@
 """The agent's copies of jobs' own code. Each archive is fetched from the portal once per digest
 (with the agent token), checked against that digest, and kept; each job gets its own unpacked
 copy, so that no job's files (its __pycache__ included) are another's. What the agent unpacks
-passes the same checks as what the portal took in (elastic.codepack)."""
+passes the same checks as what the portal took in (elastic.codepack). A job's copies go once no
+worker of it has run on the node for a while (`sweep`, from the agent's report loop)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -54,6 +56,7 @@ class CodeCache:
             target = self._jobs / f"job-{job_id}" / "code"
             marker = target.parent / "code.digest"
             if target.is_dir() and marker.exists() and marker.read_text() == digest:
+                os.utime(target.parent)
                 return target
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(target, ignore_errors=True)
@@ -70,6 +73,7 @@ class CodeCache:
         with self._lock:
             target = self._jobs / f"job-{job_id}" / INITIAL_MODEL_NAME
             if target.exists():
+                os.utime(target.parent)
                 return target
             target.parent.mkdir(parents=True, exist_ok=True)
             _fetch_checked(
@@ -78,6 +82,23 @@ class CodeCache:
                 f"the model job {job_id} starts from",
             )
             return target
+
+    def sweep(self, live_jobs: set[int], kept_s: float) -> list[int]:
+        """Deletes the directories of jobs not in `live_jobs` untouched for `kept_s` (a job's
+        directory is touched whenever it is prepared); returns their ids."""
+        deleted = []
+        cutoff = time.time() - kept_s
+        with self._lock:
+            for directory in self._jobs.glob("job-*"):
+                try:
+                    job_id = int(directory.name.removeprefix("job-"))
+                    idle = directory.stat().st_mtime < cutoff
+                except (ValueError, OSError):
+                    continue
+                if job_id not in live_jobs and idle:
+                    shutil.rmtree(directory, ignore_errors=True)
+                    deleted.append(job_id)
+        return sorted(deleted)
 
     def _archive(self, digest: str) -> Path:
         archive = self._archives / f"{digest}.tar.gz"

@@ -49,6 +49,10 @@ MAX_EVENTS_PER_REPORT = 1_000
 MAX_RETRY_DELAY_S = 10.0
 FAILURE_LOG_EVERY_S = 30.0
 UNKNOWN_NODE_CODE = "unknown_node"
+SWEEP_EVERY_S = 300.0
+JOB_FILES_KEPT_S = 3600.0
+"""How long a job's unpacked code and initial model stay on a node after its last worker here
+went: a job that comes back within it (a grow onto this node) finds them."""
 """The portal's error code for a report from a node it has no record of: register again."""
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -259,13 +263,13 @@ class Agent:
         self.client = client
         self.supervisor = supervisor
         self.stopping = stopping
-        self.uploader = ArtifactUploader(client, stopping)
+        self.uploader = ArtifactUploader(client, stopping, supervisor.state_dir)
         self.report_now = report_now or threading.Event()
         """Set (by the supervisor, on a worker's exit; by the dispatcher, when a played owner
         comes or goes) to send the next report without waiting."""
-        self._dispatcher = CommandDispatcher(
-            supervisor, backend, on_owner_change=self.report_now.set, code=CodeCache(client, supervisor.state_dir)
-        )
+        self.code = CodeCache(client, supervisor.state_dir)
+        self._dispatcher = CommandDispatcher(supervisor, backend, on_owner_change=self.report_now.set, code=self.code)
+        self._next_sweep = 0.0
         self._registration = NodeRegistration(
             name=config.node_name,
             address=config.address,
@@ -368,6 +372,7 @@ class Agent:
         # Running workers before events: a worker that exits in between is listed as running
         # and its exit is in the same report, never missing from both.
         running = self.supervisor.running()
+        self._sweep({worker.job_id for worker in running})
         try:
             samples = self.backend.sample({w.pid: (w.job_id, w.device_index) for w in running})
         except DeviceError as err:
@@ -393,6 +398,16 @@ class Agent:
         self._report_failures.succeeded()
         self._pending.remove(events)
         self._delivered()
+
+    def _sweep(self, live_jobs: set[int]) -> None:
+        """Every SWEEP_EVERY_S, deletes the per-job copies (code, initial model) of jobs with no
+        worker here for JOB_FILES_KEPT_S."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_EVERY_S
+        for job_id in self.code.sweep(live_jobs, JOB_FILES_KEPT_S):
+            log.info("deleted the files of job %d: no worker of it here for %.0f s", job_id, JOB_FILES_KEPT_S)
 
     def _uploads_taken(self, events: list[WorkerEvent]) -> list[WorkerEvent]:
         """Hands "artifacts" events to the uploader (the upload tells the portal); returns the

@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import http.server
 import io
+import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,3 +129,19 @@ def test_the_model_a_job_starts_from_is_fetched_once_and_checked(server: CodeSer
     with pytest.raises(CodeUnavailable, match="no job on node-a runs it"):
         cache.initial_model(9)
     assert sorted(p.name for p in (tmp_path / "jobs").rglob("*") if p.is_file()) == ["initial-model.pt"]
+
+
+def test_a_jobs_files_go_once_it_has_been_gone_a_while(server: CodeServer, tmp_path: Path) -> None:
+    archive = canonical(directory_files(RINGS))
+    digest = hashlib.sha256(archive).hexdigest()
+    server.archives[digest] = archive
+    cache = cache_for(server, tmp_path)
+    for job_id in (1, 2, 3):
+        cache.prepare(job_id, digest)
+    hour_ago = time.time() - 3700
+    for job_id in (1, 2):
+        os.utime(tmp_path / "jobs" / f"job-{job_id}", (hour_ago, hour_ago))
+    assert cache.sweep(live_jobs={2}, kept_s=3600) == [1], "job 2 still runs here; job 3 was just prepared"
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["job-2", "job-3"]
+    assert (tmp_path / "code" / f"{digest}.tar.gz").exists(), "the archive stays for the next job"
+    assert cache.prepare(1, digest).is_dir(), "a job that comes back gets its copy again"
