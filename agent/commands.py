@@ -22,8 +22,10 @@ from pydantic import ValidationError
 
 from agent.code import CodeCache, CodeUnavailable
 from agent.devices import DeviceBackend, DeviceError
+from agent.export import CheckpointExporter
 from agent.supervisor import WorkerSupervisor
 from elastic.wire import (
+    ExportCommand,
     LaunchCommand,
     SimulateOwnerCommand,
     SimulateSlowdownCommand,
@@ -39,7 +41,7 @@ CLOCK_MARGIN_S = 0.1
 """Read this much further back than the registration began, when the position had to be
 worked out from Redis's clock: a command is idempotent, a missed one is lost."""
 
-AgentCommand = LaunchCommand | StopCommand | SimulateOwnerCommand | SimulateSlowdownCommand
+AgentCommand = LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand
 StreamReplies = list[tuple[str, list[tuple[str, dict[str, str]]]]] | None
 """What XREAD answers on a client that decodes responses."""
 
@@ -109,8 +111,8 @@ class StreamMark:
 
 
 class CommandDispatcher:
-    """Hands each kind of command to its handler: launch and stop to the supervisor, a played
-    owner to the device backend. A handler's failure is logged, never raised. `redis_url` is
+    """Hands each kind of command to its handler: launch and stop to the supervisor, an export to
+    the checkpoint exporter, a played owner to the device backend. A handler's failure is logged, never raised. `redis_url` is
     the Redis the commands come from; the workers' membership board lives there too."""
 
     def __init__(
@@ -120,8 +122,10 @@ class CommandDispatcher:
         redis_url: str = "",
         on_owner_change: Callable[[], None] | None = None,
         code: CodeCache | None = None,
+        exporter: CheckpointExporter | None = None,
     ) -> None:
         self.redis_url = redis_url
+        self._exporter = exporter
         self._backend = backend
         self._on_owner_change = on_owner_change
         self._supervisor = supervisor
@@ -129,6 +133,7 @@ class CommandDispatcher:
         self._handlers: Mapping[type[Any], Callable[[Any], object]] = {
             LaunchCommand: self._launch,
             StopCommand: supervisor.stop,
+            ExportCommand: self._export,
             SimulateOwnerCommand: self._play_owner,
             SimulateSlowdownCommand: lambda command: backend.set_slowdown(command.device_index, command.factor),
         }
@@ -152,6 +157,12 @@ class CommandDispatcher:
                 self._supervisor.launch_failed(command, str(err))
                 return
         self._supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model)
+
+    def _export(self, command: ExportCommand) -> None:
+        if self._exporter is None:
+            log.warning("job %d: cannot export its checkpoint: this agent has no exporter", command.job_id)
+            return
+        self._exporter.start(command)
 
     def _play_owner(self, command: SimulateOwnerCommand) -> None:
         """Plays the owner, then has the agent report at once: the portal takes a device back

@@ -38,6 +38,7 @@ from agent.code import CodeCache
 from agent.commands import CommandDispatcher, CommandReader, StreamMark
 from agent.devices import DeviceBackend, DeviceError, backend_names, make_backend
 from agent.events import EventBuffer
+from agent.export import CheckpointExporter
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply, WorkerEvent, command_stream
 
@@ -268,7 +269,13 @@ class Agent:
         """Set (by the supervisor, on a worker's exit; by the dispatcher, when a played owner
         comes or goes) to send the next report without waiting."""
         self.code = CodeCache(client, supervisor.state_dir)
-        self._dispatcher = CommandDispatcher(supervisor, backend, on_owner_change=self.report_now.set, code=self.code)
+        self._dispatcher = CommandDispatcher(
+            supervisor,
+            backend,
+            on_owner_change=self.report_now.set,
+            code=self.code,
+            exporter=CheckpointExporter(supervisor.running, self.code, self.uploader.submit),
+        )
         self._next_sweep = 0.0
         self._registration = NodeRegistration(
             name=config.node_name,

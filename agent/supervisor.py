@@ -82,6 +82,11 @@ _TAIL_EVERY_S = 0.05
 _PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
 
 
+def python_path() -> str:
+    """PYTHONPATH for a process of the runtime (a worker, an export): the project first."""
+    return os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
+
+
 def exit_reason(exit_code: int, stop_requested: bool = False) -> ExitReason:
     """Returns what a worker's exit code means: COMPLETED_EXIT_CODE (0) "completed",
     STOPPED_EXIT_CODE (75) "stopped", LEFT_EXIT_CODE (76) "left", USER_ERROR_EXIT_CODE (77)
@@ -517,14 +522,13 @@ class WorkerSupervisor:
             entrypoint=command.spec.get("entrypoint") if code_dir is not None else None,
             initial_model=str(initial_model) if initial_model is not None else None,
         )
-        python_path = os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
         env = {
             **os.environ,
             **placement.env,
             WORKER_CONFIG_ENV: config.model_dump_json(),
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": python_path,
+            "PYTHONPATH": python_path(),
         }
         argv = [self.config.python, "-m", self.config.worker_module]
         stem = f"job{command.job_id}-gen{command.generation}-rank{assignment.rank}-{uuid.uuid4().hex[:8]}"

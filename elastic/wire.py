@@ -213,6 +213,19 @@ class StopCommand(_Message):
     devices: list[int] | None = None
 
 
+class ExportCommand(_Message):
+    """The job ended failed after it had trained, and no worker handed over its artifacts: once
+    no worker of the job runs on this node any more, write them from the job's periodic
+    checkpoint in `run_dir`, if this node holds it (elastic.worker.export), and hand them over as
+    rank 0 does at a job's end."""
+
+    kind: Literal["export"] = "export"
+    job_id: int
+    generation: int = Field(ge=1)
+    spec: dict[str, Any]
+    run_dir: str
+
+
 class SimulateOwnerCommand(_Message):
     """Simulated backend only: play the owner of a device arriving (`present`) or leaving."""
 
@@ -231,14 +244,15 @@ class SimulateSlowdownCommand(_Message):
 
 
 AgentCommand = Annotated[
-    LaunchCommand | StopCommand | SimulateOwnerCommand | SimulateSlowdownCommand, Field(discriminator="kind")
+    LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand,
+    Field(discriminator="kind"),
 ]
 agent_command_adapter: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
 
 
 def parse_command(
     raw: str | bytes,
-) -> LaunchCommand | StopCommand | SimulateOwnerCommand | SimulateSlowdownCommand:
+) -> LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand:
     """Parse one command from its JSON text; raises pydantic.ValidationError if it is not one."""
     return agent_command_adapter.validate_json(raw)
 

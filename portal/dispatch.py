@@ -11,7 +11,14 @@ from collections.abc import Iterable
 from django.conf import settings
 
 from elastic.membership.redis import RedisBoard
-from elastic.wire import LaunchCommand, Membership, StopCommand, command_stream, coordination_key
+from elastic.wire import (
+    ExportCommand,
+    LaunchCommand,
+    Membership,
+    StopCommand,
+    command_stream,
+    coordination_key,
+)
 from portal.redis import client
 
 STREAM_MAXLEN = 10_000
@@ -21,7 +28,7 @@ def stream_for(node_name: str) -> str:
     return command_stream(node_name, settings.BUNGEE["REDIS_PREFIX"])
 
 
-def send(node_name: str, command: LaunchCommand | StopCommand) -> None:
+def send(node_name: str, command: LaunchCommand | StopCommand | ExportCommand) -> None:
     client().xadd(
         stream_for(node_name), {"command": command.model_dump_json()}, maxlen=STREAM_MAXLEN, approximate=True
     )

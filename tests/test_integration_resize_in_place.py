@@ -383,3 +383,6 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
     ended = platform.wait_for("its workers to stop", lambda: not live_rows(j := detail(platform, job_id)) and j)
     assert ended["generation"] == failed["generation"], "no generation after the failure"
     assert {row["reason"] for row in ended["workers_history"]} <= {"user_error", "stopped"}
+    # What it trained before the bug is kept: the state of its last completed step.
+    kept = platform.wait_for("the failed job's artifacts", lambda: detail(platform, job_id)["artifacts"])
+    assert kept["ended"] == "failed" and kept["step"] >= 1, kept

@@ -283,6 +283,30 @@ def test_a_job_succeeds_when_its_rank_0_is_done_writing_its_model(api: dict, clu
     assert sorted(job.workers.values_list("reason", flat=True)) == ["completed", "completed"]
 
 
+def test_a_job_that_fails_after_training_has_its_checkpoint_exported(
+    api: dict, cluster: Any, redis_client: Any, settings: Any
+) -> None:
+    """Restarts used up: the node of the newest rank 0 (it holds the periodic checkpoint) is
+    asked to export it; a job that never trained is not."""
+    settings.BUNGEE = {**settings.BUNGEE, "MAX_RESTARTS": 0}
+    trained, untrained = submit(api, max_workers=1), submit(api, max_workers=1, name="untrained")
+    run_cycle()
+    trained.refresh_from_db()
+    untrained.refresh_from_db()
+    report(cluster, event(trained, "started", pid=3000, device_index=0),
+           event(trained, "progress", step=12, loss=1.5, samples_per_s=90.0),
+           event(untrained, "started", pid=3001, device_index=1))
+    report(cluster, event(trained, "exited", exit_code=1, reason="failed"),
+           event(untrained, "exited", exit_code=1, reason="failed"))
+    for job in (trained, untrained):
+        job.refresh_from_db()
+        assert job.state == "failed", job.message
+    exports = [c for c in commands(redis_client) if c.kind == "export"]
+    assert [(c.job_id, c.run_dir, c.spec["name"]) for c in exports] == [
+        (trained.pk, lifecycle.run_dir(trained), trained.spec["name"])
+    ]
+
+
 def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, settings: Any) -> None:
     done = submit(api, max_workers=1)
     flaky = submit(api, max_workers=1, name="flaky")

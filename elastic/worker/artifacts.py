@@ -47,10 +47,12 @@ class ArtifactExporter:
         job_id: int,
         spec: JobSpec,
         problem: BoundTask,
-        trainer: Trainer,
+        trainer: Trainer | None,
         checkpoint: Path,
         events: EventWriter,
     ) -> None:
+        """`trainer` None: the model's state is the task's model's as it is (an export from the
+        checkpoint, elastic.worker.export)."""
         self.directory = artifacts_dir(run_dir)
         self.job_id = job_id
         self.spec = spec
@@ -84,7 +86,11 @@ class ArtifactExporter:
         staging = self.directory.with_name(ARTIFACTS_DIR + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        torch.save(self.trainer.exported_model_state(), staging / MODEL_NAME)
+        if self.trainer is not None:
+            model_state = self.trainer.exported_model_state()
+        else:
+            model_state = {name: value.detach().to("cpu", copy=True) for name, value in self.problem.model.state_dict().items()}
+        torch.save(model_state, staging / MODEL_NAME)
         shutil.copyfile(self.checkpoint, staging / CHECKPOINT_NAME)
         metrics = self.evaluate(step)
         manifest: dict[str, Any] = {
@@ -92,7 +98,7 @@ class ArtifactExporter:
             "ended": ended,
             "step": step,
             "total_steps": self.spec.total_steps(),
-            "world_size": self.trainer.world_size,
+            "world_size": self.trainer.world_size if self.trainer is not None else None,
             "spec": self.spec.model_dump(mode="json"),
             "task": {"workload": self.spec.workload, "code": self.spec.code, "entrypoint": self.spec.entrypoint},
             "final": {"loss": loss, "metrics": metrics, "evaluated_with_batch_size": self.problem.batch_size},

@@ -23,6 +23,14 @@ class EventWriter:
         self.rank = config.rank
         self._stream = stream if stream is not None else sys.stdout
 
+    @classmethod
+    def for_job(cls, job_id: int, generation: int, rank: int = 0, stream: TextIO | None = None) -> EventWriter:
+        """A writer for a process that is not one of the job's workers (elastic.worker.export)."""
+        writer = cls.__new__(cls)
+        writer._job_id, writer.generation, writer.rank = job_id, generation, rank
+        writer._stream = stream if stream is not None else sys.stdout
+        return writer
+
     def rebind(self, generation: int, rank: int) -> None:
         """Stamp later events with `generation` and `rank`."""
         self.generation = generation

@@ -35,11 +35,19 @@ from django.utils import timezone
 
 from elastic.membership import GenerationPhase, check_phase_transition
 from elastic.spec import JobSpec
-from elastic.wire import LaunchCommand, Member, Membership, RunningWorker, WorkerAssignment, WorkerEvent
+from elastic.wire import (
+    ExportCommand,
+    LaunchCommand,
+    Member,
+    Membership,
+    RunningWorker,
+    WorkerAssignment,
+    WorkerEvent,
+)
 from portal import dispatch
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating
-from portal.jobs.models import Allocation, Generation, Job, JobLog, ResizeEvent, Worker
+from portal.jobs.models import Allocation, Generation, Job, JobArtifacts, JobLog, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
 from portal.trigger import request_schedule
@@ -217,10 +225,27 @@ def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
             move_phase(generation, Phase.ENDED)
         request_schedule(f"job {job.pk} {target}")
     _stop_all(locked, stop_reason)
+    if target == JobState.FAILED:
+        _ask_for_export(locked)
     broadcast.job_changed(locked)
     broadcast.allocation_changed(allocation_rows())
     job.refresh_from_db()
     return True
+
+
+def _ask_for_export(job: Job) -> None:
+    """A job that failed after it had trained keeps what it trained: the node of its newest rank
+    0, which holds the periodic checkpoint, is asked to export it (the agent waits for the job's
+    workers there to exit, and names what rank 0 wrote itself if it got that far)."""
+    if job.steps_done <= 0 or JobArtifacts.objects.filter(job=job).exists():
+        return
+    holder = Worker.objects.filter(job=job, rank=0).order_by("-generation").select_related("node").first()
+    if holder is None:
+        return
+    dispatch.send(
+        holder.node.name,
+        ExportCommand(job_id=job.pk, generation=max(job.generation, 1), spec=job.spec, run_dir=run_dir(job)),
+    )
 
 
 def cancel(job: Job) -> bool:

@@ -1,0 +1,99 @@
+"""The agent's side of elastic.wire.ExportCommand: once no worker of the failed job runs on this
+node, it runs `python -m elastic.worker.export` on the job's checkpoint (with the job's own code,
+fetched as for a launch) and hands the "artifacts" event that process writes to the uploader. One
+thread per command; every wait has a deadline."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from agent.code import CodeCache, CodeUnavailable
+from agent.supervisor import python_path
+from elastic.membership.codec import decode
+from elastic.wire import ExportCommand, RunningWorker, WorkerEvent
+
+log = logging.getLogger(__name__)
+
+WORKERS_GONE_DEADLINE_S = 120.0
+"""How long an export waits for the job's workers here to exit (they were told to stop)."""
+EXPORT_DEADLINE_S = 900.0
+"""How long the export process may take (it evaluates the task once)."""
+
+
+class CheckpointExporter:
+    """Runs exports for `running()`'s node; hands each "artifacts" event to `on_artifacts`."""
+
+    def __init__(
+        self,
+        running: Callable[[], list[RunningWorker]],
+        code: CodeCache | None,
+        on_artifacts: Callable[[WorkerEvent], None],
+        python: str = sys.executable,
+    ) -> None:
+        self._running = running
+        self._code = code
+        self._on_artifacts = on_artifacts
+        self._python = python
+        self.finished = threading.Event()
+        """Set after each export ends, whatever its outcome (for tests)."""
+
+    def start(self, command: ExportCommand) -> threading.Thread:
+        thread = threading.Thread(target=self._run, args=(command,), name=f"export-job-{command.job_id}", daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self, command: ExportCommand) -> None:
+        try:
+            self._export(command)
+        except Exception:
+            log.exception("job %d: the export from its checkpoint failed", command.job_id)
+        finally:
+            self.finished.set()
+
+    def _export(self, command: ExportCommand) -> None:
+        deadline = time.monotonic() + WORKERS_GONE_DEADLINE_S
+        while any(worker.job_id == command.job_id for worker in self._running()):
+            if time.monotonic() > deadline:
+                log.error("job %d: its workers here did not exit; not exporting its checkpoint", command.job_id)
+                return
+            time.sleep(0.2)
+        config = {
+            "job_id": command.job_id, "generation": command.generation, "spec": command.spec, "run_dir": command.run_dir,
+        }
+        digest = command.spec.get("code")
+        if digest:
+            if self._code is None:
+                log.error("job %d: cannot export, this agent cannot fetch code", command.job_id)
+                return
+            try:
+                config["code_dir"] = str(self._code.prepare(command.job_id, str(digest)))
+            except CodeUnavailable as err:
+                log.error("job %d: cannot export: %s", command.job_id, err)
+                return
+            config["entrypoint"] = command.spec.get("entrypoint")
+        env = {**os.environ, "BUNGEE_EXPORT_CONFIG": json.dumps(config), "PYTHONPATH": python_path()}
+        try:
+            done = subprocess.run(
+                [self._python, "-m", "elastic.worker.export"],
+                env=env, capture_output=True, text=True, timeout=EXPORT_DEADLINE_S, check=False,
+            )
+        except subprocess.TimeoutExpired:
+            log.error("job %d: the export from its checkpoint took over %.0f s", command.job_id, EXPORT_DEADLINE_S)
+            return
+        key = {"job_id": command.job_id, "generation": command.generation, "rank": 0}
+        events = [decode(key, line) for line in done.stdout.splitlines()]
+        for event in events:
+            if event.kind == "log":
+                log.info("job %d export: %s", command.job_id, event.message)
+        exported = [event for event in events if event.kind == "artifacts"]
+        if done.returncode != 0 or not exported:
+            log.info("job %d: no export here (exit code %d) %s", command.job_id, done.returncode, done.stderr[-2000:])
+            return
+        self._on_artifacts(exported[-1])
