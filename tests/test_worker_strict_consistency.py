@@ -121,11 +121,12 @@ def test_resizes_and_a_crash_give_the_fixed_runs_model_bit_for_bit(tmp_path: Pat
     resized, resized_losses, job = _resized_run(spec, tmp_path / "resized")
     steps = resized.step
     assert steps > 30
+    # One fixed run: that a fixed run on any other number of workers gives the same is shown by
+    # the placement tests below (3 uneven workers, 2 workers with int64 sums, each against 1).
     four, four_losses = _fixed_run(spec, steps, [0, 1, 2, 3], tmp_path / "four")
-    one, one_losses = _fixed_run(spec, steps, [0], tmp_path / "one")
-    assert _differences(resized, four) == [] and _differences(resized, one) == []
+    assert _differences(resized, four) == []
     assert resized.optimizer["state"] and len(resized_losses) == steps
-    assert resized_losses == four_losses == one_losses
+    assert resized_losses == four_losses
     assert resized_losses[-1] < resized_losses[0]
     contexts = resized.trainer_tensors[0]
     assert contexts.shape[0] == 4, "one context per virtual worker"
