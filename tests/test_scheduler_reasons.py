@@ -201,3 +201,16 @@ def test_throughput_service_and_remaining_work_come_from_the_reports(
     assert 7.5 <= view.attained_service_s <= 8.5 + 2 * (time.time() - start), view.attained_service_s
     assert view.throughput is not None and view.throughput != prior
     assert view.throughput.step_time(2, 1, 16) == pytest.approx(0.05, rel=0.2)
+
+
+def test_a_job_too_big_for_the_cluster_says_so(api: dict, cluster: Any) -> None:
+    """Held, not refused (nodes join; a node may be away): its reason says what it needs, what
+    the cluster has, and what would start it."""
+    job_id = submit(api, min_workers=8, max_workers=8)
+    run_cycle()
+    job = api["alice"].get(f"/api/jobs/{job_id}").json()
+    assert job["state"] == "queued"
+    assert job["schedule_note"] == (
+        "cannot start on the cluster as it is: needs at least 8 workers and the cluster has 4 devices; "
+        "it starts once nodes join (or lower min_workers)"
+    ), job["schedule_note"]

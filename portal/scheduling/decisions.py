@@ -55,7 +55,13 @@ def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> str:
             given = {d for assigned in plan.assignments.values() for d in assigned}
             free = sum(1 for d in snapshot.devices if d.available and d.id not in given)
             pool = "devices" if job.priority == "guaranteed" else "shared or lent devices"
-            parts.append(f"waiting for {pool}: needs at least {job.min_workers}, {free} free")
+            if job.min_workers > len(snapshot.devices):
+                parts.append(
+                    f"cannot start on the cluster as it is: needs at least {job.min_workers} workers and the "
+                    f"cluster has {len(snapshot.devices)} devices; it starts once nodes join (or lower min_workers)"
+                )
+            else:
+                parts.append(f"waiting for {pool}: needs at least {job.min_workers}, {free} free")
         elif reason == Reason.STRAGGLER_REPLACED:
             parts.append("a slow worker is moving to a free device")
         elif reason == Reason.STRAGGLER_UNLOADED:
