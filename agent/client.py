@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import BinaryIO, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 import httpx
 from pydantic import ValidationError
@@ -34,6 +34,11 @@ class PortalError(Exception):
 
 class PortalUnavailableError(PortalError):
     """The portal did not answer, or answered that it cannot serve now; retry later."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status it answered with (5xx, 408, 429), or None if it did not answer."""
 
 
 class AgentAuthError(PortalError):
@@ -85,9 +90,15 @@ class PortalClient:
                 None,
             ) from err
 
-    def report(self, report: AgentReport) -> None:
-        """Sends one report. Raises PortalError (see module)."""
-        self._post(REPORT_PATH, report.model_dump_json())
+    def report(self, report: AgentReport) -> list[dict[str, Any]]:
+        """Sends one report; returns the items the portal refused (each with where it was in
+        the report and why), which it did not store. Raises PortalError (see module)."""
+        response = self._post(REPORT_PATH, report.model_dump_json())
+        try:
+            refused = response.json().get("refused", [])
+        except (ValueError, AttributeError):
+            return []
+        return refused if isinstance(refused, list) else []
 
     def fetch_code(self, digest: str, out: BinaryIO, max_bytes: int) -> None:
         """Writes the archive of the job code `digest` to `out`, as the portal sends it (the
@@ -167,7 +178,7 @@ class PortalClient:
         if status in (401, 403):
             raise AgentAuthError(f"{where}: the agent token was refused: {text}", status)
         if status >= 500 or status in _RETRIABLE_STATUSES:
-            raise PortalUnavailableError(f"{where}: {text}")
+            raise PortalUnavailableError(f"{where}: {text}", status)
         raise PortalRejectedError(f"{where}: {text}", status, code)
 
 

@@ -86,3 +86,48 @@ class EventBuffer:
             victim = next(queue for queue in self._queues if queue)
             victim.popleft()
             self._dropped += 1
+
+
+class PoisonIsolation:
+    """Finds an event the portal fails on (a 5xx every time it is in a report) so that it cannot
+    hold the node's reports back for good: after a 5xx the next report carries half as many
+    events, down to one; a single event that fails is tested against a report without events,
+    and only when the portal takes those but fails on that event `tries` times in a row is the
+    event dropped. A portal that fails on every report drops nothing."""
+
+    def __init__(self, most: int, tries: int = 3) -> None:
+        self.most = most
+        self.tries = tries
+        self.limit = most
+        self.probing = False
+        """The next report carries no events: does the portal take a report at all?"""
+        self.portal_takes_reports = False
+        self.failures = 0
+
+    def batch_size(self) -> int:
+        """How many of the oldest pending events the next report carries."""
+        return 0 if self.probing else self.limit
+
+    def succeeded(self, sent: list[WorkerEvent]) -> None:
+        if not sent:
+            if self.probing:
+                self.probing, self.portal_takes_reports = False, True
+            return
+        self.limit, self.failures, self.portal_takes_reports = self.most, 0, False
+
+    def server_failed(self, sent: list[WorkerEvent]) -> list[WorkerEvent]:
+        """After a 5xx to a report that carried `sent`: returns the events to drop (the one the
+        portal keeps failing on), usually none."""
+        if not sent:
+            self.probing, self.portal_takes_reports = False, False
+            return []
+        if len(sent) > 1:
+            self.limit = max(1, len(sent) // 2)
+            return []
+        if self.portal_takes_reports:
+            self.failures += 1
+        if self.failures >= self.tries:
+            self.limit, self.failures, self.portal_takes_reports = self.most, 0, False
+            return sent
+        self.probing = True
+        return []

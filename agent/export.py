@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from agent.code import CodeCache, CodeUnavailable
-from agent.supervisor import python_path
+from agent.supervisor import process_environment, python_path
 from elastic.membership.codec import decode
 from elastic.wire import ExportCommand, RunningWorker, WorkerEvent
 
@@ -78,7 +77,7 @@ class CheckpointExporter:
                 log.error("job %d: cannot export: %s", command.job_id, err)
                 return
             config["entrypoint"] = command.spec.get("entrypoint")
-        env = {**os.environ, "BUNGEE_EXPORT_CONFIG": json.dumps(config), "PYTHONPATH": python_path()}
+        env = {**process_environment(), "BUNGEE_EXPORT_CONFIG": json.dumps(config), "PYTHONPATH": python_path()}
         try:
             done = subprocess.run(
                 [self._python, "-m", "elastic.worker.export"],

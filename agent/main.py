@@ -37,7 +37,7 @@ from agent.client import (
 from agent.code import CodeCache
 from agent.commands import CommandDispatcher, CommandReader, StreamMark
 from agent.devices import DeviceBackend, DeviceError, backend_names, make_backend
-from agent.events import EventBuffer
+from agent.events import EventBuffer, PoisonIsolation
 from agent.export import CheckpointExporter
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply, WorkerEvent, command_stream
@@ -131,7 +131,14 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         parser.add_argument(name, default=environ.get(env) or default, help=help + shown, **kwargs)  # type: ignore[arg-type]
 
     flag("--portal", "BUNGEE_PORTAL_URL", "http://127.0.0.1:8000", "the portal's base URL")
-    flag("--token", "BUNGEE_AGENT_TOKEN", None, "the agent token the portal issued (required)")
+    flag(
+        "--token-file",
+        "BUNGEE_AGENT_TOKEN_FILE",
+        None,
+        "a file holding the agent token the portal issued, readable by the agent's user only (the "
+        "way to pass it: a --token shows in every local user's ps)",
+    )
+    flag("--token", "BUNGEE_AGENT_TOKEN", None, "the agent token itself, if no --token-file")
     flag("--name", "BUNGEE_NODE_NAME", socket.gethostname(), "this node's name")
     flag(
         "--address",
@@ -201,8 +208,15 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
     value is missing or wrong."""
     parser = build_parser(environ)
     args = parser.parse_args(argv)
+    if args.token_file:
+        try:
+            args.token = Path(args.token_file).read_text().strip()
+        except OSError as err:
+            parser.error(f"cannot read the agent token from --token-file {args.token_file!r}: {err.strerror}")
+        if not args.token:
+            parser.error(f"the token file {args.token_file!r} is empty")
     if not args.token:
-        parser.error("an agent token is required: pass --token or set BUNGEE_AGENT_TOKEN")
+        parser.error("an agent token is required: pass --token-file (or set BUNGEE_AGENT_TOKEN_FILE, or BUNGEE_AGENT_TOKEN)")
     try:
         NodeRegistration(name=args.name, address=args.address, backend=args.backend, devices=[])
     except ValidationError as err:
@@ -285,6 +299,7 @@ class Agent:
         )
         self._reader: CommandReader | None = None
         self._pending = EventBuffer(PENDING_EVENTS)
+        self._isolation = PoisonIsolation(MAX_EVENTS_PER_REPORT)
         self._report_failures = _FailureLog("reporting to the portal")
 
     def run(self) -> ExitCode:
@@ -318,7 +333,7 @@ class Agent:
                     # A bug in one report must not take the node's workers down with the agent.
                     log.exception("a report failed unexpectedly; going on")
         except AgentAuthError as err:
-            log.error("%s; check --token / BUNGEE_AGENT_TOKEN. Exiting.", err)
+            log.error("%s; check --token-file / BUNGEE_AGENT_TOKEN_FILE. Exiting.", err)
             return ExitCode.USAGE_OR_TOKEN_REFUSED
         except PortalRejectedError as err:
             log.error("the portal refused the registration: %s. Exiting.", err)
@@ -386,12 +401,18 @@ class Agent:
             log.warning("could not sample the devices: %s", err)
             samples = []
         self._pending.extend(self._uploads_taken(self.supervisor.drain_events()))
-        events = self._pending.peek(MAX_EVENTS_PER_REPORT)
+        events = self._pending.peek(self._isolation.batch_size())
         report = AgentReport(node=self.config.node_name, samples=samples, events=events, running=running)
         try:
-            self.client.report(report)
+            refused = self.client.report(report)
         except PortalUnavailableError as err:
             self._report_failures.failed(err)
+            if err.status is not None and err.status >= 500:
+                poison = self._isolation.server_failed(events)
+                for event in poison:
+                    log.error("dropping an event the portal failed on %d times while it took reports without it: %s",
+                              self._isolation.tries, event.model_dump_json()[:500])
+                self._pending.remove(poison)
             return
         except PortalRejectedError as err:
             if err.code == UNKNOWN_NODE_CODE:
@@ -403,6 +424,9 @@ class Agent:
             self._delivered()
             return
         self._report_failures.succeeded()
+        self._isolation.succeeded(events)
+        for item in refused:
+            log.error("the portal refused %s of a report (not stored): %s", item.get("item"), item.get("message"))
         self._pending.remove(events)
         self._delivered()
 

@@ -82,6 +82,15 @@ _TAIL_EVERY_S = 0.05
 _PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
 
 
+AGENT_SECRETS = ("BUNGEE_AGENT_TOKEN", "BUNGEE_AGENT_TOKEN_FILE")
+"""What the agent's environment holds that no worker, and so no job's code, may read."""
+
+
+def process_environment() -> dict[str, str]:
+    """The agent's environment without its secrets: what a worker or an export starts with."""
+    return {name: value for name, value in os.environ.items() if name not in AGENT_SECRETS}
+
+
 def python_path() -> str:
     """PYTHONPATH for a process of the runtime (a worker, an export): the project first."""
     return os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
@@ -523,7 +532,7 @@ class WorkerSupervisor:
             initial_model=str(initial_model) if initial_model is not None else None,
         )
         env = {
-            **os.environ,
+            **process_environment(),
             **placement.env,
             WORKER_CONFIG_ENV: config.model_dump_json(),
             "OMP_NUM_THREADS": "1",

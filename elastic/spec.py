@@ -10,11 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from elastic.workloads import CATALOGUE
 
 MAX_WORKERS_LIMIT = 1024
+MAX_STEPS = 10_000_000
 _VIRTUAL_WORKERS_RULE = (
     "must be at least max_workers ({w}): every worker hosts at least one virtual worker, not {v}"
 )
@@ -67,9 +68,20 @@ class JobSpec(BaseModel):
         description="start from the final model of this finished job of yours (its model.pt); the optimiser "
         "starts fresh",
     )
-    steps: int | None = Field(None, ge=1, le=10_000_000)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     epochs: float | None = Field(None, gt=0, le=100_000)
     seed: int = Field(0, ge=0, le=2**31 - 1)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_or_nul(cls, value: Any) -> Any:
+        """true/false is no number (pydantic would read it as 1/0), and a NUL character has no
+        place in any text of a spec (PostgreSQL cannot store it)."""
+        if isinstance(value, bool):
+            raise ValueError(f"{str(value).lower()} is not a valid value here")
+        if _holds_nul(value):
+            raise ValueError("contains a NUL character (\\u0000)")
+        return value
 
     @model_validator(mode="after")
     def _bounds(self) -> JobSpec:
@@ -126,6 +138,21 @@ class JobSpec(BaseModel):
         per_epoch = info.samples_per_epoch(hp)
         assert self.epochs is not None
         return max(1, math.ceil(self.epochs * per_epoch / int(hp.model_dump()["batch_size"])))
+
+
+def _holds_nul(value: Any) -> bool:
+    """Whether a NUL character is in `value`, its keys or anything nested in it."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and "\x00" in item:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 @dataclass(frozen=True)
@@ -328,6 +355,13 @@ def validate_spec(data: Any) -> JobSpec:
         # imports it); its batch size is checked above.
         spec, mode_errors = _with_mode_defaults(spec, spec.batch_size())
         errors.extend(mode_errors)
+    if spec is not None and spec.epochs is not None and not errors:
+        steps = spec.total_steps()
+        if steps > MAX_STEPS:
+            errors.append(FieldError(
+                "epochs", f"{spec.epochs:g} epochs are {steps:,} steps at this batch size; a job has at most "
+                f"{MAX_STEPS:,} steps", spec.epochs,
+            ))
     if errors:
         raise SpecError(errors)
     assert spec is not None

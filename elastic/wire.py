@@ -19,7 +19,14 @@ WORKER_EVENT_PREFIX = "@bungee "
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinity are no JSON, and no value any message needs.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+LATEST_AT = 4.1e9
+"""Unix seconds of 2099: a time past it is a broken clock or a bad report."""
+MAX_LIST = 4096
+"""The most items a list in a message holds (devices, samples, workers, members, step times)."""
 
 
 # --- devices ---------------------------------------------------------------------------------
@@ -38,9 +45,9 @@ class DeviceInfo(_Message):
 class DeviceProcess(_Message):
     """A process that holds memory on (or, for a CPU slot, runs on) a device."""
 
-    pid: int
-    name: str
-    memory_bytes: int = Field(ge=0)
+    pid: int = Field(ge=0, le=2**31)
+    name: str = Field(max_length=255)
+    memory_bytes: int = Field(ge=0, le=2**50)
     utilization_pct: float | None = Field(
         None, ge=0, le=100, description="this process's share of the device's compute, where known"
     )
@@ -51,14 +58,14 @@ class DeviceProcess(_Message):
 class DeviceSample(_Message):
     """One reading of one device, taken at `taken_at` (Unix seconds) by the agent."""
 
-    index: int = Field(ge=0)
-    taken_at: float
+    index: int = Field(ge=0, le=MAX_LIST)
+    taken_at: float = Field(ge=0, le=LATEST_AT)
     utilization_pct: float = Field(ge=0, le=100)
-    memory_used_bytes: int = Field(ge=0)
-    memory_total_bytes: int = Field(ge=0)
-    temperature_c: float | None = None
-    power_w: float | None = None
-    processes: list[DeviceProcess] = []
+    memory_used_bytes: int = Field(ge=0, le=2**50)
+    memory_total_bytes: int = Field(ge=0, le=2**50)
+    temperature_c: float | None = Field(None, ge=-100, le=250)
+    power_w: float | None = Field(None, ge=0, le=100_000)
+    processes: list[DeviceProcess] = Field(default_factory=list, max_length=MAX_LIST)
     owner_present: bool = Field(
         False, description="a process the agent did not start is on the device: its owner is back"
     )
@@ -68,14 +75,14 @@ class DeviceSample(_Message):
 
 
 class WorkerKey(_Message):
-    job_id: int
-    generation: int
-    rank: int
+    job_id: int = Field(ge=1, le=2**31 - 1)
+    generation: int = Field(ge=0, le=2**31 - 1)
+    rank: int = Field(ge=0, le=2**20)
 
 
 class RunningWorker(WorkerKey):
-    pid: int
-    device_index: int
+    pid: int = Field(ge=0, le=2**31)
+    device_index: int = Field(ge=0, le=MAX_LIST)
 
 
 class NodeRegistration(_Message):
@@ -135,40 +142,40 @@ class WorkerEvent(WorkerKey):
         "started", "joined", "resized", "progress", "log", "exited", "step_times", "exiting", "form_failed",
         "artifacts", "evaluation",
     ]
-    at: float
-    pid: int | None = None
-    device_index: int | None = None
-    step: int | None = None
-    total_steps: int | None = None
-    epoch: float | None = None
+    at: float = Field(ge=0, le=LATEST_AT)
+    pid: int | None = Field(None, ge=0, le=2**31)
+    device_index: int | None = Field(None, ge=0, le=MAX_LIST)
+    step: int | None = Field(None, ge=0, le=2**31 - 1)
+    total_steps: int | None = Field(None, ge=0, le=2**31 - 1)
+    epoch: float | None = Field(None, ge=0, le=1e9)
     loss: float | None = None
-    samples_per_s: float | None = None
-    message: str | None = None
-    exit_code: int | None = None
+    samples_per_s: float | None = Field(None, ge=0)
+    message: str | None = Field(None, max_length=100_000)
+    exit_code: int | None = Field(None, ge=-255, le=255)
     reason: ExitReason | None = None
-    members_before: list[str] | None = None
-    members_after: list[str] | None = None
+    members_before: list[str] | None = Field(None, max_length=MAX_LIST)
+    members_after: list[str] | None = Field(None, max_length=MAX_LIST)
     pause_s: float | None = Field(
-        None, description="last step end before the switch to first step end after it, less a normal step"
+        None, ge=0, le=1e6, description="last step end before the switch to first step end after it, less a normal step"
     )
     bytes_moved: int | None = Field(None, ge=0, description="training state bytes the joiners received")
-    phases: dict[str, float] | None = None
-    step_times: list[float] | None = None
+    phases: dict[str, float] | None = Field(None, max_length=64)
+    step_times: list[float] | None = Field(None, max_length=MAX_LIST)
     failed_generation: int | None = Field(None, ge=1, description="form_failed: the generation that did not form")
     global_batch: int | None = Field(None, ge=1, description="progress: the global batch of the last step")
     lr: float | None = Field(None, ge=0, description="progress: the learning rate of the last step")
     metrics: dict[str, float] | None = Field(
-        None, description="progress: the task's named training metrics; evaluation: its evaluation metrics"
+        None, max_length=64, description="progress: the task's named training metrics; evaluation: its evaluation metrics"
     )
 
 
 class AgentReport(_Message):
     """What an agent sends every report interval: fresh samples, new events, live workers."""
 
-    node: str
-    samples: list[DeviceSample] = []
-    events: list[WorkerEvent] = []
-    running: list[RunningWorker] = []
+    node: str = Field(max_length=100)
+    samples: list[DeviceSample] = Field(default_factory=list, max_length=MAX_LIST)
+    events: list[WorkerEvent] = Field(default_factory=list, max_length=10_000)
+    running: list[RunningWorker] = Field(default_factory=list, max_length=MAX_LIST)
 
 
 # --- portal to agent -------------------------------------------------------------------------

@@ -2,14 +2,57 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
+from pydantic import BaseModel, Field
 
 from elastic.spec import FieldError
+from portal.bodies import BodyError, parse_json
 from portal.errors import ApiError
 
-api = NinjaAPI(
+
+class FieldErrorOut(BaseModel):
+    field: str
+    message: str
+    value: Any = Field(None, description="what was sent there, cut to 200 characters of JSON")
+
+
+class ErrorDetail(BaseModel):
+    status: int
+    code: str = Field(description="malformed_body, invalid_spec, not_found, forbidden, too_large, ...")
+    message: str
+    fields: list[FieldErrorOut]
+
+
+class ErrorOut(BaseModel):
+    error: ErrorDetail
+
+
+class BungeeApi(NinjaAPI):
+    """The API, whose OpenAPI document also describes every operation's refusals: a 4xx in the
+    one error shape (`Error`)."""
+
+    def get_openapi_schema(self, *, path_prefix: str | None = None, path_params: dict[str, Any] | None = None) -> Any:
+        schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
+        error = ErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(error.pop("$defs", {}))
+        components["Error"] = error
+        refused = {
+            "description": "refused: the error shape, naming each bad field and what was sent",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                if isinstance(operation, dict) and "responses" in operation:
+                    operation["responses"].setdefault("4XX", refused)
+        return schema
+
+
+api = BungeeApi(
     title="Bungee",
     version="1",
     description="Elastic training on shared GPU clusters. Errors always have the shape "
@@ -27,16 +70,36 @@ def _api_error(request: HttpRequest, exc: ApiError) -> HttpResponse:
     return _respond(request, exc)
 
 
+def _sent_value(request: HttpRequest, location: list[str]) -> Any:
+    """What the JSON body holds at `location` (ninja's errors leave the value out), or None."""
+    try:
+        value: Any = parse_json(request.body.decode("utf-8", errors="replace"))
+    except BodyError:
+        return None
+    for part in location:
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
+
+
 @api.exception_handler(ValidationError)
 def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse:
     fields = []
     for err in exc.errors:
         location = [str(p) for p in err.get("loc", ())]
+        in_body = bool(location) and location[0] == "body"
         if location and location[0] in {"body", "query", "path"}:
             location = location[1:]
         if location and location[0] == "payload":
             location = location[1:]
-        fields.append(FieldError(".".join(location) or "body", err.get("msg", "invalid"), err.get("input")))
+        value = err.get("input")
+        if value is None and in_body:
+            value = _sent_value(request, location)
+        fields.append(FieldError(".".join(location) or "body", err.get("msg", "invalid"), value))
     message = "; ".join(f"{f.field}: {f.message}" for f in fields) or "invalid request"
     return _respond(request, ApiError(400, "invalid_request", message, fields))
 
@@ -48,7 +111,9 @@ def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResp
 
 @api.exception_handler(HttpError)
 def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
-    return _respond(request, ApiError(exc.status_code, "http_error", str(exc)))
+    # ninja's 400 is a body it could not parse: the same code as submit's own parse errors.
+    code = "malformed_body" if exc.status_code == 400 else "http_error"
+    return _respond(request, ApiError(exc.status_code, code, str(exc)))
 
 
 @api.exception_handler(Http404)

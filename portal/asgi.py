@@ -12,22 +12,30 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
+from django.core.exceptions import ImproperlyConfigured  # noqa: E402
 
 from portal.body_limit import BodyLimit  # noqa: E402
 from portal.jobs.code_api import UPLOAD_OVERHEAD_BYTES  # noqa: E402
 from portal.live.auth import TokenOrSessionAuthMiddleware  # noqa: E402
 from portal.live.routing import websocket_urlpatterns  # noqa: E402
 from portal.scheduling.policy import configured_policy  # noqa: E402
+from portal.secrets_check import secret_key_problem  # noqa: E402
 
 configured_policy()  # a bad BUNGEE_POLICY stops the portal here, with the value quoted
+_weak_key = secret_key_problem(settings.SECRET_KEY, settings.DEBUG)
+if _weak_key is not None:
+    raise ImproperlyConfigured(_weak_key)
 
 
 def body_limit(path: str) -> int:
-    """The largest request body: a job's artifacts from an agent, else a code upload and its
-    form's other fields (portal.jobs.code_api)."""
+    """The largest request body: a job's artifacts from an agent; a code upload and its form's
+    other fields (portal.jobs.code_api), from the API or the submit page; else a JSON or form
+    body, BUNGEE["BODY_MAX_BYTES"]."""
     if path.startswith("/api/agent/jobs/") and path.endswith("/artifacts"):
         return int(settings.BUNGEE["ARTIFACT_MAX_BYTES"])
-    return int(settings.BUNGEE["CODE_MAX_BYTES"]) + UPLOAD_OVERHEAD_BYTES
+    if path in ("/api/code", "/jobs/new/"):
+        return int(settings.BUNGEE["CODE_MAX_BYTES"]) + UPLOAD_OVERHEAD_BYTES
+    return int(settings.BUNGEE["BODY_MAX_BYTES"])
 
 
 application = ProtocolTypeRouter(

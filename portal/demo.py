@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from portal.launcher import ROOT, ProcessGroup, platform_commands
+from portal.secrets_check import secret_key_file
 
 DEMO_USER = "demo"
 DEMO_PASSWORD = "bungee-demo"
@@ -82,6 +83,8 @@ def main() -> None:
     data_dir = Path(os.environ.get("BUNGEE_DATA_DIR", ROOT / "var")).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    if not os.environ.get("SECRET_KEY"):
+        os.environ["SECRET_KEY"] = secret_key_file(data_dir)
     embedded = None
     if not os.environ.get("REDIS_URL"):
         embedded, os.environ["REDIS_URL"] = _start_embedded_redis(data_dir)
@@ -108,8 +111,11 @@ def main() -> None:
             group.python(name, *command)
         base = f"http://127.0.0.1:{args.port}"
         _wait_http(base + "/login/", 60, group)
+        token_file = data_dir / "agent.token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(agent_token)
         group.python(
-            "agent", "-m", "agent", "--portal", base, "--token", agent_token, "--name", node_name,
+            "agent", "-m", "agent", "--portal", base, "--token-file", str(token_file), "--name", node_name,
             "--devices", str(args.devices),
         )
         if not args.no_jobs:

@@ -1,4 +1,4 @@
-"""One error shape for the whole API:
+"""One error shape for the whole API (messages and echoed values bounded by portal.bodies):
 
     {"error": {"status": 400, "code": "invalid_spec", "message": "...",
                "fields": [{"field": "max_workers", "message": "...", "value": 0}]}}
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.spec import FieldError
+from portal.bodies import MESSAGE_CHARS, cut, shown
 
 
 @dataclass
@@ -27,23 +28,14 @@ class ApiError(Exception):
             "error": {
                 "status": self.status,
                 "code": self.code,
-                "message": self.message,
+                "message": cut(self.message, MESSAGE_CHARS),
                 "fields": [
-                    {"field": f.field, "message": f.message, "value": _jsonable(f.value)}
+                    {"field": f.field, "message": cut(f.message, MESSAGE_CHARS), "value": shown(f.value)}
                     for f in self.fields
                 ],
             }
         }
 
-
-def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return repr(value)
 
 
 def not_found(what: str) -> ApiError:

@@ -3,6 +3,7 @@ configuration table); the defaults make a laptop run work with no configuration 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -13,6 +14,7 @@ from portal.env import env_bool, env_float, env_int, env_list, env_str
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("BUNGEE_DATA_DIR", str(BASE_DIR / "var"))).resolve()
 
+# With DEBUG off the portal refuses this default (portal.secrets_check); `make demo` makes its own.
 SECRET_KEY = env_str("SECRET_KEY", "bungee-development-key-change-me-in-production")
 DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
@@ -32,9 +34,21 @@ INSTALLED_APPS = [
     "portal.jobs",
     "portal.live",
     "portal.scheduling",
+    "axes",
 ]
 
+# Brute force at the login page: django-axes counts failed logins per (username, address) and
+# per address, and refuses (429, templates/login_locked.html) after BUNGEE_LOGIN_FAILURE_LIMIT
+# of them for BUNGEE_LOGIN_COOLOFF_MIN minutes. API tokens are not passwords: they do not count.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env_int("BUNGEE_LOGIN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("BUNGEE_LOGIN_COOLOFF_MIN", 15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"], "ip_address"]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "login_locked.html"
+
 MIDDLEWARE = [
+    "portal.error_pages.ApiErrorShape",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -43,6 +57,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -155,6 +170,8 @@ BUNGEE = {
     # A job's own code (elastic.codepack): the largest upload, what it may unpack to, how many
     # files, and where the portal keeps it (by sha256).
     "CODE_MAX_BYTES": env_int("BUNGEE_CODE_MAX_BYTES", 50 * 1024 * 1024),
+    # Any other request body (a JSON or YAML spec, a report, a form): refused with 413 above it.
+    "BODY_MAX_BYTES": env_int("BUNGEE_BODY_MAX_BYTES", 1024 * 1024),
     "CODE_MAX_UNPACKED_BYTES": env_int("BUNGEE_CODE_MAX_UNPACKED_BYTES", 200 * 1024 * 1024),
     "CODE_MAX_FILES": env_int("BUNGEE_CODE_MAX_FILES", 10_000),
     "CODE_DIR": str(DATA_DIR / "code"),

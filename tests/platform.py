@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -54,8 +55,11 @@ class Platform:
                 "manage.py", "create_token", "alice", "--role", "agent", "--label", f"agent of {name}"
             ).strip()
             self.tokens[f"agent-{name}"] = token
+        token_file = self.group.log_dir / f"agent-{name}.token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(token)
         self.group.python(
-            f"agent-{name}", "-m", "agent", "--portal", self.base_url, "--token", token,
+            f"agent-{name}", "-m", "agent", "--portal", self.base_url, "--token-file", str(token_file),
             "--name", name, "--devices", str(devices), "--backend", "simulated",
         )
 
@@ -134,6 +138,7 @@ def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str
         "BUNGEE_CHANNEL_PREFIX": f"bungee-it-{run_id}",
         "BUNGEE_CELERY_QUEUE": f"bungee-it-{run_id}",
         "BUNGEE_DATA_DIR": str(tmp / "data"),
+        "SECRET_KEY": secrets.token_urlsafe(50),
         "BUNGEE_SCHEDULE_TICK_S": "2",
         # Below Linux's ephemeral ports (32768 and up), where any client socket may hold one.
         "BUNGEE_MASTER_PORT_BASE": str(MASTER_PORT_LOW + port % (EPHEMERAL_PORTS_START - 5000 - MASTER_PORT_LOW)),

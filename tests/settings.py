@@ -2,6 +2,7 @@
 TEST_REDIS_URL override them), under a prefix of their own."""
 
 import os
+import secrets
 
 import dj_database_url
 
@@ -27,3 +28,5 @@ CELERY_BROKER_URL = REDIS_URL
 CELERY_TASK_ALWAYS_EAGER = True
 BUNGEE = {**BUNGEE, "REDIS_PREFIX": f"bungee-test-{os.getpid()}"}
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+# A random key per run: the development default is refused with DEBUG off (portal.secrets_check).
+SECRET_KEY = secrets.token_urlsafe(50)

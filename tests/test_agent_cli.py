@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ def test_the_flags() -> None:
         "-h",
         "--help",
         "--portal",
+        "--token-file",
         "--token",
         "--name",
         "--address",
@@ -110,7 +112,8 @@ def test_flags_win_over_the_environment() -> None:
 @pytest.mark.parametrize(
     ("argv", "environ", "message"),
     [
-        ([], {}, "an agent token is required: pass --token or set BUNGEE_AGENT_TOKEN"),
+        ([], {}, "an agent token is required: pass --token-file (or set BUNGEE_AGENT_TOKEN_FILE"),
+        (["--token-file", "/nonexistent/agent.token"], {}, "cannot read the agent token from --token-file"),
         (["--token", "t", "--devices", "0"], {}, "argument --devices: '0' must be at least 1"),
         (["--token", "t"], {"BUNGEE_SIM_DEVICES": "many"}, "argument --devices: 'many' is not an integer"),
         (["--token", "t", "--report-interval", "0"], {}, "argument --report-interval: '0' must be above 0"),
@@ -156,3 +159,18 @@ def test_nvml_without_a_gpu_exits_4() -> None:
     )
     assert result.returncode == 4
     assert "device backend 'nvml' cannot start: NVML did not initialise" in result.stderr
+
+
+def test_the_token_comes_from_a_file_and_never_reaches_a_worker(tmp_path: Path, monkeypatch: Any) -> None:
+    from agent.supervisor import process_environment
+
+    token_file = tmp_path / "agent.token"
+    token_file.write_text("bng_secret\n")
+    assert parse_config(["--token-file", str(token_file)], {}).token == "bng_secret"
+    assert parse_config([], {"BUNGEE_AGENT_TOKEN_FILE": str(token_file)}).token == "bng_secret"
+    monkeypatch.setenv("BUNGEE_AGENT_TOKEN", "bng_secret")
+    monkeypatch.setenv("BUNGEE_AGENT_TOKEN_FILE", str(token_file))
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    environment = process_environment()
+    assert "BUNGEE_AGENT_TOKEN" not in environment and "BUNGEE_AGENT_TOKEN_FILE" not in environment
+    assert environment["OMP_PROC_BIND"] == "true"

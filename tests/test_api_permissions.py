@@ -80,7 +80,7 @@ def test_session_needs_csrf_for_writes(users: dict) -> None:
     from django.test import Client
 
     browser = Client(enforce_csrf_checks=True)
-    assert browser.login(username="alice", password="alice-pass")
+    browser.force_login(users["alice"])
     assert browser.get("/api/jobs").status_code == 200
     refused = browser.post("/api/jobs", VALID_SPEC, content_type="application/json")
     assert refused.status_code in {401, 403}
@@ -94,11 +94,11 @@ def test_job_page_permissions(users: dict, api: dict, alices_job: int) -> None:
     from django.test import Client
 
     bob = Client()
-    bob.login(username="bob", password="bob-pass")
+    bob.force_login(users["bob"])
     assert bob.get(f"/jobs/{alices_job}/").status_code == 403
     assert bob.get("/").status_code == 200 and b"mlp" in bob.get("/").content
     alice = Client()
-    alice.login(username="alice", password="alice-pass")
+    alice.force_login(users["alice"])
     assert alice.get(f"/jobs/{alices_job}/").status_code == 200
     assert Client().get("/").status_code == 302, "anonymous visitors are sent to the login page"
 

@@ -386,3 +386,20 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
     # What it trained before the bug is kept: the state of its last completed step.
     kept = platform.wait_for("the failed job's artifacts", lambda: detail(platform, job_id)["artifacts"])
     assert kept["ended"] == "failed" and kept["step"] >= 1, kept
+
+
+def test_no_password_or_token_in_any_log(platform: Platform) -> None:
+    """After every test of this module (it runs last): the platform's logs, the agents' worker
+    outputs and records hold no user's password, no user token and no agent token. The token
+    files the agents read are the one place an agent token is written."""
+    secrets = [*platform.tokens.values(), "alice-pass", "bob-pass", platform.env["SECRET_KEY"]]
+    root = platform.group.log_dir.parent
+    searched = 0
+    for path in root.rglob("*"):
+        if not path.is_file() or path.suffix in (".token", ".pt") or path.stat().st_size > 64 * 1024**2:
+            continue
+        text = path.read_bytes()
+        searched += 1
+        for secret in secrets:
+            assert secret.encode() not in text, f"a secret ({secret[:6]}…) is in {path.relative_to(root)}"
+    assert searched >= 5, f"only {searched} files searched under {root}"

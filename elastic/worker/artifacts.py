@@ -33,7 +33,7 @@ from elastic.codepack import file_digest
 from elastic.spec import JobSpec
 from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
-from elastic.worker.events import EventWriter
+from elastic.worker.events import EventWriter, finite_only
 from elastic.worker.trainer import Trainer
 
 
@@ -65,7 +65,7 @@ class ArtifactExporter:
         """Evaluates the task after `step` steps, reports it (an "evaluation" event) and returns
         the metrics; none, with a log line, if the task's evaluation raises."""
         try:
-            metrics = self.problem.evaluate()
+            metrics = finite_only(self.problem.evaluate()) or {}
         except UserCodeError as err:
             self.events.log(f"the evaluation after step {step} failed: {err}")
             return {}

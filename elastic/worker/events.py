@@ -5,12 +5,20 @@ line to the agent."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from typing import Any, TextIO
 
 from elastic.membership.codec import WorkerKind, encode
 from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
+
+
+def finite_only(metrics: dict[str, float] | None) -> dict[str, float] | None:
+    """`metrics` without the values that are NaN or infinite (no message carries them), or None
+    if none is left."""
+    kept = {name: value for name, value in (metrics or {}).items() if math.isfinite(value)}
+    return kept or None
 
 
 class EventWriter:
@@ -123,7 +131,7 @@ class ProgressReporter:
             samples_per_s=self._samples_since_report / elapsed if elapsed > 0 else 0.0,
             global_batch=global_batch,
             lr=lr,
-            metrics=metrics or None,
+            metrics=finite_only(metrics),
         )
         self._reported_once = True
         self._last_report_at = now

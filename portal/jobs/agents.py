@@ -4,14 +4,26 @@ Also the board's view of the cluster, which needs both."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, TypeVar
 
 from django.db import transaction
 from django.http import FileResponse, HttpRequest
-from ninja import Router
+from ninja import Field, Router, Schema
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
 
-from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
+from elastic.wire import (
+    MAX_LIST,
+    AgentReport,
+    DeviceSample,
+    NodeRegistration,
+    RegistrationReply,
+    RunningWorker,
+    WorkerEvent,
+)
 from portal.auth import agent_auth, user_auth
+from portal.bodies import MESSAGE_CHARS, cut, shown
 from portal.cluster.binding import bind, check_claim, reporting_node
 from portal.cluster.ingest import ingest_samples, node_seen, register_node
 from portal.cluster.models import Node
@@ -22,6 +34,9 @@ from portal.jobs.ingest import ingest_events
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 board_router = Router(auth=user_auth, tags=["cluster"])
 agent_router = Router(auth=agent_auth, tags=["agents"])
@@ -60,13 +75,62 @@ def register_endpoint(request: HttpRequest, payload: NodeRegistration) -> Regist
     return reply
 
 
-@agent_router.post("/report", summary="An agent's periodic report")
-def report(request: HttpRequest, payload: AgentReport) -> dict[str, bool]:
+class ReportIn(Schema):
+    """An agent's report as the portal reads it: each sample, event and running worker is
+    checked on its own against its model in elastic.wire (DeviceSample, WorkerEvent,
+    RunningWorker); the valid ones are stored and the others refused in the reply, so that one
+    bad item never holds a node's reports back."""
+
+    node: str = Field(max_length=100)
+    samples: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)
+    events: list[dict[str, Any]] = Field(default_factory=list, max_length=10_000)
+    running: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)
+
+
+class RefusedItem(Schema):
+    item: str = Field(description='where it was in the report, as "events[3]"')
+    message: str
+    value: Any = None
+
+
+class ReportOut(Schema):
+    ok: bool
+    refused: list[RefusedItem] = Field(description="the items not stored, and why")
+
+
+def _checked(kind: str, items: list[dict[str, Any]], model: type[M], refused: list[dict[str, Any]]) -> list[M]:
+    valid = []
+    for index, item in enumerate(items):
+        try:
+            valid.append(model.model_validate(item))
+        except PydanticValidationError as err:
+            problem = err.errors()[0]
+            where = ".".join(str(part) for part in problem["loc"])
+            refused.append({
+                "item": f"{kind}[{index}]",
+                "message": cut(f"{where}: {problem['msg']}" if where else problem["msg"], MESSAGE_CHARS),
+                "value": shown(problem.get("input")),
+            })
+    return valid
+
+
+@agent_router.post("/report", response=ReportOut, summary="An agent's periodic report")
+def report(request: HttpRequest, payload: ReportIn) -> dict[str, Any]:
     """403 if the report names a node other than the token's; 409 "unknown_node" if the token
-    has not registered it and no other token holds it (the agent then registers)."""
+    has not registered it and no other token holds it (the agent then registers). Items that
+    are not valid are refused one by one in the reply (`refused`); the others are stored."""
     node = reporting_node(payload.node, request.api_token)  # type: ignore[attr-defined]
-    ingest_report(node, payload)
-    return {"ok": True}
+    refused: list[dict[str, Any]] = []
+    checked = AgentReport(
+        node=payload.node,
+        samples=_checked("samples", payload.samples, DeviceSample, refused),
+        events=_checked("events", payload.events, WorkerEvent, refused),
+        running=_checked("running", payload.running, RunningWorker, refused),
+    )
+    if refused:
+        log.warning("node %s: refused %d item(s) of a report, the first %s", node.name, len(refused), refused[0])
+    ingest_report(node, checked)
+    return {"ok": True, "refused": refused}
 
 
 @agent_router.post("/jobs/{int:job_id}/artifacts", summary="An agent hands over a job's artifacts")

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import yaml
 from django.contrib.auth import get_user_model
 from django.http import FileResponse, HttpRequest
 from ninja import Query, Router, Schema, Status
 
-from elastic.spec import JobSpec
+from elastic.spec import FieldError, JobSpec
 from portal.auth import user_auth
+from portal.bodies import BodyError, parse_json, parse_yaml
 from portal.errors import ApiError, not_found
 from portal.jobs import artifacts
 from portal.jobs.access import job_for
@@ -78,16 +77,25 @@ def detail(job: Job) -> dict[str, Any]:
     }
 
 
+JSON_TYPES = ("application/json",)
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
+
+
 def _parse_body(request: HttpRequest) -> Any:
-    content_type = request.headers.get("Content-Type", "")
+    """The spec in the body, as JSON or YAML by its Content-Type (portal.bodies bounds both).
+    Raises ApiError 415 for another type, 400 for a body that does not parse."""
+    content_type = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if content_type not in JSON_TYPES + YAML_TYPES:
+        raise ApiError(
+            415, "unsupported_media_type",
+            f"send the spec as application/json or application/yaml, not {content_type or 'no Content-Type'}",
+            [FieldError("Content-Type", "application/json or application/yaml", content_type)],
+        )
     text = request.body.decode("utf-8", errors="replace")
     try:
-        if "yaml" in content_type:
-            return yaml.safe_load(text)
-        return json.loads(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        kind = "YAML" if "yaml" in content_type else "JSON"
-        raise ApiError(400, "malformed_body", f"the request body is not valid {kind}: {exc}") from exc
+        return parse_yaml(text) if content_type in YAML_TYPES else parse_json(text)
+    except BodyError as err:
+        raise ApiError(400, "malformed_body", str(err), [FieldError("body", str(err), None)]) from err
 
 
 @router.post(
@@ -120,6 +128,9 @@ def list_jobs(request: HttpRequest, filters: Query[JobFilter]) -> list[dict[str,
     if filters.state:
         jobs = jobs.filter(state=filters.state)
     if filters.owner:
+        if "\x00" in filters.owner:
+            raise ApiError(400, "invalid_request", "owner contains a NUL character",
+                           [FieldError("owner", "contains a NUL character", filters.owner)])
         if not get_user_model().objects.filter(username=filters.owner).exists():
             raise ApiError(400, "invalid_request", f"no user named {filters.owner!r}")
         jobs = jobs.filter(owner__username=filters.owner)

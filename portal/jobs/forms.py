@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
 from django.contrib.auth.models import AbstractBaseUser
 from django.http import QueryDict
 from django.utils.datastructures import MultiValueDict
 
 from elastic.spec import FieldError
 from elastic.workloads import CATALOGUE
+from portal.bodies import BodyError, parse_yaml
 from portal.errors import ApiError
 from portal.jobs.code import store, upload_for
 
@@ -59,12 +59,12 @@ def hyperparameter_fields(workload: str) -> list[HyperparameterField]:
 
 
 def spec_from_yaml(text: str) -> Any:
-    """Parse a YAML (or JSON) spec. Raises ApiError 400 quoting the parser's complaint."""
+    """Parse a YAML (or JSON) spec, with portal.bodies's bounds. Raises ApiError 400 quoting the
+    parser's complaint."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ApiError(400, "malformed_body", f"the YAML spec does not parse: {exc}",
-                       [FieldError("spec_yaml", f"not valid YAML: {exc}", text[:200])]) from exc
+        return parse_yaml(text)
+    except BodyError as exc:
+        raise ApiError(400, "malformed_body", str(exc), [FieldError("spec_yaml", str(exc), text[:200])]) from exc
 
 
 def uses_yaml(post: QueryDict, files: MultiValueDict) -> bool:
@@ -94,10 +94,10 @@ def _code_hyperparameters(text: str) -> Any:
     if not text.strip():
         return {}
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        return parse_yaml(text)
+    except BodyError as exc:
         raise ApiError(400, "invalid_spec", f"the hyperparameters do not parse: {exc}",
-                       [FieldError("code_hyperparameters", f"not valid YAML or JSON: {exc}", text[:200])]) from exc
+                       [FieldError("code_hyperparameters", str(exc), text[:200])]) from exc
 
 
 def spec_from_post(post: QueryDict, files: MultiValueDict, owner: AbstractBaseUser) -> Any:

@@ -1,0 +1,41 @@
+"""Every error reply under /api/ has the API's error shape (portal.errors), also those Django
+makes before or outside the API's views: no URL matched (404), a method the URL does not take
+(405), a body Django refused to read (400), a server error (500). The status and its headers
+(Allow) are kept; the HTML or plain text becomes the JSON shape."""
+
+from __future__ import annotations
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils.deprecation import MiddlewareMixin
+
+from portal.errors import ApiError
+
+_CODES = {400: "bad_request", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
+          415: "unsupported_media_type", 500: "server_error"}
+
+
+def _message(request: HttpRequest, status: int) -> str:
+    if status == 404:
+        return f"no API endpoint at {request.path}; the operations are listed at /api/docs"
+    if status == 405:
+        return f"{request.method} is not allowed on {request.path}"
+    if status == 500:
+        return "the server failed on this request; it is logged"
+    return f"the request was refused ({status})"
+
+
+class ApiErrorShape(MiddlewareMixin):
+    def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        if (
+            not request.path.startswith("/api/")
+            or response.status_code < 400
+            or response.get("Content-Type", "").startswith("application/json")
+        ):
+            return response
+        status = response.status_code
+        error = ApiError(status, _CODES.get(status, "error"), _message(request, status))
+        shaped = JsonResponse(error.body(), status=status, json_dumps_params={"allow_nan": False})
+        if response.has_header("Allow"):
+            shaped["Allow"] = response["Allow"]
+        return shaped
+
