@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
@@ -70,12 +71,29 @@ def register_node(registration: NodeRegistration) -> tuple[Node, RegistrationRep
     return node, reply
 
 
+OVERDUE_CHECK_EVERY_S = 1.0
+_overdue_checked_at = 0.0
+
+
 def node_seen(node: Node) -> None:
-    """The node reported: it is online (again)."""
+    """The node reported: it is online (again). Its report is also the moment to notice, at
+    most once a second in this process, that another node has been silent past NODE_TIMEOUT_S:
+    the scheduler cycle then marks it lost. The beat's tick does the same; this way a dead beat
+    cannot leave a silent node "online" while any other node reports."""
+    global _overdue_checked_at
     came_back = node.state == Node.State.LOST
-    Node.objects.filter(pk=node.pk).update(last_seen_at=timezone.now(), state=Node.State.ONLINE)
+    now = timezone.now()
+    Node.objects.filter(pk=node.pk).update(last_seen_at=now, state=Node.State.ONLINE)
     if came_back:
         request_schedule(f"node {node.name} is back")
+    if time.monotonic() - _overdue_checked_at < OVERDUE_CHECK_EVERY_S:
+        return
+    _overdue_checked_at = time.monotonic()
+    deadline = now - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
+    silent_states = (Node.State.ONLINE, Node.State.UNREACHABLE)
+    overdue = Node.objects.filter(state__in=silent_states, last_seen_at__lt=deadline).exclude(pk=node.pk)
+    if overdue.exists():
+        request_schedule(f"node(s) {', '.join(overdue.values_list('name', flat=True)[:5])} silent past the timeout")
 
 
 def ingest_samples(node: Node, samples: list[DeviceSample]) -> None:

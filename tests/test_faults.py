@@ -1,0 +1,55 @@
+"""Faults of the control plane, as tested behaviour (marked `faults`, run by make test).
+
+- Beat is not the only one to notice a lost node: any node's report does, so with beat dead a
+  node whose agent and workers are gone is still marked lost, its job's worker with it, and the
+  job planned again on what is left."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from elastic.wire import DeviceInfo, NodeRegistration
+from portal.cluster import ingest
+from portal.cluster.ingest import register_node
+from portal.cluster.models import Node
+from portal.jobs.models import Job, Worker
+from portal.scheduling import tasks  # noqa: F401 - registers the task that eager Celery runs here
+from portal.scheduling.cycle import run_cycle
+from tests.conftest import VALID_SPEC
+from tests.test_scheduler_cycle import event, report
+
+pytestmark = [pytest.mark.django_db, pytest.mark.faults]
+
+
+def test_with_beat_dead_another_nodes_report_finds_the_lost_node(
+    api: dict, cluster: Any, settings: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    node_b, _ = register_node(NodeRegistration(
+        name="node-b", address="127.0.0.2", backend="simulated",
+        devices=[DeviceInfo(index=0, uuid="sim-b0", name="CPU slot", kind="cpu-slot", memory_total_bytes=2**30)],
+    ))
+    Node.objects.filter(name="node-a").update(state=Node.State.LOST)  # only node-b's device is free
+    job = Job.objects.get(pk=api["alice"].post("/api/jobs", {**VALID_SPEC, "max_workers": 1}).json()["id"])
+    run_cycle()
+    job.refresh_from_db()
+    report(node_b, event(job, "started", pid=7001, device_index=0), event(job, "joined", pid=7001, device_index=0))
+    Node.objects.filter(name="node-a").update(state=Node.State.ONLINE)
+    assert Worker.objects.get(job=job).node == node_b
+
+    # node-b's agent and worker die with beat down: no tick. Time passes; node-a reports.
+    silent_since = timezone.now() - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"] + 1)
+    Node.objects.filter(pk=node_b.pk).update(last_seen_at=silent_since)
+    ingest._overdue_checked_at = time.monotonic() - 60
+    with django_capture_on_commit_callbacks(execute=True) as queued:
+        report(cluster)
+    assert queued, "node-a's report asked for a scheduling cycle"
+    node_b.refresh_from_db()
+    job.refresh_from_db()
+    assert node_b.state == Node.State.LOST
+    assert Worker.objects.get(job=job, node=node_b).state == Worker.State.EXITED
+    assert job.allocations.filter(device__node=cluster).exists(), "planned again on node-a"
