@@ -117,7 +117,13 @@ REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": env_str("BUNGEE_CHANNEL_PREFIX", "bungee")},
+        "CONFIG": {
+            "hosts": [REDIS_URL],
+            "prefix": env_str("BUNGEE_CHANNEL_PREFIX", "bungee"),
+            # A socket that is gone without leaving its groups (the portal was killed) drops out
+            # of them after this; a live one renews its membership well before (portal.live).
+            "group_expiry": env_int("BUNGEE_SOCKET_GROUP_EXPIRY_S", 120),
+        },
     }
 }
 

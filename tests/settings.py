@@ -20,7 +20,7 @@ REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": f"bungee-test-{os.getpid()}"},
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": f"bungee-test-{os.getpid()}", "group_expiry": 120},
     }
 }
 CELERY_BROKER_URL = REDIS_URL

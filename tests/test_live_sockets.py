@@ -3,6 +3,7 @@ one gets the cluster and its samples, and only a job's owner (or staff) may foll
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -72,5 +73,44 @@ def test_samples_and_job_events_reach_the_right_sockets(tokens: dict, api: dict,
         assert await bob.receive_nothing(timeout=0.5)
         for socket in (alice, bob):
             await socket.disconnect()
+
+    async_to_sync(scenario)()
+
+
+def test_a_live_socket_renews_its_groups_and_a_dead_one_drops_out(
+    tokens: dict, cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups expire after the layer's group_expiry (120 s, not channels' default day), so the
+    sockets of a killed portal stop being written to; a live socket renews its memberships every
+    third of that (here made 0.1 s)."""
+    from channels.layers import get_channel_layer
+
+    from portal.live import consumers
+    from portal.live.broadcast import CLUSTER_GROUP
+
+    layer = get_channel_layer()
+    assert layer.group_expiry == 120
+    monkeypatch.setattr(consumers, "renew_every_s", lambda: 0.1)
+    group_key = layer._group_key(CLUSTER_GROUP)
+
+    async def scenario() -> None:
+        socket = connect(tokens["alice"])
+        connected, _ = await socket.connect()
+        assert connected
+        await socket.receive_json_from(timeout=10)  # the cluster
+        redis = layer.connection(layer.consistent_hash(CLUSTER_GROUP))
+        members = await redis.zrange(group_key, 0, -1, withscores=True)
+        assert len(members) == 1
+        (channel, joined_at), = members
+        await asyncio.sleep(0.5)
+        renewed = await redis.zscore(group_key, channel)
+        assert renewed > joined_at + 0.2, "the live socket renewed its membership"
+        # A socket of a portal that was killed: it joined 200 s ago and never renewed.
+        await redis.zadd(group_key, {"specific.dead!gone": time.time() - 200})
+        await layer.group_send(CLUSTER_GROUP, {"type": "live.event", "event": {"type": "ping"}})
+        assert await socket.receive_json_from(timeout=10) == {"type": "ping"}
+        remaining = {member for member, _ in await redis.zrange(group_key, 0, -1, withscores=True)}
+        assert remaining == {channel}, "the dead socket dropped out of the group"
+        await socket.disconnect()
 
     async_to_sync(scenario)()

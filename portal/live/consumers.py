@@ -4,10 +4,12 @@ cluster; a client then subscribes to the jobs it may manage with
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.layers import get_channel_layer
 
 from portal.jobs.access import may_manage
 from portal.jobs.board import cluster_state
@@ -15,6 +17,12 @@ from portal.jobs.models import Job
 from portal.live.broadcast import CLUSTER_GROUP, job_group
 
 UNAUTHENTICATED_CLOSE_CODE = 4401
+
+
+def renew_every_s() -> float:
+    """How often a socket renews its group memberships: a third of the layer's group expiry, so
+    that a live socket never drops out while a dead one (its portal killed) does within it."""
+    return float(getattr(get_channel_layer(), "group_expiry", 86400)) / 3
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
@@ -26,11 +34,19 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         self.job_groups: set[str] = set()
         await self.channel_layer.group_add(CLUSTER_GROUP, self.channel_name)
         await self.accept()
+        self._renewal = asyncio.create_task(self._renew_groups())
         await self.send_json({"type": "cluster", "cluster": await self._cluster()})
+
+    async def _renew_groups(self) -> None:
+        while True:
+            await asyncio.sleep(renew_every_s())
+            for group in (CLUSTER_GROUP, *self.job_groups):
+                await self.channel_layer.group_add(group, self.channel_name)
 
     async def disconnect(self, code: int) -> None:
         if not hasattr(self, "job_groups"):
             return
+        self._renewal.cancel()
         await self.channel_layer.group_discard(CLUSTER_GROUP, self.channel_name)
         for group in self.job_groups:
             await self.channel_layer.group_discard(group, self.channel_name)
