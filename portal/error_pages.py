@@ -1,10 +1,12 @@
 """Every error reply under /api/ has the API's error shape (portal.errors), also those Django
 makes before or outside the API's views: no URL matched (404), a method the URL does not take
 (405), a body Django refused to read (400), a server error (500). The status and its headers
-(Allow) are kept; the HTML or plain text becomes the JSON shape."""
+(Allow) are kept; the HTML or plain text becomes the JSON shape. Redis not answering is a 503
+with Retry-After."""
 
 from __future__ import annotations
 
+import redis
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils.deprecation import MiddlewareMixin
 
@@ -25,6 +27,15 @@ def _message(request: HttpRequest, status: int) -> str:
 
 
 class ApiErrorShape(MiddlewareMixin):
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        """Redis away (after the client's bounded retries): 503 in the error shape, at once."""
+        if request.path.startswith("/api/") and isinstance(exception, redis.ConnectionError | redis.TimeoutError):
+            error = ApiError(503, "unavailable", f"the portal's Redis is not answering ({exception}); try again shortly")
+            response = JsonResponse(error.body(), status=503)
+            response["Retry-After"] = "5"
+            return response
+        return None
+
     def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
         if (
             not request.path.startswith("/api/")

@@ -134,6 +134,13 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = env_str("BUNGEE_CELERY_QUEUE", "bungee")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Sending a task while Redis is away fails within seconds (the request goes on; the beat's tick
+# or the next event asks again) instead of retrying for as long as the broker takes to return.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 1, "socket_timeout": 2, "max_retries": 1}
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.5, "interval_max": 0.5}
+# A Celery worker whose broker went away consumes again once it is back (celery#8030-style
+# stalls): it retries its connection without end.
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 
 # --- Bungee ----------------------------------------------------------------------------------
 BUNGEE = {

@@ -53,3 +53,22 @@ def test_with_beat_dead_another_nodes_report_finds_the_lost_node(
     assert node_b.state == Node.State.LOST
     assert Worker.objects.get(job=job, node=node_b).state == Worker.State.EXITED
     assert job.allocations.filter(device__node=cluster).exists(), "planned again on node-a"
+
+
+def test_with_redis_away_the_api_answers_503_in_the_error_shape(api: dict, cluster: Any, settings: Any) -> None:
+    """The portal's Redis client retries a bounded number of times (redis-py's Retry) and then
+    fails; the API answers 503 with Retry-After, never a hang or a 500. Its next request
+    connects again."""
+    from portal import redis as portal_redis
+
+    reachable = settings.REDIS_URL
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    portal_redis.client.cache_clear()
+    try:
+        reply = api["alice"].get("/api/cluster")
+        assert reply.status_code == 503, reply.content[:300]
+        assert reply.json()["error"]["code"] == "unavailable" and reply["Retry-After"] == "5"
+    finally:
+        settings.REDIS_URL = reachable
+        portal_redis.client.cache_clear()
+    assert api["alice"].get("/api/cluster").status_code == 200, "back once Redis answers"
