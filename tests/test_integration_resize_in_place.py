@@ -334,12 +334,19 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
     pin(platform, job_id, 3)
     grown = settled(platform, job_id, 3, two["generation"])
     assert first <= {row["pid"] for row in live_rows(grown)}, "the survivors were not restarted"
+    # A worker SIGKILLed mid-training: the others go on without it, and the pin brings a new
+    # worker back.
+    victim = next(row for row in live_rows(grown) if row["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    healed = settled(platform, job_id, 3, grown["generation"] + 1)
     pin(platform, job_id, 1)
-    shrunk = settled(platform, job_id, 1, grown["generation"])
+    shrunk = settled(platform, job_id, 1, healed["generation"])
     steps_past(platform, job_id, shrunk["steps_done"] + 20)
     stopped = cancel(platform, job_id)
-    trained = Ledger.read(record, job_id).check(SampleStream(RING_SAMPLES, SEED), 24, virtual_workers=3)
-    assert trained >= stopped["steps_done"] and stopped["restarts"] == 0
+    trained = Ledger.read(record, job_id).check(
+        SampleStream(RING_SAMPLES, SEED), 24, partial=1, virtual_workers=3
+    )
+    assert trained >= stopped["steps_done"] and stopped["restarts"] == 1
     # The model out: rank 0's agent hands it over; it downloads through the API and, loaded
     # without Bungee into the task's own class, gives the manifest's evaluation exactly.
     kept = platform.wait_for("the artifacts", lambda: detail(platform, job_id)["artifacts"])
@@ -351,6 +358,24 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
     metrics = json.loads((tmp_path / "manifest.json").read_text())["final"]["metrics"]
     assert evaluate_without_bungee(tmp_path / "model.pt", tmp_path / "manifest.json") == metrics
     assert platform.api("bob").get(f"/api/jobs/{job_id}/artifacts/model.pt").status_code == 403
+
+    # The same task on a fixed 2 workers for as many steps gives the same model, bit for bit
+    # (with the same 3 virtual workers: by default a job has max_workers of them).
+    fixed = {**spec, "name": "rings-fixed", "min_workers": 2, "max_workers": 2, "virtual_workers": 3,
+             "steps": kept["step"]}
+    reply = alice.post("/api/jobs", json=fixed)
+    assert reply.status_code == 201, reply.text
+    fixed_id = reply.json()["id"]
+    platform.wait_for("the fixed run's model", lambda: detail(platform, fixed_id)["artifacts"], timeout_s=180)
+    assert detail(platform, fixed_id)["workers_history"] and all(
+        row["generation"] == 1 for row in detail(platform, fixed_id)["workers_history"]
+    ), "the fixed run was never resized"
+    reply = alice.get(f"/api/jobs/{fixed_id}/artifacts/model.pt")
+    (tmp_path / "fixed.pt").write_bytes(reply.content)
+    resized_model = torch.load(tmp_path / "model.pt", weights_only=True)
+    fixed_model = torch.load(tmp_path / "fixed.pt", weights_only=True)
+    assert resized_model.keys() == fixed_model.keys()
+    assert [name for name in fixed_model if not torch.equal(resized_model[name], fixed_model[name])] == []
 
     # A job that starts from that model (init_from, its owner's only): at a negligible rate, one
     # step leaves its weights where the first job's ended, far from any fresh initialisation.
