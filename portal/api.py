@@ -91,14 +91,16 @@ def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpRespons
     fields = []
     for err in exc.errors:
         location = [str(p) for p in err.get("loc", ())]
-        in_body = bool(location) and location[0] == "body"
-        if location and location[0] in {"body", "query", "path"}:
+        source = location[0] if location else ""
+        if source in {"body", "query", "path"}:
             location = location[1:]
         if location and location[0] == "payload":
             location = location[1:]
         value = err.get("input")
-        if value is None and in_body:
+        if value is None and source == "body":
             value = _sent_value(request, location)
+        elif value is None and source == "query" and location:
+            value = request.GET.get(location[0])
         fields.append(FieldError(".".join(location) or "body", err.get("msg", "invalid"), value))
     message = "; ".join(f"{f.field}: {f.message}" for f in fields) or "invalid request"
     return _respond(request, ApiError(400, "invalid_request", message, fields))

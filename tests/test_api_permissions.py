@@ -146,3 +146,66 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
     } <= set(spec)
     detail = document["components"]["schemas"]["JobDetailOut"]["properties"]
     assert {"virtual_workers", "global_batch", "learning_rate"} <= set(detail)
+
+
+def _response_shape(response: dict) -> str | None:
+    schema = response.get("content", {}).get("application/json", {}).get("schema")
+    if schema is None:
+        return None
+    if "$ref" in schema:
+        return schema["$ref"].rsplit("/", 1)[1]
+    if schema.get("type") == "array" and "$ref" in schema.get("items", {}):
+        return "list[" + schema["items"]["$ref"].rsplit("/", 1)[1] + "]"
+    return schema.get("type")
+
+
+def test_openapi_response_schemas_are_pinned() -> None:
+    """Each operation's success status and body schema, and the one error shape for its 4xx:
+    a change to what a client receives shows here. (None: a file, or a body not yet typed.)"""
+    from django.test import Client
+
+    document = Client().get("/api/openapi.json").json()
+    shapes = {
+        f"{method.upper()} {path}": (
+            next(int(code) for code in operation["responses"] if str(code).startswith("2")),
+            _response_shape(next(r for c, r in operation["responses"].items() if str(c).startswith("2"))),
+            operation["responses"]["4XX"]["content"]["application/json"]["schema"]["$ref"],
+        )
+        for path, operations in document["paths"].items()
+        for method, operation in operations.items()
+    }
+    error = "#/components/schemas/Error"
+    assert shapes == {
+        "GET /api/agent/code/{digest}": (200, None, error),
+        "GET /api/agent/jobs/{job_id}/initial-model": (200, None, error),
+        "GET /api/cluster": (200, None, error),
+        "GET /api/cluster/history": (200, None, error),
+        "GET /api/code": (200, "array", error),
+        "GET /api/code/{digest}": (200, None, error),
+        "GET /api/devices/{device_id}/samples": (200, "list[SampleOut]", error),
+        "GET /api/jobs": (200, "list[JobSummaryOut]", error),
+        "GET /api/jobs/{job_id}": (200, "JobDetailOut", error),
+        "GET /api/jobs/{job_id}/artifacts": (200, None, error),
+        "GET /api/jobs/{job_id}/artifacts/{name}": (200, None, error),
+        "GET /api/jobs/{job_id}/evaluations": (200, "list[EvaluationOut]", error),
+        "GET /api/jobs/{job_id}/logs": (200, "list[LogOut]", error),
+        "GET /api/jobs/{job_id}/metrics": (200, "list[MetricOut]", error),
+        "GET /api/scheduler/decisions/latest": (200, None, error),
+        "GET /api/workloads": (200, "list[WorkloadOut]", error),
+        "POST /api/agent/jobs/{job_id}/artifacts": (200, None, error),
+        "POST /api/agent/register": (200, "RegistrationReply", error),
+        "POST /api/agent/report": (200, "ReportOut", error),
+        "POST /api/code": (201, "object", error),
+        "POST /api/jobs": (201, "JobDetailOut", error),
+        "POST /api/jobs/{job_id}/cancel": (200, "JobDetailOut", error),
+        "POST /api/jobs/{job_id}/resize": (200, "JobDetailOut", error),
+        "POST /api/jobs/{job_id}/unpin": (200, "JobDetailOut", error),
+    }
+    schemas = document["components"]["schemas"]
+    assert set(schemas["ErrorDetail"]["properties"]) == {"status", "code", "message", "fields"}
+    assert set(schemas["FieldErrorOut"]["properties"]) == {"field", "message", "value"}
+    # Bounds the code enforces are in the document, so that a client can know them.
+    history = next(p for p in document["paths"]["/api/cluster/history"]["get"]["parameters"] if p["name"] == "minutes")
+    assert (history["schema"]["minimum"], history["schema"]["maximum"]) == (1, 1440)
+    workers = schemas["ResizeIn"]["properties"]["workers"]["anyOf"][0]
+    assert (workers["minimum"], workers["maximum"]) == (1, 1024)

@@ -227,3 +227,12 @@ def test_login_is_locked_after_repeated_failures(users: dict) -> None:
     assert locked.status_code == 429 and b"Too many failed logins" in locked.content
     elsewhere = Client(REMOTE_ADDR="198.51.100.2").post("/login/", {"username": "alice", "password": "alice-pass"})
     assert elsewhere.status_code == 302, "another address is not locked out"
+
+
+def test_bounds_in_the_openapi_document_are_enforced_with_the_value(api: dict) -> None:
+    error = error_of(api["alice"].get("/api/cluster/history", minutes=5000), 400)
+    assert error["fields"] == [{"field": "minutes", "message": "Input should be less than or equal to 1440",
+                                "value": "5000"}], error
+    job_id = api["alice"].post("/api/jobs", VALID_SPEC).json()["id"]
+    error = error_of(api["alice"].post(f"/api/jobs/{job_id}/resize", {"workers": 0}), 400)
+    assert error["fields"][0]["field"] == "workers" and error["fields"][0]["value"] == 0

@@ -4,20 +4,23 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
 
 from django.http import HttpRequest
 from django.utils import timezone
-from ninja import Router, Schema
+from ninja import Field, Router, Schema
 
 from elastic.workloads import CATALOGUE
 from portal.auth import user_auth
 from portal.cluster.models import Device, DeviceSample
-from portal.errors import ApiError, not_found
+from portal.errors import not_found
 
 cluster_router = Router(auth=user_auth, tags=["cluster"])
 
 MAX_HISTORY_MINUTES = 24 * 60
+HistoryMinutes = Annotated[
+    int, Field(ge=1, le=MAX_HISTORY_MINUTES, description="how far back, in minutes (at most a day)")
+]
 
 
 class SampleOut(Schema):
@@ -31,9 +34,7 @@ class SampleOut(Schema):
 @cluster_router.get(
     "/devices/{int:device_id}/samples", response=list[SampleOut], summary="A device's sample history"
 )
-def device_samples(request: HttpRequest, device_id: int, minutes: int = 60) -> Any:
-    if not 1 <= minutes <= MAX_HISTORY_MINUTES:
-        raise ApiError(400, "invalid_request", f"minutes must be in [1, {MAX_HISTORY_MINUTES}], not {minutes}")
+def device_samples(request: HttpRequest, device_id: int, minutes: HistoryMinutes = 60) -> Any:
     if not Device.objects.filter(pk=device_id).exists():
         raise not_found(f"device {device_id}")
     since = timezone.now() - timedelta(minutes=minutes)
@@ -41,10 +42,8 @@ def device_samples(request: HttpRequest, device_id: int, minutes: int = 60) -> A
 
 
 @cluster_router.get("/cluster/history", summary="Every device's sample history, for sparklines")
-def cluster_history(request: HttpRequest, minutes: int = 10) -> dict[str, list[list[float]]]:
+def cluster_history(request: HttpRequest, minutes: HistoryMinutes = 10) -> dict[str, list[list[float]]]:
     """Device id to [[unix time, utilisation %, memory used bytes], ...], oldest first."""
-    if not 1 <= minutes <= MAX_HISTORY_MINUTES:
-        raise ApiError(400, "invalid_request", f"minutes must be in [1, {MAX_HISTORY_MINUTES}], not {minutes}")
     since = timezone.now() - timedelta(minutes=minutes)
     history: dict[str, list[list[float]]] = {}
     rows = DeviceSample.objects.filter(taken_at__gte=since).order_by("taken_at").values_list(

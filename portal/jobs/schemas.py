@@ -7,6 +7,8 @@ from typing import Any
 
 from ninja import Field, Schema
 
+from elastic.spec import MAX_WORKERS_LIMIT
+
 
 class JobSummaryOut(Schema):
     id: int
@@ -103,7 +105,9 @@ class JobDetailOut(JobSummaryOut):
 
 class ResizeIn(Schema):
     workers: int | None = Field(
-        ..., description="the worker count to pin the job to, or null to let the scheduler decide"
+        ..., ge=1, le=MAX_WORKERS_LIMIT,
+        description="the worker count to pin the job to, between the job's min_workers and max_workers "
+        "(400 otherwise), or null to let the scheduler decide",
     )
 
 
