@@ -40,6 +40,8 @@ class Platform:
     group: ProcessGroup
     tokens: dict[str, str]
     env: dict[str, str]
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    """How the portal, the Celery worker and beat were started (portal.launcher)."""
 
     def api(self, user: str) -> httpx.Client:
         return httpx.Client(
@@ -67,11 +69,20 @@ class Platform:
         """SIGKILLs the agent named `name`, as a crash would: its workers train on. The group
         forgets the process, so that `wait_for` does not take it for a failure; `start_agent`
         with the same name starts it again, on the same state directory."""
-        [managed] = [p for p in self.group.processes if p.name == f"agent-{name}"]
+        self.kill(f"agent-{name}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILLs the platform's process `name` ("worker", "beat", "agent-NAME"), as a crash
+        would, and forgets it (so that `wait_for` does not take it for a failure)."""
+        [managed] = [p for p in self.group.processes if p.name == name]
         managed.process.kill()
         managed.process.wait()
         managed.log_file.close()
         self.group.processes.remove(managed)
+
+    def start(self, name: str) -> None:
+        """Starts the platform's process `name` ("worker" or "beat") again, as at the start."""
+        self.group.python(name, *self.commands[name])
 
     def restart_agent(self, name: str, devices: int) -> None:
         """SIGKILLs the agent `name` (its workers, in sessions of their own, are not signalled)
@@ -150,9 +161,10 @@ def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str
         tokens: dict[str, str] = json.loads(
             group.run("manage.py", "shell", "--no-imports", "-c", _SEED.format(agents=sorted(agents)))
         )
-        for name, command in platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp).items():
+        commands = platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp)
+        for name, command in commands.items():
             group.python(name, *command)
-        platform = Platform(f"http://127.0.0.1:{port}", group, tokens, env)
+        platform = Platform(f"http://127.0.0.1:{port}", group, tokens, env, commands)
 
         def portal_answers() -> bool:
             try:

@@ -2,12 +2,17 @@
 
 - Beat is not the only one to notice a lost node: any node's report does, so with beat dead a
   node whose agent and workers are gone is still marked lost, its job's worker with it, and the
-  job planned again on what is left."""
+  job planned again on what is left (in the database, and on a real platform).
+- Redis away: the API answers 503 in the error shape at once.
+- The Celery worker killed: a pin asked meanwhile is kept and applied once it is back."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +26,8 @@ from portal.jobs.models import Job, Worker
 from portal.scheduling import tasks  # noqa: F401 - registers the task that eager Celery runs here
 from portal.scheduling.cycle import run_cycle
 from tests.conftest import VALID_SPEC
+from tests.platform import FAST_PROGRESS_ENV, running_platform
+from tests.test_integration_resize_in_place import detail, live_rows, pin, settled, submit
 from tests.test_scheduler_cycle import event, report
 
 pytestmark = [pytest.mark.django_db, pytest.mark.faults]
@@ -72,3 +79,34 @@ def test_with_redis_away_the_api_answers_503_in_the_error_shape(api: dict, clust
         settings.REDIS_URL = reachable
         portal_redis.client.cache_clear()
     assert api["alice"].get("/api/cluster").status_code == 200, "back once Redis answers"
+
+
+@pytest.mark.slow
+def test_beat_celery_and_an_agent_killed_nothing_is_lost(tmp_path: Path) -> None:
+    """A real platform. Beat and node-b's agent are SIGKILLed together, and node-b's worker with
+    them: node-a's reports still find node-b lost and the job goes on node-a. Then the Celery
+    worker is killed: a pin asked meanwhile is kept, and applied once the worker is back."""
+    env = {**FAST_PROGRESS_ENV, "BUNGEE_NODE_TIMEOUT_S": "5", "BUNGEE_POLICY": "fair"}
+    with running_platform(tmp_path, {"node-a": 2, "node-b": 1}, env) as platform:
+        platform.wait_for("3 devices", lambda: sum(
+            len(node["devices"]) for node in platform.api("alice").get("/api/cluster").json()["nodes"]
+        ) == 3)
+        job_id = submit(platform, 3)
+        job = settled(platform, job_id, 3)
+        on_b = [row["pid"] for row in live_rows(job) if row["node"] == "node-b"]
+        assert on_b
+        platform.kill("beat")
+        platform.kill_agent("node-b")
+        for pid in on_b:
+            os.kill(pid, signal.SIGKILL)
+        shrunk = settled(platform, job_id, 2, job["generation"], timeout_s=90)
+        nodes = {node["name"]: node for node in platform.api("alice").get("/api/cluster").json()["nodes"]}
+        assert nodes["node-b"]["state"] == "lost"
+        assert all(row["node"] == "node-a" for row in live_rows(shrunk))
+
+        platform.kill("worker")
+        pin(platform, job_id, 1)
+        asked = detail(platform, job_id)
+        assert asked["pinned_workers"] == 1 and asked["workers"] == 2, "nothing ran the scheduler yet"
+        platform.start("worker")
+        settled(platform, job_id, 1, shrunk["generation"], timeout_s=90)
