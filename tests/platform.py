@@ -80,8 +80,15 @@ class Platform:
         managed.log_file.close()
         self.group.processes.remove(managed)
 
+    def portal_answers(self) -> bool:
+        try:
+            return httpx.get(self.base_url + "/login/", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def start(self, name: str) -> None:
-        """Starts the platform's process `name` ("worker" or "beat") again, as at the start."""
+        """Starts the platform's process `name` ("portal", "worker" or "beat") again, as at the
+        start."""
         self.group.python(name, *self.commands[name])
 
     def restart_agent(self, name: str, devices: int) -> None:
@@ -165,14 +172,7 @@ def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str
         for name, command in commands.items():
             group.python(name, *command)
         platform = Platform(f"http://127.0.0.1:{port}", group, tokens, env, commands)
-
-        def portal_answers() -> bool:
-            try:
-                return httpx.get(platform.base_url + "/login/", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        platform.wait_for("the portal", portal_answers, timeout_s=60)
+        platform.wait_for("the portal", platform.portal_answers, timeout_s=60)
         for name, devices in agents.items():
             platform.start_agent(name, devices)
         yield platform
