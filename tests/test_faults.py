@@ -110,3 +110,27 @@ def test_beat_celery_and_an_agent_killed_nothing_is_lost(tmp_path: Path) -> None
         assert asked["pinned_workers"] == 1 and asked["workers"] == 2, "nothing ran the scheduler yet"
         platform.start("worker")
         settled(platform, job_id, 1, shrunk["generation"], timeout_s=90)
+
+
+def test_a_replayed_report_changes_nothing(api: dict, cluster: Any) -> None:
+    """Agents deliver at least once: an agent that took its workers back re-reads their output
+    from the offset it last recorded, so progress the portal has may come again. A step the job
+    already has for that generation is ignored: steps never go back and no point is doubled; a
+    newer generation (a restart from the checkpoint) still may go back."""
+    from portal.jobs.models import JobMetric
+    from tests.test_scheduler_cycle import form
+
+    job = Job.objects.get(pk=api["alice"].post("/api/jobs", {**VALID_SPEC, "max_workers": 1}).json()["id"])
+    run_cycle()
+    job.refresh_from_db()
+    report(cluster, event(job, "started", pid=1000, device_index=0))
+    form(cluster, job, 1)
+    for step in (26, 54, 81):
+        report(cluster, event(job, "progress", step=step, loss=1.0, samples_per_s=10.0))
+    report(cluster, *(event(job, "progress", step=step, loss=1.0, samples_per_s=10.0) for step in (26, 54, 81)))
+    job.refresh_from_db()
+    assert job.steps_done == 81
+    assert list(JobMetric.objects.filter(job=job).values_list("step", flat=True).order_by("at", "pk")) == [26, 54, 81]
+    report(cluster, event(job, "progress", generation=job.generation + 1, step=30, loss=1.0, samples_per_s=10.0))
+    job.refresh_from_db()
+    assert job.steps_done == 30, "a newer generation is not a replay"

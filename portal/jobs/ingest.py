@@ -78,6 +78,11 @@ def _service_since_last_report(job: Job, generation: int, at: datetime) -> float
 
 def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
     at = _at(event.at)
+    # Agents deliver at least once: one that took its workers back re-reads their output from
+    # the offset it last recorded, and the portal may already have what follows it. A report of
+    # a step the job has for that generation is such a replay, and changes nothing.
+    if JobMetric.objects.filter(job=job, generation=event.generation, step__gte=event.step or 0).exists():
+        return
     # Survivors report under the generation they train in, which lags the newest one while
     # joiners warm up; a report of a generation older than the one that formed is late.
     updated = Job.objects.filter(pk=job.pk, active_generation__lte=event.generation).update(
