@@ -17,6 +17,10 @@ at a time, picked by a seeded RNG among those possible at that moment:
   it warms up (the line says "late" if it had joined already);
 - agent_restart: SIGKILL an agent (its workers are not signalled) and start it again at once
   with the same name and token.
+- with --control-plane also: portal_restart (SIGKILL daphne, start it again: settled once it
+  answers and every job's progress moved on), beat_restart (the same for Celery beat), and
+  scheduler_restart (SIGKILL the Celery worker, pin a job to another count while it is down,
+  start it again: settled when the pin has landed).
 
 After each event the bench waits for every job the event touched to be training again: running
 on its pinned count (or fewer, where the scheduler says the pin cannot be met), every live
@@ -125,6 +129,8 @@ class SoakSettings:
     load: bool
     policy: str
     max_restarts: int
+    control_plane: bool = False
+    """Also restart the portal, beat and the Celery worker (a pin asked while it is down)."""
 
 
 def live_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -522,8 +528,64 @@ class Soak:
         outcome = Outcome(at_s, "agent_restart", node, [w.job.id for w in watches])
         self.settle(outcome, event_at, watches, lambda: self.agent_registered(node, since))
 
+    def _everything_trains_on(self) -> list[Watch] | None:
+        watches = []
+        for job in self.jobs:
+            taken = self.snapshot(job, new_generation=False)
+            if taken is None:
+                return None
+            watches.append(taken[1])
+        return watches
+
+    def portal_restart(self) -> None:
+        """SIGKILL the portal (daphne) and start it again at once; settled once it answers and
+        every job has trained past its step at the event (its progress reached the portal)."""
+        watches = self._everything_trains_on()
+        if watches is None:
+            return
+        at_s, event_at = self.elapsed(), time.monotonic()
+        self.platform.kill("portal")
+        self.platform.start("portal")
+        outcome = Outcome(at_s, "portal_restart", "daphne", [w.job.id for w in watches])
+        self.settle(outcome, event_at, watches, self.platform.portal_answers)
+
+    def beat_restart(self) -> None:
+        """SIGKILL Celery beat and start it again; every job trains on."""
+        watches = self._everything_trains_on()
+        if watches is None:
+            return
+        at_s, event_at = self.elapsed(), time.monotonic()
+        self.platform.kill("beat")
+        self.platform.start("beat")
+        self.settle(Outcome(at_s, "beat_restart", "beat", [w.job.id for w in watches]), event_at, watches)
+
+    def scheduler_restart(self) -> None:
+        """SIGKILL the Celery worker (the scheduler), pin a job to another count while it is
+        down, and start it again: settled when the pin has landed (a new generation trains)."""
+        choices = self.resizable()
+        if not choices:
+            return
+        job, counts = self.rng.choice(choices)
+        workers = self.rng.choice(counts)
+        taken = self.snapshot(job)
+        if taken is None:
+            return
+        at_s, event_at, before = self.elapsed(), time.monotonic(), job.target
+        self.platform.kill("worker")
+        refusal = self.pin(job, workers)
+        self.platform.start("worker")
+        if refusal:
+            print(f"[{at_s:7.1f} s] scheduler_restart job {job.id} {before}->{workers} refused: {refusal}", flush=True)
+            return
+        self.settle(Outcome(at_s, "scheduler_restart", f"pin {before}->{workers} while down", [job.id]),
+                    event_at, [taken[1]])
+
     def step(self) -> None:
         possible = ["worker_kill", "agent_restart"]
+        if self.settings.control_plane:
+            possible += ["portal_restart", "beat_restart"]
+            if self.resizable():
+                possible.append("scheduler_restart")
         if self.resizable():
             possible.append("resize")
         if self.growable():
@@ -659,9 +721,16 @@ def main(argv: list[str] | None = None) -> int:
         default=100_000,
         help="BUNGEE_MAX_RESTARTS: kills are on purpose here (default 100000)",
     )
+    parser.add_argument(
+        "--control-plane",
+        action="store_true",
+        help="also SIGKILL and restart the portal, Celery beat, and the Celery worker with a pin asked "
+        "while it is down",
+    )
     args = parser.parse_args(argv)
     settings = SoakSettings(
-        args.minutes, args.seed, args.deadline_s, args.pause_s, args.load, args.policy, args.max_restarts
+        args.minutes, args.seed, args.deadline_s, args.pause_s, args.load, args.policy, args.max_restarts,
+        args.control_plane,
     )
     # A SIGTERM ends the run as Ctrl-C does: through the `finally` that stops the platform.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
