@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.conditions import machine  # noqa: E402
 from tests.platform import FAST_PROGRESS_ENV, Platform, running_platform  # noqa: E402
 
-KINDS = ("resize", "worker_kill", "joiner_kill", "agent_restart")
+KINDS = ("resize", "worker_kill", "joiner_kill", "agent_restart", "portal_restart", "beat_restart", "scheduler_restart")
 AGENTS = {"node-a": 2, "node-b": 2}
 DEVICES = sum(AGENTS.values())
 INITIAL_WORKERS = (2, 1)

@@ -134,3 +134,17 @@ def test_a_replayed_report_changes_nothing(api: dict, cluster: Any) -> None:
     report(cluster, event(job, "progress", generation=job.generation + 1, step=30, loss=1.0, samples_per_s=10.0))
     job.refresh_from_db()
     assert job.steps_done == 30, "a newer generation is not a replay"
+
+
+def test_a_scheduler_killed_mid_cycle_holds_the_next_ones_back_briefly(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch, redis_client: Any
+) -> None:
+    """The lock a cycle holds lives LOCK_TIMEOUT_S (10 s), renewed every round: a Celery worker
+    killed mid-cycle leaves it behind for at most that long, not a minute."""
+    from portal.redis import client, key
+    from portal.scheduling import tasks as scheduling_tasks
+
+    seen: list[int] = []
+    monkeypatch.setattr(scheduling_tasks, "run_cycle", lambda: seen.append(client().pttl(key("scheduler", "lock"))))
+    scheduling_tasks.schedule("test")
+    assert len(seen) == 1 and 0 < seen[0] <= 10_000, seen
