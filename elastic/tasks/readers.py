@@ -10,16 +10,20 @@ many readers there are, which reader reads it, the number of workers or the resi
 the item. The items come back in order and are collated in the worker.
 
 The readers are spawned (not forked: the worker has threads and a process group by then), and
-each asks Linux to kill it when its worker dies, so that a SIGKILLed worker leaves none behind."""
+each asks Linux to kill it when its worker dies (PR_SET_PDEATHSIG) and also watches its parent
+twice a second, so that a SIGKILLed worker leaves none behind."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
 import multiprocessing
+import os
 import random
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,20 +32,30 @@ import numpy
 import torch
 
 _PR_SET_PDEATHSIG = 1
+ORPHAN_CHECK_S = 0.5
 _dataset: Any = None
 
 
 def _start(directory: str, entrypoint: str, hyperparameters: dict[str, Any]) -> None:
     """A reader process's start: dies with its parent; builds the task's training data."""
     global _dataset
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # PR_SET_PDEATHSIG follows the parent *thread* and is not portable: a watcher makes sure.
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True).start()
     torch.set_num_threads(1)
     from elastic.tasks.loader import load_task_class
     from elastic.tasks.runtime import validate_hyperparameters
 
     task_class = load_task_class(Path(directory), entrypoint)
     _dataset = task_class(validate_hyperparameters(task_class, hyperparameters)).train_data()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_CHECK_S)
+    os._exit(1)
 
 
 def _read(index: int, seed: int) -> Any:
