@@ -31,6 +31,9 @@ from typing import Any
 import numpy
 import torch
 
+from elastic.tasks.hyperparameters import validate_hyperparameters
+from elastic.tasks.loader import load_task_class
+
 _PR_SET_PDEATHSIG = 1
 ORPHAN_CHECK_S = 0.5
 _dataset: Any = None
@@ -45,9 +48,6 @@ def _start(directory: str, entrypoint: str, hyperparameters: dict[str, Any]) -> 
     # PR_SET_PDEATHSIG follows the parent *thread* and is not portable: a watcher makes sure.
     threading.Thread(target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True).start()
     torch.set_num_threads(1)
-    from elastic.tasks.loader import load_task_class
-    from elastic.tasks.runtime import validate_hyperparameters
-
     task_class = load_task_class(Path(directory), entrypoint)
     _dataset = task_class(validate_hyperparameters(task_class, hyperparameters)).train_data()
 
