@@ -14,6 +14,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 REDIS_URL = os.environ.get("BUNGEE_BENCH_REDIS_URL", os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/11"))
+PYTHON_PATH = os.pathsep.join(path for path in (str(ROOT), os.environ.get("PYTHONPATH")) if path)
+"""The project first, then what the caller had (packages installed beside the interpreter's)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,14 @@ def _tensors(value: Any) -> list[Any]:
 RESNET50_SIZED = BenchModel("25.6M", hidden=2060)
 """25.6M parameters, 205 MB of parameters and momentum: ResNet-50's size."""
 LARGE = BenchModel("100M", hidden=4080)
+
+
+def shared_gpu_env(device: str, workers: int) -> dict[str, str]:
+    """The workers' environment for `workers` workers on `device`: where the machine has fewer
+    GPUs than workers, they all share GPU 0 over gloo (NCCL refuses two ranks on one GPU)."""
+    import torch
+
+    return {"BUNGEE_SHARED_GPU": "1"} if device == "cuda" and torch.cuda.device_count() < workers else {}
 
 
 def machine() -> dict[str, Any]:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.conditions import REDIS_URL, ROOT, TaskModel, machine, show  # noqa: E402
+from bench.conditions import PYTHON_PATH, REDIS_URL, TaskModel, machine, shared_gpu_env, show  # noqa: E402
 from elastic.tasks.runtime import bind_task  # noqa: E402
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint  # noqa: E402
 from elastic.worker.local import LocalJob  # noqa: E402
@@ -113,7 +113,8 @@ def environment(**extra: str) -> dict[str, str]:
         "BUNGEE_PROGRESS_EVERY_S": "0.001",
         "BUNGEE_CHECKPOINT_EVERY_S": "86400",
         "BUNGEE_PG_TIMEOUT_S": "30",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": PYTHON_PATH,
+        **shared_gpu_env(DEVICE, 4),
         **extra,
     }
 
@@ -126,6 +127,9 @@ def _gaps(ends: list[float]) -> list[float]:
 
 
 TASK: tuple[Path, str] | None = None
+DEVICE = "cpu"
+"""Where the workers train: "cpu", or "cuda" (GPU i for worker i, or every worker on GPU 0
+where the machine has fewer than 4: gloo then, as NCCL refuses two ranks on one GPU)."""
 """--task: the user's task (directory, entrypoint) every run trains instead of the digits."""
 
 
@@ -133,6 +137,7 @@ def step_times(spec: dict[str, Any], steps: int, workers: int, work: Path) -> li
     with LocalJob(
         {**spec, "steps": steps}, Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=environment(), heal=False,
         task=TASK,
+        device=DEVICE,
     ) as job:
         job.start(list(range(workers)))
         outputs = job.wait(timeout_s=600)
@@ -189,7 +194,7 @@ def resized_run(
     """Runs `spec` through the placements of `schedule`, `per_generation` steps in each at
     least, stops it and returns its state."""
     run_dir = Path(tempfile.mkdtemp(dir=work))
-    with LocalJob({**spec, "steps": ENDLESS}, run_dir, REDIS_URL, env=environment(), task=TASK) as job:
+    with LocalJob({**spec, "steps": ENDLESS}, run_dir, REDIS_URL, env=environment(), task=TASK, device=DEVICE) as job:
         for generation, slots in enumerate(schedule, start=1):
             if generation == 1:
                 job.start(slots)
@@ -214,7 +219,7 @@ def resized_run(
 
 def fixed_run(spec: dict[str, Any], steps: int, workers: int, work: Path) -> TrainingState:
     run_dir = Path(tempfile.mkdtemp(dir=work))
-    with LocalJob({**spec, "steps": steps}, run_dir, REDIS_URL, env=environment(), heal=False, task=TASK) as job:
+    with LocalJob({**spec, "steps": steps}, run_dir, REDIS_URL, env=environment(), heal=False, task=TASK, device=DEVICE) as job:
         job.start(list(range(workers)))
         job.wait(600)
     state = load_checkpoint(checkpoint_path(run_dir))
@@ -266,7 +271,7 @@ def to_target(spec: dict[str, Any], workers: int, cap_s: float, work: Path) -> d
     run_dir = Path(tempfile.mkdtemp(dir=work))
     env = environment(BUNGEE_CHECKPOINT_EVERY_S="0.1")
     reached: tuple[int, float] | None = None
-    with LocalJob({**spec, "steps": ENDLESS}, run_dir, REDIS_URL, env=env, heal=False) as job:
+    with LocalJob({**spec, "steps": ENDLESS}, run_dir, REDIS_URL, env=env, heal=False, device=DEVICE) as job:
         job.start(list(range(workers)))
         job.wait_for(lambda _, e: e.kind == "progress", 180)
         began = time.monotonic()
@@ -345,6 +350,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
         result.update(hybrid_against_strict(args, work))
+    result["device"] = DEVICE
     result["conditions"] = conditions
     result["wall_s"] = round(time.monotonic() - began, 1)
     return result
@@ -354,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer and shorter runs (about 3 minutes)")
     parser.add_argument("--workers", type=int, default=2, help="world size of the step-time comparison")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--task", type=Path, help="a user's task directory, trained instead of the digits")
     parser.add_argument("--entrypoint", default="task:Task", help="the task class in --task, module:ClassName")
     parser.add_argument(
@@ -361,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.task_spec = None
+    global DEVICE, TASK
+    DEVICE = args.device
     if args.task:
-        global TASK
         model = TaskModel(args.task.resolve(), args.entrypoint, json.loads(args.hyperparameters))
         TASK = model.task
         args.task_spec = {

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.conditions import REDIS_URL, RESNET50_SIZED, ROOT, BenchModel, machine, show  # noqa: E402
+from bench.conditions import PYTHON_PATH, REDIS_URL, RESNET50_SIZED, ROOT, BenchModel, machine, show  # noqa: E402
 from elastic.worker.local import LocalJob  # noqa: E402
 
 WARMUP_STEPS = 5
@@ -52,7 +52,7 @@ def elastic_steps(
         "BUNGEE_PROGRESS_EVERY_S": "0.001",
         "BUNGEE_CHECKPOINT_EVERY_S": "86400",
         "BUNGEE_MEMBERSHIP_POLL_S": str(poll_s),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": PYTHON_PATH,
     }
     with LocalJob(
         model.spec(steps), Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=env, heal=False, device=device
@@ -83,10 +83,12 @@ def plain_steps(model: BenchModel, steps: int, workers: int, device: str, work: 
         device,
         "--no-stop-flag",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run(
-        command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHON_PATH}
+    done = subprocess.run(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1200
     )
+    if done.returncode != 0:
+        raise RuntimeError(f"the torchrun baseline exited {done.returncode}:\n{done.stderr[-3000:]}")
     return _gaps([float(line.split()[1]) for line in timeline.read_text().splitlines()])
 
 

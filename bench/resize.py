@@ -2,7 +2,8 @@
 
     python bench/resize.py            # 5 rounds on the 25.6M model, 1 on the 100M (about 10 minutes)
     python bench/resize.py --quick    # 1 round on the 25.6M model, one torchrun run each setting
-    python bench/resize.py --device cuda   # NCCL; needs a GPU per worker (4 for every scenario)
+    python bench/resize.py --device cuda   # NCCL with a GPU per worker (4 for every scenario);
+                                          # fewer GPUs: every worker on GPU 0, over gloo
     python bench/resize.py --quick --task DIR --entrypoint task:MyTask --hyperparameters '{"batch_size": 32}'
                                       # a user's task (elastic.tasks) in place of the MLP
 
@@ -47,12 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.conditions import (  # noqa: E402
     LARGE,
+    PYTHON_PATH,
     REDIS_URL,
     RESNET50_SIZED,
     ROOT,
     BenchModel,
     TaskModel,
     machine,
+    shared_gpu_env,
     show,
     spread,
 )
@@ -71,12 +74,12 @@ SCENARIOS = (OUT, IN, MIGRATE, TWO, IN4)
 _BROADCAST = """
 import sys, time, torch, torch.distributed as dist
 from datetime import timedelta
-rank, port, size, device = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rank, port, size, device, backend = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 torch.set_num_threads(1)
 if device == "cuda":
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank if backend == "nccl" else 0)
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
-dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=2)
+dist.init_process_group(backend, store=store, rank=rank, world_size=2)
 data = torch.ones(size // 4, device="cuda" if device == "cuda" else "cpu")
 for repetition in range(6):
     dist.barrier()
@@ -93,13 +96,18 @@ dist.destroy_process_group()
 """
 
 
+def raw_backend(device: str) -> str:
+    """The backend our workers use on `device` with 4 workers, which the raw figure measures."""
+    return "gloo" if device == "cpu" or shared_gpu_env(device, 4) else "nccl"
+
+
 def broadcast_bandwidth(size: int, device: str) -> list[float]:
     """The machine's raw broadcast bandwidth, GB/s, one sender to one receiver, `size` bytes."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", _BROADCAST, str(rank), str(port), str(size), device],
+            [sys.executable, "-c", _BROADCAST, str(rank), str(port), str(size), device, raw_backend(device)],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -158,7 +166,8 @@ def run_ours(model: BenchModel | TaskModel, rounds: int, crashes: int, device: s
         "BUNGEE_CHECKPOINT_EVERY_S": "86400",
         "BUNGEE_PG_TIMEOUT_S": "60",
         "BUNGEE_RENDEZVOUS_TIMEOUT_S": "30",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": PYTHON_PATH,
+        **shared_gpu_env(device, 4),
     }
     result = OursResult(model)
     with LocalJob(
@@ -263,7 +272,7 @@ def run_torchrun(
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": PYTHON_PATH,
     }
     transitions: list[Transition] = []
     for sequence in range(sequences):
@@ -331,7 +340,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bungee-bench-resize-"))
     bandwidth = broadcast_bandwidth(first.state_bytes, args.device)
     print(
-        f"raw {'NCCL' if args.device == 'cuda' else 'gloo'} broadcast, 1 -> 1, "
+        f"raw {raw_backend(args.device)} broadcast{' (both on GPU 0)' if shared_gpu_env(args.device, 4) else ''}, 1 -> 1, "
         f"{first.state_bytes / 1e6:.3f} MB: {show(bandwidth, 'GB/s', 2)}",
         flush=True,
     )

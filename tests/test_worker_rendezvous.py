@@ -327,6 +327,11 @@ def test_the_backend_follows_the_device(device: str, backend: str) -> None:
     assert backend_for(device) == backend
 
 
+def test_workers_sharing_a_gpu_use_gloo() -> None:
+    assert backend_for("cuda:0", shared_gpu=True) == "gloo"
+    assert backend_for("cpu", shared_gpu=True) == "gloo"
+
+
 @pytest.mark.parametrize("device", ["gpu", "cuda", "cuda:x", "mps"])
 def test_an_unknown_device_is_refused(device: str) -> None:
     with pytest.raises(ValueError, match=repr(device)):

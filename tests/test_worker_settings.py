@@ -32,9 +32,10 @@ def test_values_are_read() -> None:
             "BUNGEE_RENDEZVOUS_TIMEOUT_S": "3",
             "BUNGEE_MEMBERSHIP_POLL_S": "0.1",
             "BUNGEE_SIM_SLOWDOWN": "2.5",
+            "BUNGEE_SHARED_GPU": "1",
         }
     )
-    assert settings == WorkerSettings(4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"), 3.0, 0.1, 2.5)
+    assert settings == WorkerSettings(4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"), 3.0, 0.1, 2.5, True)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +45,7 @@ def test_values_are_read() -> None:
         ("OMP_NUM_THREADS", "0"),
         ("BUNGEE_PG_TIMEOUT_S", "-1"),
         ("BUNGEE_SIM_SLOWDOWN", "0.5"),
+        ("BUNGEE_SHARED_GPU", "yes"),
     ],
 )
 def test_bad_values_are_refused_with_name_and_value(name: str, value: str) -> None:

@@ -21,7 +21,7 @@ from elastic.consistency.placement import proportional_shares
 from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint
 from elastic.worker.local import LocalJob
-from tests.worker_support import REDIS_URL, worker_env
+from tests.worker_support import REDIS_URL, TEST_DEVICE, worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,9 @@ def _fixed_run(
     run_dir.mkdir()
     record = run_dir / "samples.jsonl"
     env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
-    with LocalJob({**spec, "steps": steps}, run_dir / "run", REDIS_URL, env=env, heal=False) as job:
+    with LocalJob(
+        {**spec, "steps": steps}, run_dir / "run", REDIS_URL, env=env, heal=False, device=TEST_DEVICE
+    ) as job:
         job.start(slots, **start)
         outputs = job.wait(300)
     assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE] * len(slots), job.describe()
@@ -75,7 +77,9 @@ def _resized_run(spec: dict[str, Any], run_dir: Path) -> tuple[TrainingState, li
     run_dir.mkdir()
     record = run_dir / "samples.jsonl"
     env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
-    with LocalJob({**spec, "steps": 10_000_000}, run_dir / "run", REDIS_URL, env=env) as job:
+    with LocalJob(
+        {**spec, "steps": 10_000_000}, run_dir / "run", REDIS_URL, env=env, device=TEST_DEVICE
+    ) as job:
         job.start([0, 1, 2, 3])
         job.trained_past(1, 5)
         job.resize([0, 1])

@@ -13,6 +13,9 @@ from elastic.consistency.placement import even_shares, hosted
 from elastic.worker.data import SampleStream, share_bounds
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+TEST_DEVICE = os.environ.get("BUNGEE_TEST_DEVICE", "cpu")
+"""Where the bitwise tests train: "cpu" (the suite), or "cuda" on a GPU machine, where every
+worker shares GPU 0 (gloo; NCCL refuses two ranks on one GPU)."""
 DIGITS_SAMPLES = 1437
 
 
@@ -23,6 +26,7 @@ def worker_env(**extra: str) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "BUNGEE_PG_TIMEOUT_S": "20",
         "BUNGEE_PROGRESS_EVERY_S": "0.1",
+        **({"BUNGEE_SHARED_GPU": "1"} if TEST_DEVICE == "cuda" else {}),
         **extra,
     }
 

@@ -36,6 +36,7 @@ from elastic.worker import (
     USER_ERROR_EXIT_CODE,
     WORKER_CONFIG_ENV,
 )
+from elastic.worker.settings import SHARED_GPU_ENV
 
 LOCALHOST = "127.0.0.1"
 NODE = "local"
@@ -101,7 +102,9 @@ class LocalJob:
         self.device = device
         self.task = task
         """The job's own code, (directory, module:ClassName); None: the spec's workload."""
-        """"cpu", or "cuda": slot i is then GPU i."""
+        """"cpu", or "cuda": slot i is then GPU i, or GPU 0 for every slot where the env sets
+        BUNGEE_SHARED_GPU=1 (see WorkerSettings.shared_gpu)."""
+        self._shared_gpu = self.env.get(SHARED_GPU_ENV) == "1"
         self.key = board_key or f"bungee-local-{uuid.uuid4().hex[:10]}:job:{job_id}"
         self.board = RedisBoard.connect(redis_url, self.key)
         self.outputs: list[WorkerOutput] = []
@@ -185,7 +188,7 @@ class LocalJob:
             world_size=record.world_size,
             master_addr=record.master_addr,
             master_port=record.master_port,
-            device="cpu" if self.device == "cpu" else f"cuda:{slot}",
+            device="cpu" if self.device == "cpu" else f"cuda:{0 if self._shared_gpu else slot}",
             spec=self.spec,
             run_dir=str(self.run_dir),
             node=NODE,
@@ -266,7 +269,8 @@ class LocalJob:
         _, formed = self.wait_for(lambda _, e: e.kind == "resized" and e.generation == generation, form_s)
         target = (formed.step or 0) + steps
         _, event = self.wait_for(
-            lambda _, e: e.kind == "progress" and e.generation == generation and (e.step or 0) >= target, train_s
+            lambda _, e: e.kind == "progress" and e.generation == generation and (e.step or 0) >= target,
+            train_s,
         )
         return event.step or 0
 

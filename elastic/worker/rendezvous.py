@@ -33,13 +33,14 @@ GO_WAIT_S = 0.25
 _LISTEN_PROBE_S = 0.002
 
 
-def backend_for(device: str) -> str:
+def backend_for(device: str, shared_gpu: bool = False) -> str:
     """Return the torch.distributed backend for a WorkerConfig device: gloo for "cpu", nccl
-    for "cuda:N". Raises ValueError for anything else."""
+    for "cuda:N", gloo for "cuda:N" when the job's workers share a GPU (NCCL refuses that).
+    Raises ValueError for anything else."""
     if device == "cpu":
         return "gloo"
     if device.startswith("cuda:") and device.removeprefix("cuda:").isdigit():
-        return "nccl"
+        return "gloo" if shared_gpu else "nccl"
     raise ValueError(f'device {device!r} is neither "cpu" nor "cuda:N"')
 
 
@@ -144,7 +145,7 @@ class Rendezvous:
         self.events = events
         self.stop = stop
         self.settings = settings
-        self.backend = backend_for(device)
+        self.backend = backend_for(device, settings.shared_gpu)
         self.device = torch.device(device)
         self._store: dist.TCPStore | None = None
         self._watcher: MembershipWatcher | None = None
@@ -269,7 +270,7 @@ class Rendezvous:
                 rank=rank,
                 world_size=world,
                 timeout=timeout,
-                device_id=self.device if self.device.type == "cuda" else None,
+                device_id=self.device if self.backend == "nccl" else None,
             )
             # Forming waits `timeout_s` for the members; a step waits the group's own timeout.
             _set_pg_timeout(timedelta(seconds=self.settings.pg_timeout_s))

@@ -23,6 +23,7 @@ This module wires the parts together; the exit code says how it ended (elastic.w
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -51,6 +52,16 @@ from elastic.worker.stop import StopRequest
 from elastic.worker.strict import StrictTrainer
 from elastic.worker.trainer import CollectiveError, SampleRecorder, Trainer
 from elastic.workloads import CATALOGUE
+
+
+def deterministic_cuda() -> None:
+    """Makes this process's CUDA kernels deterministic, as strict mode's bitwise promise needs:
+    cuDNN's autotuner and its atomic-accumulating backward convolutions, cuBLAS's split-K
+    workspaces and scatter-adds otherwise vary from run to run. Call before the first kernel."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
 
 
 class WorkerRun:
@@ -87,6 +98,8 @@ class WorkerRun:
         device = self.rendezvous.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            if self.spec.consistency == "strict":
+                deterministic_cuda()
         try:
             restore, loop = self._build()
             return self._live(restore, loop)

@@ -15,6 +15,7 @@ CHECKPOINT_EVERY_ENV = "BUNGEE_CHECKPOINT_EVERY_S"
 PROGRESS_EVERY_ENV = "BUNGEE_PROGRESS_EVERY_S"
 RECORD_SAMPLES_ENV = "BUNGEE_RECORD_SAMPLES"
 SIM_SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
+SHARED_GPU_ENV = "BUNGEE_SHARED_GPU"
 
 
 class WorkerSettingsError(ValueError):
@@ -47,6 +48,13 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "")
+    if raw not in ("", "0", "1"):
+        raise WorkerSettingsError(f"{name}={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
 def _slowdown(env: Mapping[str, str]) -> float:
     value = _positive_float(env, SIM_SLOWDOWN_ENV, 1.0)
     if value < 1.0:
@@ -76,6 +84,10 @@ class WorkerSettings:
     simulated_slowdown: float = 1.0
     """Set by the simulated device backend on a device that plays a slow one: each step's
     compute is stretched by this factor (elastic.worker.step_clock)."""
+    shared_gpu: bool = False
+    """Several workers of a job share one GPU (a machine with a single GPU, for tests and
+    benchmarks). NCCL refuses two ranks on one GPU, so the group runs on gloo, which reduces
+    and broadcasts CUDA tensors through host memory; state transfers are staged through it."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -90,4 +102,5 @@ class WorkerSettings:
             progress_every_s=_positive_float(env, PROGRESS_EVERY_ENV, cls.progress_every_s),
             record_samples=Path(record) if record else None,
             simulated_slowdown=_slowdown(env),
+            shared_gpu=_flag(env, SHARED_GPU_ENV),
         )

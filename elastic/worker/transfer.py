@@ -201,7 +201,9 @@ def move_state(
     owners = assign_sources(chunks, sources)
     operations: list[dist.P2POp] = []
     unpack: list[tuple[torch.Tensor, Chunk]] = []
-    device = views[0].device
+    # gloo sends no CUDA tensor point to point (workers sharing a GPU): stage through the host.
+    staged = views[0].device.type == "cuda" and dist.get_backend() == "gloo"
+    device = torch.device("cpu") if staged else views[0].device
     for tag, (chunk, owner) in enumerate(zip(chunks, owners, strict=True)):
         if rank == owner:
             if len(chunk.pieces) == 1:
@@ -209,9 +211,10 @@ def move_state(
                 buffer = views[piece.tensor][piece.start : piece.stop]
             else:
                 buffer = torch.cat([views[p.tensor][p.start : p.stop] for p in chunk.pieces])
+            buffer = buffer.to(device)
             operations.extend(dist.P2POp(dist.isend, buffer, peer, tag=tag) for peer in receivers)
         elif rank in receivers:
-            if len(chunk.pieces) == 1:
+            if len(chunk.pieces) == 1 and not staged:
                 piece = chunk.pieces[0]
                 buffer = views[piece.tensor][piece.start : piece.stop]
             else:
