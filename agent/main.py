@@ -509,6 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_module=config.worker_module,
             stop_grace_s=config.stop_grace_s,
             node_name=config.node_name,
+            node_address=config.address,
             state_dir=config.state_dir,
         ),
         on_exit=report_now.set,

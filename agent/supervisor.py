@@ -46,10 +46,12 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 import elastic
 from agent.devices import DeviceBackend, DeviceError
@@ -89,6 +91,31 @@ AGENT_SECRETS = ("BUNGEE_AGENT_TOKEN", "BUNGEE_AGENT_TOKEN_FILE")
 def process_environment() -> dict[str, str]:
     """The agent's environment without its secrets: what a worker or an export starts with."""
     return {name: value for name, value in os.environ.items() if name not in AGENT_SECRETS}
+
+
+def socket_interface_env(address: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME naming the interface that holds `address` (an
+    IP or a host name), unless `environ` sets them already. Without them gloo listens on what
+    the machine's host name resolves to, often 127.0.0.1, which peers on other hosts cannot
+    reach. Empty if no interface holds the address (it is then a NAT's or a proxy's)."""
+    interface = interface_holding(address)
+    if interface is None:
+        return {}
+    return {name: interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in environ}
+
+
+@functools.cache
+def interface_holding(address: str) -> str | None:
+    """The name of this machine's network interface that holds `address` (resolved once), or
+    None."""
+    try:
+        ips = {str(info[4][0]) for info in socket.getaddrinfo(address, None)}
+    except OSError:
+        return None
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(a.address in ips for a in addresses):
+            return interface
+    return None
 
 
 def python_path() -> str:
@@ -177,6 +204,9 @@ class SupervisorConfig:
     joiners to warm up, so this is generous. A leaver still there afterwards is killed."""
     node_name: str = field(default_factory=socket.gethostname)
     """This node's name, as the portal knows it: workers are named by it in membership records."""
+    node_address: str = "127.0.0.1"
+    """Where workers on other nodes reach this node's (the agent's --address): the workers'
+    collectives listen on the interface that holds it (socket_interface_env)."""
     event_capacity: int = 10_000
     """Events held between two drains; see EventBuffer for what is dropped first."""
     state_dir: Path | None = None
@@ -533,6 +563,7 @@ class WorkerSupervisor:
         )
         env = {
             **process_environment(),
+            **socket_interface_env(self.config.node_address, os.environ),
             **placement.env,
             WORKER_CONFIG_ENV: config.model_dump_json(),
             "OMP_NUM_THREADS": "1",

@@ -86,10 +86,11 @@ class ProcessGroup:
         self.processes.clear()
 
 
-def platform_commands(port: int, queue: str, state_dir: Path) -> dict[str, list[str]]:
-    """The portal (daphne), the Celery worker and beat, as argument lists after `python`."""
+def platform_commands(port: int, queue: str, state_dir: Path, host: str = "127.0.0.1") -> dict[str, list[str]]:
+    """The portal (daphne, listening on `host`), the Celery worker and beat, as argument lists
+    after `python`."""
     return {
-        "portal": ["-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"],
+        "portal": ["-m", "daphne", "-b", host, "-p", str(port), "portal.asgi:application"],
         "worker": ["-m", "celery", "-A", "portal", "worker", "-Q", queue, "-c", "2", "--loglevel", "INFO",
                    "-n", f"scheduler-{port}@%h"],
         "beat": ["-m", "celery", "-A", "portal", "beat", "--loglevel", "INFO", "-s",

@@ -8,6 +8,8 @@ import json
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -19,8 +21,10 @@ from typing import Any
 
 import httpx
 import psycopg
+import redis
 
 from portal.launcher import ProcessGroup, platform_commands
+from tests.netns import Network
 
 POSTGRES_URL = os.environ.get("TEST_POSTGRES_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/12")
@@ -42,6 +46,8 @@ class Platform:
     env: dict[str, str]
     commands: dict[str, list[str]] = field(default_factory=dict)
     """How the portal, the Celery worker and beat were started (portal.launcher)."""
+    network: Network | None = None
+    """Where each agent runs on a host of its own (tests.netns); None: all on this one."""
 
     def api(self, user: str) -> httpx.Client:
         return httpx.Client(
@@ -60,10 +66,13 @@ class Platform:
         token_file = self.group.log_dir / f"agent-{name}.token"
         token_file.touch(mode=0o600)
         token_file.write_text(token)
-        self.group.python(
-            f"agent-{name}", "-m", "agent", "--portal", self.base_url, "--token-file", str(token_file),
+        command = [
+            sys.executable, "-m", "agent", "--portal", self.base_url, "--token-file", str(token_file),
             "--name", name, "--devices", str(devices), "--backend", "simulated",
-        )
+        ]
+        if self.network is not None:
+            command = [*self.network.prefix(name), *command, "--address", self.network.hosts[name].address]
+        self.group.start(f"agent-{name}", command)
 
     def kill_agent(self, name: str) -> None:
         """SIGKILLs the agent named `name`, as a crash would: its workers train on. The group
@@ -138,10 +147,69 @@ the project's own management commands, in one process (each `manage.py` start co
 loaded machine); prints the tokens as JSON."""
 
 
+@dataclass
+class RedisServer:
+    """A redis-server of a test's own (on `host`, with a password, keeping nothing on disk), which
+    the test may kill and start again, empty, on the same port."""
+
+    host: str
+    folder: Path
+    port: int = field(default_factory=free_port)
+    password: str = field(default_factory=lambda: secrets.token_hex(16))
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+
+    def start(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            ["redis-server", "--bind", self.host, "--port", str(self.port), "--requirepass", self.password,
+             "--save", "", "--appendonly", "no", "--dir", str(self.folder),
+             "--logfile", str(self.folder / "redis.log")],  # fmt: skip
+        )
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_connect_timeout=1)
+        deadline = time.monotonic() + 10
+        while not _answers(client):
+            log = (self.folder / "redis.log").read_text() if (self.folder / "redis.log").exists() else ""
+            assert time.monotonic() < deadline, f"redis-server on {self.host}:{self.port} did not come up:\n{log}"
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL: everything it held is gone."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(timeout=10)
+        self.process = None
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
 @contextmanager
-def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None) -> Iterator[Platform]:
+def redis_server(host: str, folder: Path) -> Iterator[RedisServer]:
+    server = RedisServer(host, folder)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            server.kill()
+
+
+@contextmanager
+def running_platform(
+    tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None, network: Network | None = None
+) -> Iterator[Platform]:
     """The platform with an agent of `agents[name]` simulated devices per name; `extra_env` goes
-    to every process (workers inherit their agent's)."""
+    to every process (workers inherit their agent's). With a `network`, each agent runs on its
+    host there, and the portal listens on the network's gateway (Redis must be reachable there
+    too: `extra_env`'s REDIS_URL)."""
     run_id = uuid.uuid4().hex[:10]
     database = f"bungee_it_{run_id}"
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
@@ -161,6 +229,7 @@ def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str
         # Below Linux's ephemeral ports (32768 and up), where any client socket may hold one.
         "BUNGEE_MASTER_PORT_BASE": str(MASTER_PORT_LOW + port % (EPHEMERAL_PORTS_START - 5000 - MASTER_PORT_LOW)),
         "LOG_LEVEL": "INFO",
+        **({"ALLOWED_HOSTS": f"127.0.0.1,{network.gateway}"} if network is not None else {}),
         **(extra_env or {}),
     }
     group = ProcessGroup(log_dir=tmp / "logs", env=env)
@@ -168,10 +237,11 @@ def running_platform(tmp: Path, agents: dict[str, int], extra_env: dict[str, str
         tokens: dict[str, str] = json.loads(
             group.run("manage.py", "shell", "--no-imports", "-c", _SEED.format(agents=sorted(agents)))
         )
-        commands = platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp)
+        host = network.gateway if network is not None else "127.0.0.1"
+        commands = platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp, host)
         for name, command in commands.items():
             group.python(name, *command)
-        platform = Platform(f"http://127.0.0.1:{port}", group, tokens, env, commands)
+        platform = Platform(f"http://{host}:{port}", group, tokens, env, commands, network)
         platform.wait_for("the portal", platform.portal_answers, timeout_s=60)
         for name, devices in agents.items():
             platform.start_agent(name, devices)

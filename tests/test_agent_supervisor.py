@@ -17,7 +17,13 @@ import pytest
 
 from agent.devices import make_backend
 from agent.devices.simulated import SimulatedBackend
-from agent.supervisor import SupervisorConfig, WorkerSupervisor, exit_reason, settle_exit
+from agent.supervisor import (
+    SupervisorConfig,
+    WorkerSupervisor,
+    exit_reason,
+    settle_exit,
+    socket_interface_env,
+)
 from elastic.wire import (
     WORKER_EVENT_PREFIX,
     LaunchCommand,
@@ -538,3 +544,12 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
         for stale in board.client.scan_iter(f"{key}:*"):
             board.client.delete(stale)
         board.close()
+
+
+def test_workers_listen_on_the_interface_that_holds_the_nodes_address() -> None:
+    # gloo otherwise listens where the host name resolves (often 127.0.0.1): peers on other
+    # hosts could not connect (tests/test_multihost.py shows it across namespaces).
+    assert socket_interface_env("127.0.0.1", {}) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert socket_interface_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth9"}) == {"NCCL_SOCKET_IFNAME": "lo"}
+    assert socket_interface_env("192.0.2.77", {}) == {}, "an address no interface holds (TEST-NET-1)"
+    assert socket_interface_env("no-such-host.invalid", {}) == {}

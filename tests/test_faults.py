@@ -3,7 +3,9 @@
 - Beat is not the only one to notice a lost node: any node's report does, so with beat dead a
   node whose agent and workers are gone is still marked lost, its job's worker with it, and the
   job planned again on what is left (in the database, and on a real platform).
-- Redis away: the API answers 503 in the error shape at once.
+- Redis away: the API answers 503 in the error shape at once. A real Redis SIGKILLed under a
+  training job and started again empty: the workers train on untouched, and resizes land
+  again (the board and the agents' command streams come back in the new Redis).
 - The Celery worker killed: a pin asked meanwhile is kept and applied once it is back."""
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from portal.jobs.models import Job, Worker
 from portal.scheduling import tasks  # noqa: F401 - registers the task that eager Celery runs here
 from portal.scheduling.cycle import run_cycle
 from tests.conftest import VALID_SPEC
-from tests.platform import FAST_PROGRESS_ENV, running_platform
-from tests.test_integration_resize_in_place import detail, live_rows, pin, settled, submit
+from tests.platform import FAST_PROGRESS_ENV, redis_server, running_platform
+from tests.test_integration_resize_in_place import detail, live_rows, pin, settled, steps_past, submit
 from tests.test_scheduler_cycle import event, report
 
 pytestmark = [pytest.mark.django_db, pytest.mark.faults]
@@ -148,3 +150,45 @@ def test_a_scheduler_killed_mid_cycle_holds_the_next_ones_back_briefly(
     monkeypatch.setattr(scheduling_tasks, "run_cycle", lambda: seen.append(client().pttl(key("scheduler", "lock"))))
     scheduling_tasks.schedule("test")
     assert len(seen) == 1 and 0 < seen[0] <= 10_000, seen
+
+
+@pytest.mark.slow
+def test_redis_killed_and_started_again_empty(tmp_path: Path) -> None:
+    """A real platform on a Redis of the test's own. Redis is SIGKILLed under a training job and
+    started again, empty, on the same port: while it is away the API answers at once (503 where
+    it needs Redis, never a hang); once it is back the job trains on, the board is whole again,
+    and a resize asked afterwards lands (Celery consumes again)."""
+    with redis_server("127.0.0.1", tmp_path / "redis") as server:
+        env = {**FAST_PROGRESS_ENV, "REDIS_URL": server.url, "BUNGEE_POLICY": "fair"}
+        with running_platform(tmp_path / "platform", {"node-a": 2}, env) as platform:
+            alice = platform.api("alice")
+            platform.wait_for("2 devices", lambda: _devices(alice) == 2)
+            job_id = submit(platform, 2)
+            job = settled(platform, job_id, 2)
+            job = steps_past(platform, job_id, job["steps_done"] + 20)
+
+            server.kill()
+            killed_at = time.monotonic()
+            for path in ("/api/cluster", f"/api/jobs/{job_id}"):
+                began = time.monotonic()
+                reply = alice.get(path)
+                assert time.monotonic() - began < 5, f"{path} took {time.monotonic() - began:.1f} s"
+                assert reply.status_code in (200, 503), (path, reply.status_code, reply.text[:300])
+            time.sleep(2)
+            server.start()
+
+            platform.wait_for("the cluster's devices", lambda: _devices(alice) == 2, timeout_s=60)
+            again = steps_past(platform, job_id, detail(platform, job_id)["steps_done"] + 20)
+            print(f"Redis away {time.monotonic() - killed_at:.1f} s in all until the job trained on")
+            assert {row["pid"] for row in live_rows(again)} == {row["pid"] for row in live_rows(job)}
+            assert again["restarts"] == 0 and again["generation"] == job["generation"], "no worker noticed"
+            # A shrink needs the board; a grow also the agent's command stream, in the new Redis.
+            pin(platform, job_id, 1)
+            shrunk = settled(platform, job_id, 1, again["generation"], timeout_s=90)
+            pin(platform, job_id, 2)
+            settled(platform, job_id, 2, shrunk["generation"], timeout_s=90)
+
+
+def _devices(api: Any) -> int:
+    reply = api.get("/api/cluster")
+    return sum(len(n["devices"]) for n in reply.json()["nodes"]) if reply.status_code == 200 else 0
