@@ -10,10 +10,12 @@ TEST_LIBS := tests/browser/node_modules/.package-lock.json
 
 .PHONY: demo test install lint clean
 
-$(STAMP): requirements.txt requirements-test.txt
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-test.txt
+	# The project itself, editable: the `bungee` command in $(VENV)/bin (its dependencies are above).
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 $(STATIC_LIBS): static/vendor/package-lock.json

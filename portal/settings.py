@@ -28,6 +28,9 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    # django-ninja's own copy of Swagger UI, served from here: /api/docs works with no internet
+    # (without the app in this list ninja's page loads Swagger UI from a CDN).
+    "ninja",
     "channels",
     "portal.accounts",
     "portal.cluster",

@@ -4,6 +4,7 @@ from django.urls import path
 
 from portal.api import api
 from portal.jobs import views
+from portal.metrics import metrics_view
 from portal.scheduling.views import scheduler_page
 
 urlpatterns = [
@@ -16,4 +17,5 @@ urlpatterns = [
     path("admin/scheduler/", scheduler_page, name="scheduler"),
     path("admin/", admin.site.urls),
     path("api/", api.urls),
+    path("metrics", metrics_view, name="metrics"),
 ]

@@ -1,14 +1,16 @@
 """The backbone end to end, every part real: submit through the API, the Celery scheduler puts
 the job on devices a real agent reports, two real torch workers train it, it is resized 2 -> 1
 -> 2 in place (rank 0 is the same process throughout) without losing a finished step, it
-finishes, and a WebSocket client saw it all live."""
+finishes, and a WebSocket client saw it all live; /metrics counted the resizes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.platform import Platform, SocketRecorder, running_platform
 
@@ -25,6 +27,18 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def job_detail(platform: Platform, job_id: int) -> dict[str, Any]:
     return platform.api("alice").get(f"/api/jobs/{job_id}").json()
+
+
+def scrape(platform: Platform, token: str) -> dict[str, Any]:
+    """/metrics as Prometheus reads it, parsed by prometheus_client's own parser."""
+    reply = httpx.get(platform.base_url + "/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    assert reply.status_code == 200, reply.text[:300]
+    return {family.name: family for family in text_string_to_metric_families(reply.text)}
+
+
+def total(families: dict[str, Any], sample: str) -> float:
+    """The sum of a sample over its labels, 0 where there is none."""
+    return sum(s.value for f in families.values() for s in f.samples if s.name == sample)
 
 
 def wait_running_on(platform: Platform, job_id: int, workers: int, after_step: int) -> dict[str, Any]:
@@ -56,12 +70,21 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
     first_steps = job["steps_done"]
     platform.wait_for("steps to advance", lambda: job_detail(platform, job_id)["steps_done"] > first_steps)
 
+    metrics_token = platform.group.run("manage.py", "create_token", "alice", "--role", "metrics").strip()
+    scraped_before = scrape(platform, metrics_token)
     for workers in (1, 2):
         before = job_detail(platform, job_id)
         resized = alice.post(f"/api/jobs/{job_id}/resize", json={"workers": workers})
         assert resized.status_code == 200, resized.text
         job = wait_running_on(platform, job_id, workers, after_step=before["steps_done"])
         assert job["generation"] > before["generation"]
+
+    # An operator's Prometheus saw both resizes: counted, and their pauses in the histogram.
+    scraped = scrape(platform, metrics_token)
+    assert total(scraped, "bungee_resizes_total") >= total(scraped_before, "bungee_resizes_total") + 2
+    assert total(scraped, "bungee_resize_pause_seconds_count") >= total(scraped_before, "bungee_resize_pause_seconds_count") + 2
+    running = [s for s in scraped["bungee_job_workers"].samples if s.labels["job_id"] == str(job_id)]
+    assert [s.value for s in running] == [2.0] and running[0].labels["user"] == "alice"
 
     done = platform.wait_for(
         "the job to finish", lambda: (j := job_detail(platform, job_id))["state"] == "succeeded" and j, timeout_s=240

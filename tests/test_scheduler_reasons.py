@@ -121,6 +121,8 @@ def test_an_unmet_pin_is_reported_and_can_be_lifted(api: dict, cluster: Any, red
     assert Job.objects.get(pk=second).pinned_workers == 3
     lifted = api["alice"].post(f"/api/jobs/{second}/unpin")
     assert lifted.status_code == 200 and lifted.json()["pinned_workers"] is None
+    assert lifted.json()["schedule_reasons"] == [] and lifted.json()["pin_problem"] == "", "no word of the pin"
+    assert lifted.json()["schedule_note"].startswith("pin lifted")
     settle(cluster)
     after = shown(api, second)
     assert after["pin_problem"] == "" and after["schedule_reasons"] != ["pin unmet"]
@@ -214,3 +216,18 @@ def test_a_job_too_big_for_the_cluster_says_so(api: dict, cluster: Any) -> None:
         "cannot start on the cluster as it is: needs at least 8 workers and the cluster has 4 devices; "
         "it starts once nodes join (or lower min_workers)"
     ), job["schedule_note"]
+
+
+def test_a_finished_job_keeps_no_scheduler_reason(api: dict, cluster: Any) -> None:
+    # Four devices, both jobs want them all: the second waits, with a reason. Cancelled, it has
+    # none left to show ("waiting for devices" on a cancelled job read as if it would still run).
+    first = submit(api, name="first", min_workers=4, max_workers=4)
+    second = submit(api, name="second", min_workers=4, max_workers=4)
+    assert api["alice"].post(f"/api/jobs/{first}/resize", {"workers": 4}).status_code == 200
+    settle(cluster)
+    waiting = shown(api, second)
+    assert waiting["workers"] == 0 and waiting["schedule_note"] and waiting["schedule_reasons"]
+    for job_id in (first, second):
+        assert api["alice"].post(f"/api/jobs/{job_id}/cancel").status_code == 200
+        ended = shown(api, job_id)
+        assert (ended["schedule_note"], ended["schedule_reasons"], ended["pin_problem"]) == ("", [], "")

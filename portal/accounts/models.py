@@ -18,6 +18,7 @@ class ApiToken(models.Model):
     class Role(models.TextChoices):
         USER = "user", "user (scripts, CLI)"
         AGENT = "agent", "agent (node agents)"
+        METRICS = "metrics", "metrics (a Prometheus scraper: /metrics only)"
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="tokens")
     label = models.CharField(max_length=100)

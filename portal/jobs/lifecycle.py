@@ -217,7 +217,9 @@ def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
         locked = Job.objects.select_for_update().get(pk=job.pk)
         if locked.state not in ACTIVE_STATES:
             return False
-        if not locked.claim(target, finished_at=timezone.now(), **fields):
+        # The scheduler's reasons were about a job it still planned for: a finished job has none.
+        done = {"schedule_reasons": [], "schedule_note": "", "pin_problem": ""}
+        if not locked.claim(target, finished_at=timezone.now(), **done, **fields):
             return False
         locked.allocations.all().delete()
         generation = current(locked)

@@ -8,6 +8,7 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
+from elastic.scheduling.api import Reason
 from elastic.spec import FieldError, SpecError, validate_spec
 from portal.cluster.models import Device, Node
 from portal.errors import ApiError, conflict
@@ -58,8 +59,14 @@ def request_resize(job: Job, workers: int | None) -> Job:
                 f"the cluster has only {capacity} usable devices",
                 [FieldError("workers", f"must be at most {capacity}, the usable devices", workers)],
             )
+    fields: dict[str, Any] = {"pinned_workers": workers, "pin_problem": ""}
+    if workers is None:  # what the scheduler said of the pin no longer holds; the next cycle says more
+        pin_reasons = {str(Reason.PINNED), str(Reason.PIN_UNMET)}
+        fields["schedule_reasons"] = [r for r in job.schedule_reasons if r not in pin_reasons]
+        if job.pinned_workers is not None:
+            fields["schedule_note"] = "pin lifted: the scheduler sizes the job at its next cycle"
     with transaction.atomic():
-        Job.objects.filter(pk=job.pk).update(pinned_workers=workers, pin_problem="")
+        Job.objects.filter(pk=job.pk).update(**fields)
         request_schedule(f"job {job.pk} resize to {workers}")
     job.refresh_from_db()
     return job

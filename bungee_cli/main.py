@@ -1,0 +1,294 @@
+"""`bungee`: the platform from a terminal, over the portal's API (typer for the commands, rich
+for tables and progress bars).
+
+    bungee login http://portal:8000            # asks for an API token; keeps both, mode 0600
+    bungee submit job.yaml --code ./mytask --follow
+    bungee list | status N | logs N -f | resize N K | unpin N | cancel N | download N
+
+Every command takes `--output json` (machine-readable, one JSON document). Exit codes: 0 done,
+1 refused or failed (a 4xx names the field and the value), 2 wrong usage; `submit --follow`
+exits 0 when the job succeeds and 1 when it fails or is cancelled, as `ray job submit` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.table import Table
+
+from bungee_cli.client import CliError, Login, Portal, describe_error
+
+app = typer.Typer(
+    help="Bungee: elastic training jobs on a shared GPU cluster, from a terminal.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+FINAL_STATES = {"succeeded", "failed", "cancelled"}
+FOLLOW_EVERY_S = 1.0
+CHUNK = 1 << 16
+
+
+class Output(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
+OutputOption = Annotated[Output, typer.Option("--output", "-o", help="text (tables) or json")]
+JobId = Annotated[int, typer.Argument(help="the job's number", min=1)]
+
+
+def _portal() -> Portal:
+    return Portal(Login.load())
+
+
+def _emit(output: Output, value: Any, text: Any = None) -> None:
+    if output is Output.JSON:
+        out.print_json(json.dumps(value, default=str))
+    else:
+        out.print(text if text is not None else value)
+
+
+@app.command()
+def login(
+    url: Annotated[str, typer.Argument(help="the portal's address, e.g. http://portal:8000")],
+    token: Annotated[
+        str, typer.Option(prompt=True, hide_input=True, help="an API token (asked if not given)")
+    ],
+    output: OutputOption = Output.TEXT,
+) -> None:
+    """Keep the portal's URL and your API token in your config directory (mode 0600)."""
+    credentials = Login(url.rstrip("/"), token.strip())
+    Portal(credentials).get("/api/jobs", owner=None, state="running")  # a refused token stops here
+    path = credentials.save()
+    _emit(output, {"url": credentials.url, "config": str(path)}, f"logged in to {credentials.url} ({path})")
+
+
+def _pack(directory: Path) -> bytes:
+    """The directory as a tar.gz in memory (the portal applies its .bungeeignore)."""
+    if not directory.is_dir():
+        raise CliError(f"--code {directory}: not a directory", exit_code=2)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for path in sorted(directory.rglob("*")):
+            if "__pycache__" in path.parts or path.is_symlink():
+                continue
+            archive.add(path, arcname=str(path.relative_to(directory)), recursive=False)
+    return buffer.getvalue()
+
+
+def _upload(portal: Portal, archive: bytes, name: str, quiet: bool) -> dict[str, Any]:
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        console=err, disable=quiet, transient=True,
+    ) as progress:  # fmt: skip
+        task = progress.add_task(f"uploading {name}", total=len(archive))
+
+        class Counted(io.BytesIO):
+            def read(self, size: int | None = -1) -> bytes:
+                chunk = super().read(CHUNK if size is None or size < 0 else min(size, CHUNK))
+                progress.advance(task, len(chunk))
+                return chunk
+
+        uploaded: dict[str, Any] = portal.request(
+            "POST", "/api/code", files={"file": (name, Counted(archive))}
+        )
+    return uploaded
+
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise CliError(f"cannot read {path}: {error}", exit_code=2) from None
+    try:
+        spec = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as error:
+        raise CliError(
+            f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {error}", exit_code=2
+        ) from None
+    if not isinstance(spec, dict):
+        raise CliError(f"{path} must hold a mapping (the job's spec), not {type(spec).__name__}", exit_code=2)
+    return spec
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[Path, typer.Argument(help="the job's spec, YAML or JSON (see the README)")],
+    code: Annotated[
+        Path | None, typer.Option(help="a directory of your own code: uploaded, and the spec's `code`")
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="stream logs and resizes until the job ends")
+    ] = False,
+    output: OutputOption = Output.TEXT,
+) -> None:
+    """Submit a job; print its number and page."""
+    portal = _portal()
+    spec = _read_spec(spec_file)
+    if code is not None:
+        uploaded = _upload(portal, _pack(code), f"{code.resolve().name}.tar.gz", quiet=output is Output.JSON)
+        spec["code"] = uploaded["digest"]
+        if output is Output.TEXT:
+            err.print(f"uploaded {code} as {uploaded['digest'][:12]}")
+    job = portal.post("/api/jobs", spec)
+    page = f"{portal.url}/jobs/{job['id']}/"
+    _emit(output, {**job, "url": page}, f"submitted job {job['id']} ({job['name']}): {page}")
+    if follow:
+        raise typer.Exit(_follow(portal, job["id"], output))
+
+
+def _follow(portal: Portal, job_id: int, output: Output) -> int:
+    """Prints the job's log lines and each change of state or size until it ends; returns the
+    exit code (0 succeeded, 1 otherwise). Logs are the job's, so they go on across resizes and
+    restarts of its workers."""
+    after, shown = 0, None
+    while True:
+        for line in portal.get(f"/api/jobs/{job_id}/logs", after=after):
+            after = line["id"]
+            _emit(output, line, f"[dim]{line['at'][11:19]}[/dim] {escape(line['line'])}")
+        job = portal.get(f"/api/jobs/{job_id}")
+        now = (job["state"], job["workers"], job["generation"])
+        if now != shown:
+            shown = now
+            text = f"job {job_id}: {job['state']} on {job['workers']} workers (generation {job['generation']}), step {job['steps_done']}"
+            _emit(output, {"job": job_id, "state": job["state"], "workers": job["workers"],
+                           "generation": job["generation"], "steps_done": job["steps_done"]}, f"[bold]{text}[/bold]")  # fmt: skip
+        if job["state"] in FINAL_STATES:
+            return 0 if job["state"] == "succeeded" else 1
+        time.sleep(FOLLOW_EVERY_S)
+
+
+@app.command("list")
+def list_jobs(
+    owner: Annotated[str | None, typer.Option(help="only this user's jobs")] = None,
+    state: Annotated[str | None, typer.Option(help="only jobs in this state")] = None,
+    output: OutputOption = Output.TEXT,
+) -> None:
+    """Everyone's jobs, newest first (as squeue shows them)."""
+    jobs = _portal().get("/api/jobs", owner=owner, state=state)
+    table = Table("id", "name", "owner", "state", "workers", "steps", "why", box=None)
+    for job in jobs:
+        cells = (job["id"], job["name"], job["owner"], job["state"],
+                 f"{job['workers']} of {job['min_workers']}-{job['max_workers']}",
+                 f"{job['steps_done']}/{job['total_steps']}", job.get("schedule_note") or "")  # fmt: skip
+        table.add_row(*(escape(str(cell)) for cell in cells))
+    _emit(output, jobs, table if jobs else "no jobs")
+
+
+@app.command()
+def status(job_id: JobId, output: OutputOption = Output.TEXT) -> None:
+    """One job: state, size, progress, the scheduler's reason."""
+    job = _portal().get(f"/api/jobs/{job_id}")
+    table = Table(show_header=False, box=None)
+    for key in ("id", "name", "owner", "state", "workers", "pinned_workers", "generation", "steps_done",
+                "total_steps", "last_loss", "samples_per_s", "restarts", "message", "schedule_note"):  # fmt: skip
+        table.add_row(key, "" if job.get(key) is None else escape(str(job.get(key))))
+    _emit(output, job, table)
+
+
+@app.command()
+def logs(
+    job_id: JobId,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep following until the job ends")] = False,
+    output: OutputOption = Output.TEXT,
+) -> None:
+    """A job's log lines; with -f, new ones as they come, across resizes and restarts."""
+    portal = _portal()
+    if follow:
+        raise typer.Exit(_follow(portal, job_id, output))
+    lines = portal.get(f"/api/jobs/{job_id}/logs")
+    _emit(
+        output,
+        lines,
+        "\n".join(f"{line['at'][11:19]} {line['line']}" for line in lines) or "no log lines yet",
+    )
+
+
+@app.command()
+def resize(
+    job_id: JobId,
+    workers: Annotated[int, typer.Argument(help="the worker count to pin the job to", min=1)],
+    output: OutputOption = Output.TEXT,
+) -> None:
+    """Pin a job to a worker count (the scheduler keeps it there until `unpin`)."""
+    job = _portal().post(f"/api/jobs/{job_id}/resize", {"workers": workers})
+    _emit(output, job, f"job {job_id} pinned to {workers} worker{'s' if workers != 1 else ''}")
+
+
+@app.command()
+def unpin(job_id: JobId, output: OutputOption = Output.TEXT) -> None:
+    """Lift a job's pin: the scheduler sizes it again."""
+    job = _portal().post(f"/api/jobs/{job_id}/unpin")
+    _emit(output, job, f"job {job_id}: pin lifted")
+
+
+@app.command()
+def cancel(job_id: JobId, output: OutputOption = Output.TEXT) -> None:
+    """Cancel a queued or running job."""
+    job = _portal().post(f"/api/jobs/{job_id}/cancel")
+    _emit(output, job, f"job {job_id}: {job['state']}")
+
+
+@app.command()
+def download(
+    job_id: JobId,
+    output_dir: Annotated[Path, typer.Option("--output-dir", "-d", help="where the files go")] = Path("."),
+    output: OutputOption = Output.TEXT,
+) -> None:
+    """Fetch a finished job's model, checkpoint and manifest; checks each file's sha256."""
+    portal = _portal()
+    listed = portal.get(f"/api/jobs/{job_id}/artifacts")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    saved = []
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        console=err, disable=output is Output.JSON,
+    ) as progress:  # fmt: skip
+        for entry in listed["files"]:
+            target = output_dir / f"job-{job_id}-{entry['name']}"
+            task = progress.add_task(entry["name"], total=entry.get("size"))
+            digest = hashlib.sha256()
+            partial = target.with_suffix(target.suffix + ".part")
+            with portal.download(entry["url"]) as reply, partial.open("wb") as file:
+                for chunk in reply.iter_bytes(CHUNK):
+                    file.write(chunk)
+                    digest.update(chunk)
+                    progress.advance(task, len(chunk))
+            if entry.get("sha256") and digest.hexdigest() != entry["sha256"]:
+                partial.unlink()
+                raise CliError(
+                    f"{entry['name']}: sha256 {digest.hexdigest()} is not the portal's {entry['sha256']}"
+                )
+            partial.replace(target)
+            saved.append({"name": entry["name"], "path": str(target), "sha256": digest.hexdigest()})
+    _emit(output, {"job": job_id, "step": listed["step"], "files": saved},
+          "\n".join(f"{s['path']} (sha256 {s['sha256'][:12]})" for s in saved))  # fmt: skip
+
+
+def main() -> None:
+    """The console script: typer answers wrong usage (exit 2); a CliError is one clear message
+    and its exit code, never a traceback."""
+    try:
+        app()
+    except CliError as error:
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        raise SystemExit(error.exit_code) from None
+
+
+__all__ = ["app", "describe_error", "main"]

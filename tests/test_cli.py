@@ -1,0 +1,107 @@
+"""The `bungee` command: its commands and flags pinned, and the installed console script used as a
+new user would, against the real platform: log in, submit your own code and follow it to the
+end, fetch the model, list, status, logs, resize, unpin, cancel, and a refusal that names the
+field and the value."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import typer
+
+from bungee_cli.main import app
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNGEE = Path(sys.executable).parent / "bungee"
+
+
+def test_the_commands_and_flags() -> None:
+    group = typer.main.get_command(app)
+    flags = {
+        name: sorted(option for param in command.params for option in [*param.opts, *param.secondary_opts])
+        for name, command in group.commands.items()  # type: ignore[attr-defined]
+    }
+    assert flags == {
+        "login": ["--output", "--token", "-o", "url"],
+        "submit": ["--code", "--follow", "--output", "-f", "-o", "spec_file"],
+        "list": ["--output", "--owner", "--state", "-o"],
+        "status": ["--output", "-o", "job_id"],
+        "logs": ["--follow", "--output", "-f", "-o", "job_id"],
+        "resize": ["--output", "-o", "job_id", "workers"],
+        "unpin": ["--output", "-o", "job_id"],
+        "cancel": ["--output", "-o", "job_id"],
+        "download": ["--output", "--output-dir", "-d", "-o", "job_id"],
+    }
+
+
+def test_not_logged_in_says_how(tmp_path: Path) -> None:
+    done = bungee(tmp_path, "list")
+    assert done.returncode == 1 and "bungee login" in done.stderr and "Traceback" not in done.stderr
+
+
+def bungee(home: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs the installed console script with its config under `home`."""
+    assert BUNGEE.exists(), f"{BUNGEE}: the project is not installed (make install runs pip install -e .)"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("BUNGEE_")}
+    environ.update(BUNGEE_CONFIG=str(home / "bungee" / "config.json"), COLUMNS="200", **(env or {}))
+    return subprocess.run([str(BUNGEE), *args], capture_output=True, text=True, env=environ, timeout=300)
+
+
+def as_json(done: subprocess.CompletedProcess[str]) -> Any:
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+def test_a_new_user_trains_their_code_and_takes_the_model_home(browser_platform: Any, tmp_path: Path) -> None:
+    token = browser_platform.tokens["alice"]
+    logged = bungee(tmp_path, "login", browser_platform.base_url, "--token", token)
+    assert logged.returncode == 0, logged.stderr
+    config = tmp_path / "bungee" / "config.json"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600 and json.loads(config.read_text())["token"] == token
+    assert bungee(tmp_path, "login", browser_platform.base_url, "--token", "bng_wrong").returncode == 1
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "name: cli-digits\nentrypoint: task:DigitsMLP\nmin_workers: 1\nmax_workers: 2\nsteps: 150\n"
+        "hyperparameters: {batch_size: 32, hidden: 32}\n"
+    )
+    followed = bungee(tmp_path, "submit", str(spec), "--code", str(ROOT / "examples" / "digits"), "--follow")
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert "uploaded" in followed.stderr and "/jobs/" in followed.stdout
+    assert "succeeded" in followed.stdout, followed.stdout
+    job_id = int(followed.stdout.split("submitted job ")[1].split()[0])
+
+    fetched = as_json(bungee(tmp_path, "download", str(job_id), "-d", str(tmp_path / "model"), "-o", "json"))
+    model = tmp_path / "model" / f"job-{job_id}-model.pt"
+    assert {Path(f["path"]).name for f in fetched["files"]} >= {model.name} and fetched["step"] == 150
+    weights = torch.load(model, map_location="cpu", weights_only=True)
+    assert any(isinstance(value, torch.Tensor) for value in weights.values())
+
+    listed = as_json(bungee(tmp_path, "list", "--owner", "alice", "-o", "json"))
+    assert job_id in [job["id"] for job in listed]
+    assert as_json(bungee(tmp_path, "status", str(job_id), "-o", "json"))["state"] == "succeeded"
+    assert "step" in bungee(tmp_path, "logs", str(job_id)).stdout
+
+    # A running job: pin, lift the pin, cancel; a refusal names the field and the value.
+    spec.write_text("name: cli-endless\nworkload: digits-mlp\nmax_workers: 2\nsteps: 1000000\n")
+    endless = as_json(bungee(tmp_path, "submit", str(spec), "-o", "json"))["id"]
+    assert as_json(bungee(tmp_path, "resize", str(endless), "1", "-o", "json"))["pinned_workers"] == 1
+    refused = bungee(tmp_path, "resize", str(endless), "3")
+    assert refused.returncode == 1 and "workers" in refused.stderr and "(value: 3)" in refused.stderr
+    assert as_json(bungee(tmp_path, "unpin", str(endless), "-o", "json"))["pinned_workers"] is None
+    assert as_json(bungee(tmp_path, "cancel", str(endless), "-o", "json"))["state"] == "cancelled"
+    spec.write_text("name: cli-bad\nworkload: digits-mlp\nmax_workers: two\n")
+    bad = bungee(tmp_path, "submit", str(spec))
+    assert bad.returncode == 1 and "max_workers" in bad.stderr and "'two'" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+    usage = bungee(tmp_path, "resize", str(endless), "zero")
+    assert usage.returncode == 2 and "'workers'" in usage.stderr, usage.stderr
