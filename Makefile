@@ -15,7 +15,7 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-test.txt
 	# The project itself, editable: the `bungee` command in $(VENV)/bin (its dependencies are above).
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation --config-settings editable_mode=strict -e .
 	touch $(STAMP)
 
 $(STATIC_LIBS): static/vendor/package-lock.json

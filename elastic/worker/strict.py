@@ -262,8 +262,7 @@ class StrictTrainer(Trainer):
         else:
             exact = self._result
             exact.copy_(total[:width])  # int64 to float, rounded once
-            for (begin, stop), scale in zip(self._bounds, scales, strict=True):
-                exact[begin:stop].mul_(1.0 / scale)  # a power of two: exact
+            torch._foreach_mul_(self._segments(exact), [1.0 / scale for scale in scales])  # powers of two: exact
             self._point_gradients_at(exact[:g])
             self.optimizer.step()
             self.advance_schedule()
@@ -301,10 +300,18 @@ class StrictTrainer(Trainer):
         as float64 for the MAX all-reduce."""
         if not len(terms):
             return torch.zeros(len(self._bounds), dtype=torch.float64, device=self._device)
-        # One small kernel per segment and no host round trip: on a GPU, reading each segment's
-        # magnitude back (a float() each) was one synchronisation per parameter.
-        lows, highs = zip(*(torch.aminmax(terms[:, begin:stop]) for begin, stop in self._bounds), strict=True)
-        return torch.maximum(torch.stack(lows).neg_(), torch.stack(highs)).to(torch.float64)
+        # Every segment's max |x| (its inf-norm: no arithmetic, so exact; NaN stays NaN) in one
+        # multi-tensor kernel, and no host round trip: on a GPU, a kernel per segment and a
+        # float() each (one synchronisation per parameter) made the strict step launch-bound.
+        norms = torch._foreach_norm(self._segments(terms), math.inf)
+        return torch.stack(norms).to(torch.float64)
+
+    def _segments(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each segment (parameter, then the loss and metrics) of `rows` (2-D: every
+        row; 1-D: the one)."""
+        if rows.dim() == 1:
+            return [rows[begin:stop] for begin, stop in self._bounds]
+        return [rows[:, begin:stop] for begin, stop in self._bounds]
 
     def _scales(self, max_abs: torch.Tensor) -> list[float]:
         """Each segment's power-of-two scale (exact_sum.tensor_scales), capped below the
@@ -318,8 +325,7 @@ class StrictTrainer(Trainer):
         """Writes the int64 sum over the hosted vws of each term times its segment's scale,
         rounded to the nearest integer, into `into`. Multiplying by a power of two is exact in
         the gradients' own dtype, so no float64 pass is needed."""
-        for (begin, stop), scale in zip(self._bounds, scales, strict=True):
-            terms[:, begin:stop].mul_(scale)
+        torch._foreach_mul_(self._segments(terms), scales)  # powers of two: exact; one kernel
         terms.round_()
         if not len(terms):
             into.zero_()

@@ -1,0 +1,132 @@
+"""Where a strict step's time goes, against a plain-averaging step, in one process (world size 1,
+so what is measured is the strict step's own work: the fixed-point passes, the magnitudes, the
+int64 sum; the all-reduces are there but cross no wire).
+
+    python bench/profile_step.py                    # CPU, the 2.2M-parameter MLP of consistency.py
+    python bench/profile_step.py --device cuda      # NCCL, on GPU 0
+
+Both arms run the same model, batch and seed, interleaved in rounds; each prints its step time
+min / median / max, then torch.profiler's top operators of a strict step and of a plain one.
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from bench.conditions import machine, show  # noqa: E402
+from elastic.tasks.loader import load_task_class  # noqa: E402
+from elastic.tasks.runtime import BoundTask  # noqa: E402
+from elastic.worker.data import SampleStream  # noqa: E402
+from elastic.worker.hybrid import HybridSchedule, HybridTrainer  # noqa: E402
+from elastic.worker.runner import deterministic_cuda  # noqa: E402
+from elastic.worker.strict import StrictTrainer  # noqa: E402
+from elastic.workloads import CATALOGUE  # noqa: E402
+
+HYPERPARAMETERS = {"batch_size": 256, "hidden": 512, "layers": 7, "dropout": 0.0}
+SEED = 5
+
+
+def trainer(kind: str, device: torch.device) -> StrictTrainer | HybridTrainer:
+    info = CATALOGUE["digits-mlp"]
+    source = (info.path, info.entrypoint)
+    problem = BoundTask(load_task_class(*source), HYPERPARAMETERS, SEED, device, source)
+    optimizer = problem.make_optimizer()
+    stream = SampleStream(problem.num_samples, SEED)
+    batch = problem.batch_size
+    made: StrictTrainer | HybridTrainer
+    if kind == "strict":
+        made = StrictTrainer(problem, optimizer, stream, batch_size=batch, seed=SEED, rank=0, world_size=1,
+                             virtual_workers=1)  # fmt: skip
+    else:
+        schedule = HybridSchedule(base_lr=problem.lr, base_batch=batch, batch_per_worker=batch, min_batch=batch,
+                                  max_batch=batch, lr_scaling="linear", warmup_steps=0)  # fmt: skip
+        made = HybridTrainer(problem, optimizer, stream, schedule, seed=SEED, rank=0, world_size=1)
+    made.rebind_members(0, 1, None, 0)  # as a worker does when its first group forms
+    return made
+
+
+def timed_steps(run: StrictTrainer | HybridTrainer, first: int, count: int, device: torch.device) -> list[float]:
+    times = []
+    for step in range(first, first + count):
+        began = time.perf_counter()
+        run.step(step, False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def top_operators(run: StrictTrainer | HybridTrainer, first: int, device: torch.device, rows: int) -> str:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiled:
+        timed_steps(run, first, 10, device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return str(profiled.key_averages().table(sort_by=key, row_limit=rows))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per arm and round")
+    parser.add_argument("--rows", type=int, default=12, help="operators shown per profile")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        deterministic_cuda()  # as a strict worker does; the plain arm runs under it too
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29591")
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1, timeout=timedelta(seconds=60),
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )  # fmt: skip
+    conditions = machine()
+    print(f"conditions: {conditions}", flush=True)
+    arms = {kind: trainer(kind, device) for kind in ("strict", "plain")}
+    for run in arms.values():
+        timed_steps(run, 0, 5, device)  # warm-up: allocations, kernels, caches
+    times: dict[str, list[float]] = {kind: [] for kind in arms}
+    step = 5
+    for _ in range(args.rounds):
+        for kind, run in arms.items():
+            times[kind] += timed_steps(run, step, args.steps, device)
+        step += args.steps
+    strict, plain = statistics.median(times["strict"]), statistics.median(times["plain"])
+    parameters = sum(p.numel() for p in arms["strict"].problem.model.parameters())
+    print(f"\ndigits-mlp {parameters / 1e6:.2f}M parameters, batch {HYPERPARAMETERS['batch_size']}, device "
+          f"{args.device}, world size 1, {args.rounds} interleaved rounds of {args.steps} steps")  # fmt: skip
+    print(f"  strict step: {show(times['strict'], 's', 5)}")
+    print(f"  plain step:  {show(times['plain'], 's', 5)}")
+    print(f"  strict overhead (ratio of medians): {(strict / plain - 1) * 100:+.1f}%")
+    for kind, run in arms.items():
+        print(f"\ntop operators of 10 {kind} steps (by self {'CUDA' if device.type == 'cuda' else 'CPU'} time):")
+        print(top_operators(run, step, device, args.rows))
+    dist.destroy_process_group()
+    result: dict[str, Any] = {
+        "bench": "profile_step", "device": args.device, "strict_step_median_s": strict,
+        "plain_step_median_s": plain, "strict_overhead_pct": (strict / plain - 1) * 100,
+        "model_params": parameters, "conditions": conditions,
+    }  # fmt: skip
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
