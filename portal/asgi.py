@@ -10,13 +10,12 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.core.exceptions import ImproperlyConfigured  # noqa: E402
 
 from portal.body_limit import BodyLimit  # noqa: E402
 from portal.jobs.code_api import UPLOAD_OVERHEAD_BYTES  # noqa: E402
-from portal.live.auth import TokenOrSessionAuthMiddleware  # noqa: E402
+from portal.live.auth import TokenOrSessionAuthMiddleware, origin_checked  # noqa: E402
 from portal.live.routing import websocket_urlpatterns  # noqa: E402
 from portal.scheduling.policy import configured_policy  # noqa: E402
 from portal.secrets_check import secret_key_problem  # noqa: E402
@@ -41,8 +40,6 @@ def body_limit(path: str) -> int:
 application = ProtocolTypeRouter(
     {
         "http": BodyLimit(django_asgi_app, body_limit),
-        "websocket": AllowedHostsOriginValidator(
-            TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))
-        ),
+        "websocket": origin_checked(TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))),
     }
 )

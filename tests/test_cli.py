@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import stat
 import subprocess
 import sys
@@ -98,7 +99,22 @@ def test_a_new_user_trains_their_code_and_takes_the_model_home(browser_platform:
     refused = bungee(tmp_path, "resize", str(endless), "3")
     assert refused.returncode == 1 and "workers" in refused.stderr and "(value: 3)" in refused.stderr
     assert as_json(bungee(tmp_path, "unpin", str(endless), "-o", "json"))["pinned_workers"] is None
-    assert as_json(bungee(tmp_path, "cancel", str(endless), "-o", "json"))["state"] == "cancelled"
+    # The README's socket example follows it as a script does: a bearer token and no Origin.
+    follower = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "follow_job.py"), browser_platform.base_url, token, str(endless)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert follower.stdout is not None
+        ready, _, _ = select.select([follower.stdout], [], [], 120)
+        assert ready, "the example printed nothing in 120 s"
+        first = follower.stdout.readline()  # a step: it trains (readline ends if the script dies)
+        assert first.startswith("step "), first + follower.stderr.read()
+        assert as_json(bungee(tmp_path, "cancel", str(endless), "-o", "json"))["state"] == "cancelled"
+        out, err = follower.communicate(timeout=30)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0 and out.rstrip().endswith("cancelled"), out + err
     spec.write_text("name: cli-bad\nworkload: digits-mlp\nmax_workers: two\n")
     bad = bungee(tmp_path, "submit", str(spec))
     assert bad.returncode == 1 and "max_workers" in bad.stderr and "'two'" in bad.stderr, bad.stderr

@@ -18,10 +18,12 @@ from tests.conftest import VALID_SPEC
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def connect(token: str | None) -> WebsocketCommunicator:
-    headers = [(b"origin", b"http://127.0.0.1")]
+def connect(token: str | None, origin: bytes | None = b"http://127.0.0.1", cookie: bytes | None = None) -> WebsocketCommunicator:
+    headers = [(b"origin", origin)] if origin is not None else []
     if token:
         headers.append((b"authorization", f"Bearer {token}".encode()))
+    if cookie:
+        headers.append((b"cookie", cookie))
     return WebsocketCommunicator(application, "/ws/live/", headers=headers)
 
 
@@ -29,6 +31,33 @@ def test_anonymous_socket_is_refused(db: Any) -> None:
     async def scenario() -> None:
         connected, code = await connect(None).connect()
         assert not connected
+
+    async_to_sync(scenario)()
+
+
+def test_a_script_needs_no_origin_but_a_cross_site_page_is_refused(tokens: dict, client: Any, django_user_model: Any) -> None:
+    """A browser sends an Origin with every handshake; a script with a bearer token need not.
+    Without an Origin only the bearer token speaks (a session cookie alone is refused), and a
+    page of another site is refused even with a valid token."""
+    django_user_model.objects.create_user("carol", password="pw-carol-123")
+    client.force_login(django_user_model.objects.get(username="carol"))
+    session = f"sessionid={client.cookies['sessionid'].value}".encode()
+
+    async def outcome(socket: WebsocketCommunicator) -> bool:
+        connected, _ = await socket.connect(timeout=10)
+        if connected:
+            assert (await socket.receive_json_from(timeout=10))["type"] == "cluster"
+            await socket.disconnect()
+        return connected
+
+    async def scenario() -> None:
+        assert await outcome(connect(tokens["alice"], origin=None)), "a script's bearer token, no Origin"
+        assert not await outcome(connect(None, origin=None)), "no Origin and no token"
+        assert not await outcome(connect("bng_not-a-token", origin=None)), "no Origin and a wrong token"
+        assert not await outcome(connect(None, origin=None, cookie=session)), "no Origin: a cookie alone does not speak"
+        assert await outcome(connect(None, cookie=session)), "this portal's page with its session"
+        assert not await outcome(connect(tokens["alice"], origin=b"https://evil.example")), "a cross-site page"
+        assert not await outcome(connect(None, origin=b"https://evil.example", cookie=session)), "a cross-site page"
 
     async_to_sync(scenario)()
 
