@@ -81,6 +81,9 @@ def describe_error(reply: httpx.Response) -> str:
     return "\n".join(lines)
 
 
+PAGE_MAX = 500  # the API's largest page (portal.jobs.api.LIST_PAGE_MAX)
+
+
 class Portal:
     """The portal's API as the logged-in user. Every method raises CliError for a refusal (4xx,
     with the API's message and fields), a failure (5xx) or an unreachable portal."""
@@ -92,11 +95,26 @@ class Portal:
         )
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._send(method, path, **kwargs).json()
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             reply = self.http.request(method, path, **kwargs)
         except httpx.HTTPError as err:
             raise CliError(f"the portal at {self.url} is unreachable: {err}") from None
-        return self._checked(reply).json()
+        return self._checked(reply)
+
+    def listing(self, path: str, limit: int, **params: Any) -> tuple[list[Any], int]:
+        """Up to `limit` items of a paged list, following its `Link: rel="next"` pages, and how
+        many there are in all (its X-Total-Count)."""
+        params = {k: v for k, v in params.items() if v is not None}
+        reply = self._send("GET", path, params={**params, "limit": min(limit, PAGE_MAX)})
+        items: list[Any] = reply.json()
+        total = int(reply.headers.get("X-Total-Count", len(items)))
+        while len(items) < limit and "next" in reply.links:
+            reply = self._send("GET", reply.links["next"]["url"])
+            items.extend(reply.json())
+        return items[:limit], total
 
     def get(self, path: str, **params: Any) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})

@@ -178,16 +178,19 @@ def _follow(portal: Portal, job_id: int, output: Output) -> int:
 def list_jobs(
     owner: Annotated[str | None, typer.Option(help="only this user's jobs")] = None,
     state: Annotated[str | None, typer.Option(help="only jobs in this state")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="at most this many jobs, newest first")] = 100,
     output: OutputOption = Output.TEXT,
 ) -> None:
     """Everyone's jobs, newest first (as squeue shows them)."""
-    jobs = _portal().get("/api/jobs", owner=owner, state=state)
+    jobs, total = _portal().listing("/api/jobs", limit, owner=owner, state=state)
     table = Table("id", "name", "owner", "state", "workers", "steps", "why", box=None)
     for job in jobs:
         cells = (job["id"], job["name"], job["owner"], job["state"],
                  f"{job['workers']} of {job['min_workers']}-{job['max_workers']}",
                  f"{job['steps_done']}/{job['total_steps']}", job.get("schedule_note") or "")  # fmt: skip
         table.add_row(*(escape(str(cell)) for cell in cells))
+    if len(jobs) < total:
+        table.caption = f"the newest {len(jobs)} of {total} jobs; --limit shows more"
     _emit(output, jobs, table if jobs else "no jobs")
 
 

@@ -138,3 +138,43 @@ def test_list_filters(api: dict) -> None:
     assert api["alice"].get("/api/jobs", state="running").json() == []
     assert api["alice"].get("/api/jobs", state="sleeping").status_code == 400
     assert api["alice"].get("/api/jobs", owner="nobody").status_code == 400
+
+
+def test_the_list_comes_a_page_at_a_time_with_no_query_per_row(
+    api: dict, cluster: Any, django_assert_max_num_queries: Any
+) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from portal.jobs.models import Allocation, Job
+
+    ids = [api["alice"].post("/api/jobs", {**VALID_SPEC, "name": f"j{n}"}).json()["id"] for n in range(7)]
+    for rank, device in enumerate(cluster.devices.all()[:2]):  # a job holding devices, as the scheduler leaves it
+        Allocation.objects.create(job_id=ids[0], device=device, rank=rank, generation=1)
+    first = api["alice"].get("/api/jobs", limit=3)
+    assert [j["id"] for j in first.json()] == ids[::-1][:3] and first["X-Total-Count"] == "7"
+    pages, reply = [first.json()], first
+    while "Link" in reply:
+        url = reply["Link"].split(">")[0].lstrip("<").removeprefix("http://testserver")
+        assert 'rel="next"' in reply["Link"] and "limit=3" in url
+        reply = api["alice"].client.get(url, **api["alice"].headers)
+        pages.append(reply.json())
+    assert [len(p) for p in pages] == [3, 3, 1]
+    assert [j["id"] for p in pages for j in p] == ids[::-1], "every job once, newest first"
+    filtered = api["alice"].get("/api/jobs", owner="alice", limit=500, before=ids[2])
+    assert [j["id"] for j in filtered.json()] == ids[:2][::-1] and filtered["X-Total-Count"] == "7"
+    for bad in ({"limit": 0}, {"limit": 501}, {"limit": "many"}, {"before": -1}):
+        refused = api["alice"].get("/api/jobs", **bad)
+        assert refused.status_code == 400, (bad, refused.content)
+        (name, value), = bad.items()
+        assert any(f["field"].endswith(name) for f in refused.json()["error"]["fields"]), refused.json()
+
+    def queries(count: int) -> int:
+        for n in range(count):
+            api["bob"].post("/api/jobs", {**VALID_SPEC, "name": f"more{n}"})
+        with CaptureQueriesContext(connection) as captured:
+            assert len(api["alice"].get("/api/jobs", limit=500).json()) == Job.objects.count()
+        return len(captured)
+
+    assert queries(0) == queries(20), "the list's queries do not grow with its rows"
+    assert [j["workers"] for j in api["alice"].get("/api/jobs", owner="alice", limit=500).json()][-1] == 2

@@ -33,7 +33,7 @@ def test_the_commands_and_flags() -> None:
     assert flags == {
         "login": ["--output", "--token", "-o", "url"],
         "submit": ["--code", "--follow", "--output", "-f", "-o", "spec_file"],
-        "list": ["--output", "--owner", "--state", "-o"],
+        "list": ["--limit", "--output", "--owner", "--state", "-o"],
         "status": ["--output", "-o", "job_id"],
         "logs": ["--follow", "--output", "-f", "-o", "job_id"],
         "resize": ["--output", "-o", "job_id", "workers"],

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.http import FileResponse, HttpRequest
-from ninja import Query, Router, Schema, Status
+from django.db.models import Count, QuerySet
+from django.http import FileResponse, HttpRequest, HttpResponse, QueryDict
+from ninja import Field, Query, Router, Schema, Status
 
 from elastic.spec import FieldError, JobSpec
 from portal.auth import user_auth
@@ -23,6 +24,14 @@ router = Router(auth=user_auth, tags=["jobs"])
 
 MAX_METRICS = 5000
 MAX_LOG_LINES = 1000
+LIST_PAGE = 100
+LIST_PAGE_MAX = 500
+
+
+def listed(jobs: QuerySet[Job]) -> QuerySet[Job]:
+    """`jobs` with what `summary` reads fetched in the same query: the owner and the number of
+    devices held (without it, a list costs a query per row)."""
+    return jobs.select_related("owner").annotate(allocation_count=Count("allocations"))
 
 
 def summary(job: Job) -> dict[str, Any]:
@@ -36,7 +45,7 @@ def summary(job: Job) -> dict[str, Any]:
         "consistency": job.consistency,
         "min_workers": job.min_workers,
         "max_workers": job.max_workers,
-        "workers": job.allocations.count(),
+        "workers": job.allocation_count if hasattr(job, "allocation_count") else job.workers_now,
         "generation": job.generation,
         "steps_done": job.steps_done,
         "total_steps": job.total_steps,
@@ -120,11 +129,18 @@ def submit(request: HttpRequest) -> Status:
 class JobFilter(Schema):
     state: JobState | None = None
     owner: str | None = None
+    limit: int = Field(LIST_PAGE, ge=1, le=LIST_PAGE_MAX, description="at most this many jobs")
+    before: int | None = Field(None, ge=1, description="only jobs with a smaller id: the next page")
 
 
-@router.get("", response=list[JobSummaryOut], summary="List jobs (everyone's, as squeue does)")
-def list_jobs(request: HttpRequest, filters: Query[JobFilter]) -> list[dict[str, Any]]:
-    jobs = Job.objects.select_related("owner").order_by("-created_at")
+@router.get(
+    "", response=list[JobSummaryOut],
+    summary="List jobs (everyone's, as squeue does), newest first, a page at a time",
+    description="A page of at most `limit` jobs. When there are more, the `Link` header holds the next "
+    'page\'s address (`rel="next"`, as GitHub\'s API does); `X-Total-Count` counts every job the filters match.',
+)
+def list_jobs(request: HttpRequest, response: HttpResponse, filters: Query[JobFilter]) -> list[dict[str, Any]]:
+    jobs = Job.objects.all()
     if filters.state:
         jobs = jobs.filter(state=filters.state)
     if filters.owner:
@@ -132,9 +148,20 @@ def list_jobs(request: HttpRequest, filters: Query[JobFilter]) -> list[dict[str,
             raise ApiError(400, "invalid_request", "owner contains a NUL character",
                            [FieldError("owner", "contains a NUL character", filters.owner)])
         if not get_user_model().objects.filter(username=filters.owner).exists():
-            raise ApiError(400, "invalid_request", f"no user named {filters.owner!r}")
+            raise ApiError(400, "invalid_request", f"no user named {filters.owner!r}",
+                           [FieldError("owner", "no such user", filters.owner)])
         jobs = jobs.filter(owner__username=filters.owner)
-    return [summary(job) for job in jobs[:1000]]
+    response["X-Total-Count"] = str(jobs.count())
+    if filters.before is not None:
+        jobs = jobs.filter(pk__lt=filters.before)
+    page = list(listed(jobs).order_by("-pk")[: filters.limit + 1])
+    if len(page) > filters.limit:
+        page = page[: filters.limit]
+        following = QueryDict(mutable=True)
+        following.update({k: v for k, v in request.GET.items() if k != "before"})
+        following["before"] = str(page[-1].pk)
+        response["Link"] = f'<{request.build_absolute_uri(request.path)}?{following.urlencode()}>; rel="next"'
+    return [summary(job) for job in page]
 
 
 @router.get("/{int:job_id}", response=JobDetailOut, summary="A job's details (owner and staff)")

@@ -13,7 +13,7 @@ from django.shortcuts import redirect, render
 from elastic.workloads import CATALOGUE
 from portal.errors import ApiError
 from portal.jobs.access import job_for
-from portal.jobs.api import detail, summary
+from portal.jobs.api import detail, listed, summary
 from portal.jobs.forms import errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
 from portal.jobs.models import Job
 from portal.jobs.services import submit_job
@@ -26,7 +26,7 @@ def _viewer(request: HttpRequest) -> dict[str, Any]:
 
 @login_required
 def board(request: HttpRequest) -> HttpResponse:
-    jobs = Job.objects.select_related("owner").filter(state__in=ACTIVE_STATES).order_by("created_at")
+    jobs = listed(Job.objects.filter(state__in=ACTIVE_STATES)).order_by("created_at")
     return render(
         request,
         "board.html",
@@ -36,7 +36,7 @@ def board(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def job_list(request: HttpRequest) -> HttpResponse:
-    jobs = Job.objects.select_related("owner").order_by("-created_at")
+    jobs = listed(Job.objects.all()).order_by("-created_at")
     state = request.GET.get("state", "")
     owner = request.GET.get("owner", "")
     if state in JobState.values:
