@@ -46,7 +46,23 @@ def test_pin_is_honoured_and_unmet_pin_reported() -> None:
     )
     plan = fair_share(crowded)
     assert len(plan.assignments[2]) == 1
-    assert "pinned to 3 workers but only 1" in plan.pin_problems[2]
+    assert plan.pin_problems[2] == (
+        "pinned to 3 workers but given 1: a pin may not keep another job below its minimum (#1 needs 3)"
+    )
+
+
+def test_a_pin_never_keeps_a_later_job_below_its_minimum() -> None:
+    """Alice pinned her job to the whole cluster; Bob's guaranteed job, submitted later, still
+    gets its minimum: the pin is cut back and says why."""
+    pinned = JobView(1, 1, 4, submitted_at=1, current=(0, 1, 2, 3), pinned_workers=4)
+    later = JobView(2, 1, 2, submitted_at=2)
+    plan = fair_share(ClusterSnapshot(devices(4), (pinned, later)))
+    assert (len(plan.assignments[1]), len(plan.assignments[2])) == (3, 1)
+    assert plan.pin_problems[1] == (
+        "pinned to 4 workers but given 3: a pin may not keep another job below its minimum (#2 needs 1)"
+    )
+    alone = fair_share(ClusterSnapshot(devices(4), (pinned, JobView(3, 1, 2, submitted_at=2, priority="opportunistic"))))
+    assert len(alone.assignments[1]) == 4 and not alone.assignments[3], "an opportunistic job does not cut a pin"
 
 
 def test_placement_is_kept_and_owner_device_left() -> None:

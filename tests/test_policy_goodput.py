@@ -120,7 +120,7 @@ def test_pins_and_reasons() -> None:
     too_big = replace(pinned, pinned_workers=8)
     plan = bungee(ClusterSnapshot(devices(6), (too_big,)))
     assert counts(plan) == {1: 6}
-    assert "pinned to 8 workers but only 6" in plan.pin_problems[1]
+    assert plan.pin_problems[1] == "pinned to 8 workers but given 6: 6 devices free for it (min 1, max 8)"
     assert plan.reasons[1] == (Reason.PIN_UNMET,)
 
 

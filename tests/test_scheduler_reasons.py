@@ -114,7 +114,7 @@ def test_an_unmet_pin_is_reported_and_can_be_lifted(api: dict, cluster: Any, red
     met, unmet = shown(api, first), shown(api, second)
     assert (met["workers"], met["schedule_reasons"], met["pin_problem"]) == (3, ["pinned"], "")
     assert unmet["workers"] == 1 and unmet["schedule_reasons"] == ["pin unmet"]
-    assert unmet["pin_problem"].startswith("pinned to 3 workers but only 1 can be given")
+    assert unmet["pin_problem"] == "pinned to 3 workers but given 1: 1 device free for it (min 1, max 4)"
     # Bob may not lift Alice's pin; Alice may, and the job is the scheduler's again.
     refused = api["bob"].post(f"/api/jobs/{second}/unpin")
     assert refused.status_code == 403 and "belongs to alice" in refused.json()["error"]["message"]
@@ -126,6 +126,24 @@ def test_an_unmet_pin_is_reported_and_can_be_lifted(api: dict, cluster: Any, red
     settle(cluster)
     after = shown(api, second)
     assert after["pin_problem"] == "" and after["schedule_reasons"] != ["pin unmet"]
+
+
+def test_a_pin_gives_way_to_another_users_guaranteed_job(api: dict, cluster: Any, redis_client: Any) -> None:
+    """The probe's case on the real database: Alice pins her job to the whole cluster; Bob's
+    guaranteed job starts at its minimum in the next cycle, and Alice's page says why her pin
+    fell short."""
+    hog = submit(api, name="hog", max_workers=4)
+    assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 4}).status_code == 200
+    settle(cluster)
+    assert shown(api, hog)["workers"] == 4
+    bobs = submit(api, user="bob", name="bobs", min_workers=1, max_workers=2)
+    settle(cluster)
+    hogged, started = shown(api, hog), shown(api, bobs, "bob")
+    assert (hogged["workers"], started["workers"]) == (3, 1)
+    assert hogged["schedule_reasons"] == ["pin unmet"]
+    assert hogged["pin_problem"] == (
+        f"pinned to 4 workers but given 3: a pin may not keep another job below its minimum (#{bobs} needs 1)"
+    )
 
 
 def test_unpin_of_a_finished_or_missing_job(api: dict, cluster: Any) -> None:

@@ -10,9 +10,11 @@ the rule:
   leave of it plus the lent devices (owned devices whose owner is away), lent ones first, so
   that a guaranteed job is never held below its minimum by an opportunistic one, and a
   guaranteed job never lands on a device its owner may take back.
-- Within each of those two stages, pinned jobs come first and get their pin, or as many as are
-  left if that still meets their minimum, and the shortfall is reported; the rule shares the
-  rest among the unpinned jobs.
+- Within each of those two stages, a pin never holds another job below its minimum: pinned jobs
+  first get their own minimum, then the minimums of the unpinned jobs that fit are set aside
+  (in service order), and only then are the pins raised towards their count from what is left.
+  A pin that falls short is reported, naming the jobs whose minimums it gave way to; the rule
+  shares the rest among the unpinned jobs.
 - Counts become devices through `placement` (keep what a job holds, grow it near itself); then
   the straggler hook may swap devices; then each job gets its reasons.
 """
@@ -68,25 +70,47 @@ def _node_size(devices: Sequence[DeviceView]) -> int:
     return max(per_node.values(), default=1)
 
 
+def pin_shortfall(job: JobView, given: int, free: int, kept_for: Sequence[JobView]) -> str:
+    """Why `job`'s pin got only `given` workers, for its owner: `free` devices were left for it,
+    not counting those set aside for the minimums of `kept_for` (they go first when the pin falls
+    short because of them)."""
+    assert job.pinned_workers is not None
+    head = f"pinned to {plural(job.pinned_workers, 'worker')} but given {given}"
+    wanted = min(max(job.pinned_workers, job.min_workers), job.max_workers)
+    if kept_for and 0 < given < wanted:
+        needs = ", ".join(f"#{other.id} needs {other.min_workers}" for other in kept_for)
+        return f"{head}: a pin may not keep another job below its minimum ({needs})"[:300]
+    return f"{head}: {plural(free, 'device')} free for it (min {job.min_workers}, max {job.max_workers})"
+
+
+def plural(count: int, noun: str) -> str:
+    """ "1 worker", "2 workers"."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def _serve_pins(jobs: Sequence[JobView], capacity: int, plan: Plan) -> tuple[dict[int, int], int]:
+    pinned = sorted((j for j in jobs if j.pinned_workers is not None), key=service_order)
     counts: dict[int, int] = {}
     left = capacity
-    for job in sorted((j for j in jobs if j.pinned_workers is not None), key=service_order):
+    for job in pinned:
+        counts[job.id] = job.min_workers if job.min_workers <= left else 0
+        left -= counts[job.id]
+    kept_for: list[JobView] = []
+    set_aside = 0
+    for job in sorted((j for j in jobs if j.pinned_workers is None), key=service_order):
+        if job.min_workers <= left - set_aside:
+            set_aside += job.min_workers
+            kept_for.append(job)
+    for job in pinned:
         assert job.pinned_workers is not None
         wanted = min(max(job.pinned_workers, job.min_workers), job.max_workers)
-        if wanted <= left:
-            given = wanted
-        elif left >= job.min_workers:
-            given = left
-        else:
-            given = 0
-        if given != job.pinned_workers:
-            plan.pin_problems[job.id] = (
-                f"pinned to {job.pinned_workers} workers but only {given} can be given "
-                f"(min {job.min_workers}, max {job.max_workers}, {left} devices free for it)"
-            )
-        counts[job.id] = given
-        left -= given
+        free = counts[job.id] + left - set_aside
+        if counts[job.id]:
+            extra = min(wanted - counts[job.id], left - set_aside)
+            counts[job.id] += extra
+            left -= extra
+        if counts[job.id] != job.pinned_workers:
+            plan.pin_problems[job.id] = pin_shortfall(job, counts[job.id], free, kept_for)
     return counts, left
 
 

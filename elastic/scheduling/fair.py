@@ -2,8 +2,9 @@
 the rest shared fairly.
 
 Jobs are served in order: guaranteed before opportunistic, then by submission time. First each
-job gets its minimum (or its pin) if that many devices are left, else it waits: a job never runs
-below its minimum. Then the devices left over are dealt one at a time, round robin, to the
+job gets its minimum if that many devices are left, else it waits: a job never runs below its
+minimum. Then pinned jobs are raised towards their pin from what is left, so that a pin never
+keeps another job below its minimum. Then the devices left over are dealt one at a time, round robin, to the
 unpinned jobs still below their maximum. Placement keeps every device a job already holds when
 it can (a resize costs the job a pause), and grows a job onto the nodes it is already on first.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from elastic.scheduling.allocation import pin_shortfall
 from elastic.scheduling.api import ClusterSnapshot, DeviceView, JobView, Plan
 
 
@@ -44,20 +46,23 @@ class _Budget:
 
 def _worker_counts(jobs: list[JobView], budget: _Budget, plan: Plan) -> dict[int, int]:
     counts: dict[int, int] = {}
-    for job in jobs:
-        left = budget.left_for(job)
-        wanted = job.pinned_workers if job.pinned_workers is not None else job.min_workers
-        if wanted <= left:
-            counts[job.id] = wanted
-        elif job.pinned_workers is not None and job.min_workers <= left:
-            counts[job.id] = left
-        else:
-            counts[job.id] = 0
-        budget.take(job, counts[job.id])
-        if job.pinned_workers is not None and counts[job.id] != job.pinned_workers:
-            plan.pin_problems[job.id] = (
-                f"pinned to {job.pinned_workers} workers but only {counts[job.id]} devices are free for it"
-            )
+    for priority in ("guaranteed", "opportunistic"):
+        group = [j for j in jobs if (j.priority == "guaranteed") == (priority == "guaranteed")]
+        for job in group:  # every job's minimum first, pinned or not: a pin holds no job below it
+            counts[job.id] = job.min_workers if job.min_workers <= budget.left_for(job) else 0
+            budget.take(job, counts[job.id])
+        for job in group:
+            if job.pinned_workers is None:
+                continue
+            free = counts[job.id] + budget.left_for(job)
+            if counts[job.id]:
+                wanted = min(max(job.pinned_workers, job.min_workers), job.max_workers)
+                extra = min(wanted - counts[job.id], budget.left_for(job))
+                counts[job.id] += extra
+                budget.take(job, extra)
+            if counts[job.id] != job.pinned_workers:
+                kept_for = [j for j in group if j.pinned_workers is None and counts[j.id]]
+                plan.pin_problems[job.id] = pin_shortfall(job, counts[job.id], free, kept_for)
     growable = [j for j in jobs if j.pinned_workers is None and counts[j.id] > 0]
     while True:
         grew = False
