@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from elastic.scheduling import ClusterSnapshot, DeviceView, Reason, ThroughputModel, get_policy
+from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, Plan, Reason, ThroughputModel, get_policy
 from elastic.scheduling.goodput_policy import BUNGEE, GoodputPolicy
 from elastic.scheduling.speedup import speedup_table, worker_grid
 from tests.policy_cases import SCALES_BADLY, SCALES_WELL, counts, devices, hybrid_job
@@ -132,3 +132,29 @@ def test_speedup_is_one_on_one_worker_and_infeasible_outside_bounds() -> None:
     assert np.isneginf(speedup[1]) and np.isneginf(speedup[6])
     assert np.all(np.isfinite(speedup[2:6]))
     assert table.single_rate[0] > 0
+
+
+def test_free_devices_left_unused_are_explained_with_the_numbers() -> None:
+    """A job left below its maximum while devices are free is not "at its minimum": the reason
+    says the policy judged more workers not worth it, with the speedups and the resize cost it
+    weighed. (After a crash the probe saw a job on 1 of 2 workers, 3 devices free, told "its
+    minimum of 1 workers".)"""
+    devices4 = tuple(DeviceView(i, "a") for i in range(4))
+
+    def plan_for(model: ThroughputModel, resize_cost_s: float) -> Plan:
+        job = JobView(1, 1, 4, current=(0,), batch_size=32, throughput=model, remaining_work=100.0)
+        return get_policy("bungee", resize_cost_s=resize_cost_s)(ClusterSnapshot(devices4, (job,)))
+
+    slower = plan_for(ThroughputModel(0.1, 0.0, 0.02, 0.02, 0.05, 0.01, 1.0), 1.0)
+    assert slower.assignments[1] == (0,) and slower.reasons[1] == (Reason.NOT_WORTH,)
+    assert slower.notes[1] == (
+        "1 of up to 4 workers with 3 devices free: its modelled speed on 2 workers is 0.83x one worker's, "
+        "against 1.00x on 1; more workers would not make it faster"
+    )
+    barely = ThroughputModel(0.1, 0.0004, 0.0, 0.0, 0.0, 0.0, 1.0)
+    costly = plan_for(barely, 30.0)
+    assert costly.assignments[1] == (0,) and costly.reasons[1] == (Reason.NOT_WORTH,)
+    assert "1.06x one worker's" in costly.notes[1] and "+6% speed" in costly.notes[1]
+    assert "not more than a resize costs (10.0% of the next 300 s)" in costly.notes[1]
+    cheap = plan_for(barely, 1.0)
+    assert cheap.assignments[1] == (0, 1, 2, 3) and cheap.reasons[1] == (Reason.FAIR_SHARE,) and not cheap.notes

@@ -48,6 +48,8 @@ class Decision:
     counts: dict[int, int]
     batch_sizes: dict[int, int] = field(default_factory=dict)
     reasons: dict[int, Reason] = field(default_factory=dict)
+    notes: dict[int, str] = field(default_factory=dict)
+    """The rule's own words on a job's reason, with its numbers (Plan.notes)."""
 
 
 CountRule = Callable[[Sequence[JobView], int, Stage], Decision]
@@ -165,6 +167,7 @@ def allocate(snapshot: ClusterSnapshot, rule: CountRule, stragglers: StragglerHo
     plan.assignments.update(place([Request(j, o_counts[j.id]) for j in opportunistic], free_any))
 
     for decision in (g_decision, o_decision):
+        plan.notes.update(decision.notes)
         for job_id, batch in decision.batch_sizes.items():
             if plan.assignments.get(job_id):
                 plan.batch_sizes[job_id] = batch

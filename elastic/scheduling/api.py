@@ -105,6 +105,9 @@ class Reason(StrEnum):
     GANG = "requested gang"
     BORROWED = "borrowed device"
     WAITING = "waiting"
+    NOT_WORTH = "more workers not worth it"
+    """Devices are free that it could take, but the policy judged more workers not worth their
+    cost: the plan's `notes` give the numbers it used."""
     STRAGGLER_REPLACED = "straggler replaced"
     STRAGGLER_UNLOADED = "straggler given fewer virtual workers"
 
@@ -137,6 +140,8 @@ class Plan:
     reasons: dict[int, tuple[Reason, ...]] = field(default_factory=dict)
     """Job id to why it has what it has (absent: the policy does not say)."""
     stragglers: list[StragglerAction] = field(default_factory=list)
+    notes: dict[int, str] = field(default_factory=dict)
+    """Job id to the policy's own words on its reason, with the numbers it used (NOT_WORTH)."""
 
 
 Policy = Callable[[ClusterSnapshot], Plan]

@@ -136,6 +136,7 @@ class GoodputPolicy:
             options.append(ks[useful])
             option_values.append(vs[useful])
         counts = maximise(options, option_values, capacity)
+        spare = capacity - sum(counts)
         decision = Decision({})
         for j, (job, count) in enumerate(zip(jobs, counts, strict=True)):
             decision.counts[job.id] = count
@@ -146,11 +147,32 @@ class GoodputPolicy:
                 chosen = int(table.batch[j, column]) or job.batch_size
                 if chosen:
                     decision.batch_sizes[job.id] = chosen
-            if count == job.min_workers:
+            more = grid[(grid > count) & (grid <= min(job.max_workers, count + spare))]
+            if len(more):
+                decision.reasons[job.id] = Reason.NOT_WORTH
+                decision.notes[job.id] = self._not_worth(job, table.speedup()[j], grid, count, int(more[0]), spare, penalty)
+            elif count == job.min_workers:
                 decision.reasons[job.id] = Reason.MINIMUM
             else:
                 decision.reasons[job.id] = Reason.FAIR_SHARE if self.config.fairness else Reason.THROUGHPUT
         return decision
+
+    def _not_worth(
+        self, job: JobView, speedup: np.ndarray, grid: np.ndarray, count: int, more: int, spare: int, penalty: float
+    ) -> str:
+        """Why `job` stays on `count` workers with `spare` devices free, in the numbers the
+        optimiser used: its modelled speedup there and on `more` workers, and the resize cost."""
+        now, then = float(speedup[np.searchsorted(grid, count)]), float(speedup[np.searchsorted(grid, more)])
+        head = (f"{count} of up to {job.max_workers} workers with {spare} "
+                f"device{'s' if spare != 1 else ''} free: its modelled speed on {more} workers is "
+                f"{then:.2f}x one worker's, against {now:.2f}x on {count}")
+        if then <= now:
+            return f"{head}; more workers would not make it faster"
+        valued_now, valued_then = (float(v) for v in self.utility(np.array([now, then])))
+        worth = valued_then / valued_now - 1.0 if valued_now > 0 else float("inf")
+        return (f"{head}: +{then / now - 1.0:.0%} speed, worth +{worth:.1%} in the policy's value of "
+                f"speed (alpha-fair, alpha {self.config.spread:g}), not more than a resize costs "
+                f"({penalty:.1%} of the next {self.config.horizon_s:.0f} s)")
 
 
 BUNGEE = GoodputConfig(fairness=True, resize_cost_s=30.0, stragglers=StragglerConfig())

@@ -62,6 +62,8 @@ def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> str:
                 )
             else:
                 parts.append(f"waiting for {pool}: needs at least {job.min_workers}, {free} free")
+        elif reason == Reason.NOT_WORTH:
+            parts.append(plan.notes.get(job.id, "more workers not worth their cost"))
         elif reason == Reason.STRAGGLER_REPLACED:
             parts.append("a slow worker is moving to a free device")
         elif reason == Reason.STRAGGLER_UNLOADED:
