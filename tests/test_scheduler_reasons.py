@@ -249,3 +249,36 @@ def test_a_finished_job_keeps_no_scheduler_reason(api: dict, cluster: Any) -> No
         assert api["alice"].post(f"/api/jobs/{job_id}/cancel").status_code == 200
         ended = shown(api, job_id)
         assert (ended["schedule_note"], ended["schedule_reasons"], ended["pin_problem"]) == ("", [], "")
+
+
+def test_a_waiting_job_knows_its_place_who_holds_its_devices_and_when_it_starts(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    hog = submit(api, name="hog", min_workers=4, max_workers=4, steps=1000, hyperparameters={"batch_size": 32})
+    assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 4}).status_code == 200
+    settle(cluster)
+    following = submit(api, user="bob", name="next", min_workers=2, max_workers=2)
+    last = submit(api, user="bob", name="after", min_workers=4, max_workers=4)
+    settle(cluster)
+    queue = shown(api, following, "bob")["queue"]
+    assert (queue["position"], queue["waiting"], shown(api, last, "bob")["queue"]["position"]) == (1, 2, 2)
+    assert queue["holders"] == [
+        {"id": hog, "name": "hog", "owner": "alice", "devices": 4, "pinned": True, "finish_estimate_at": None}
+    ]
+    assert queue["start_estimate_at"] is None
+    assert queue["no_estimate"] == f"it waits on jobs whose speed is not known yet (#{hog})"
+    # The hog reports 640 samples/s at a global batch of 32: 20 steps/s, 500 steps left, 25 s.
+    job = Job.objects.get(pk=hog)
+    report(cluster, event(job, "progress", step=500, loss=1.0, samples_per_s=640.0, global_batch=32))
+    running = shown(api, hog)
+    reported_at = Job.objects.get(pk=hog).last_progress_at.timestamp()
+    assert running["progress"] == 0.5 and running["finish_estimate_at"] == pytest.approx(reported_at + 25, abs=0.2)
+    run_cycle()
+    queue = shown(api, following, "bob")["queue"]
+    assert queue["start_estimate_at"] == pytest.approx(time.time() + 25, abs=8), queue
+    assert queue["holders"][0]["finish_estimate_at"] == pytest.approx(queue["start_estimate_at"])
+    assert shown(api, last, "bob")["queue"]["no_estimate"] == (
+        f"it waits on jobs whose speed is not known yet (#{following})"
+    )
+    assert api["alice"].post(f"/api/jobs/{hog}/cancel").status_code == 200
+    assert shown(api, hog)["queue"] == {} and shown(api, hog)["finish_estimate_at"] is None

@@ -61,6 +61,9 @@ class JobView:
     throughput: ThroughputModel | None = None
     """Step time against workers, nodes and per-worker batch (learned online; a prior until the
     first reports). None: the policy assumes linear scaling."""
+    throughput_measured: bool = False
+    """`throughput` was fitted to the job's own reports, not a prior alone: its predictions are
+    worth telling people (elastic.scheduling.queue)."""
     batch_size: int | None = None
     """Global batch size: fixed in strict mode; in hybrid mode the current one."""
     min_batch_size: int | None = None

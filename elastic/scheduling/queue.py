@@ -5,9 +5,10 @@ The estimate follows the rule every policy shares for minimums: a job runs once 
 before it (guaranteed before opportunistic, then by submission) leave room for its minimum in
 its pool. Each job served before it holds its minimum (a guaranteed job served before an
 opportunistic one holds all it has, since it is never shrunk for one) until it finishes: a
-running job after its remaining steps at its measured step time, a waiting job after its own
+running job when the caller says (its last reported step rate), else after its remaining steps
+at its modelled step time, a waiting job after its own
 estimated start plus its remaining steps at its modelled step time on its minimum. A job whose
-step time is unknown (it has never run and no model is fitted) is taken to hold its devices for
+step time is unknown (it has not run yet, so only a prior is known) is taken to hold its devices for
 good: the estimate then says which job it waits on instead of a time. Jobs served later are
 ignored, as a policy ignores them when it gives out minimums.
 """
@@ -15,6 +16,7 @@ ignored, as a policy ignores them when it gives out minimums.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastic.scheduling.api import ClusterSnapshot, JobView, Plan
@@ -60,14 +62,21 @@ def _service_order(job: JobView) -> tuple[int, float, int]:
 
 def duration_s(job: JobView, workers: int) -> float | None:
     """Seconds the job needs to finish its remaining steps on `workers` workers, from its
-    throughput model (None without one, or without a known remaining work or batch)."""
-    if job.throughput is None or job.remaining_work is None or job.batch_size is None or workers < 1:
+    throughput model (None unless the model was fitted to its own reports, and its remaining work
+    and batch are known)."""
+    if job.throughput is None or not job.throughput_measured or workers < 1:
+        return None
+    if job.remaining_work is None or job.batch_size is None:
         return None
     return job.remaining_work * job.throughput.step_time(workers, 1, job.batch_size / workers)
 
 
-def explain_queue(snapshot: ClusterSnapshot, plan: Plan) -> dict[int, QueueEntry]:
-    """A QueueEntry for every job the plan leaves waiting (no devices), by job id."""
+def explain_queue(
+    snapshot: ClusterSnapshot, plan: Plan, finishes_in_s: Mapping[int, float] | None = None
+) -> dict[int, QueueEntry]:
+    """A QueueEntry for every job the plan leaves waiting (no devices), by job id.
+    `finishes_in_s` gives the running jobs whose end the caller knows better than the model
+    (from their last reported step rate): seconds from the snapshot."""
     available = [d for d in snapshot.devices if d.available]
     shared = sum(1 for d in available if not d.lent)
     ordered = sorted(snapshot.jobs, key=_service_order)
@@ -76,7 +85,8 @@ def explain_queue(snapshot: ClusterSnapshot, plan: Plan) -> dict[int, QueueEntry
     for job in ordered:
         held = len(plan.assignments.get(job.id, ()))
         if held:
-            finish[job.id] = duration_s(job, held) or math.inf
+            known = (finishes_in_s or {}).get(job.id)
+            finish[job.id] = known if known is not None else duration_s(job, held) or math.inf
     entries: dict[int, QueueEntry] = {}
     for job in waiting:
         guaranteed = job.priority == "guaranteed"

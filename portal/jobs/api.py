@@ -35,23 +35,7 @@ def listed(jobs: QuerySet[Job]) -> QuerySet[Job]:
 
 
 def summary(job: Job) -> dict[str, Any]:
-    return {
-        "id": job.pk,
-        "name": job.name,
-        "owner": job.owner.get_username(),
-        "state": job.state,
-        "workload": job.workload,
-        "priority": job.priority,
-        "consistency": job.consistency,
-        "min_workers": job.min_workers,
-        "max_workers": job.max_workers,
-        "workers": job.allocation_count if hasattr(job, "allocation_count") else job.workers_now,
-        "generation": job.generation,
-        "steps_done": job.steps_done,
-        "total_steps": job.total_steps,
-        "created_at": job.created_at,
-        **job.schedule_view(),
-    }
+    return job.summary()
 
 
 def detail(job: Job) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from django.db.models import F
 
@@ -85,17 +86,22 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
         return
     # Survivors report under the generation they train in, which lags the newest one while
     # joiners warm up; a report of a generation older than the one that formed is late.
+    reported: dict[str, Any] = {
+        "steps_done": event.step or 0,
+        "last_loss": event.loss,
+        "samples_per_s": event.samples_per_s,
+        "global_batch": event.global_batch,
+        "learning_rate": event.lr,
+        "last_progress_at": at,
+    }
     updated = Job.objects.filter(pk=job.pk, active_generation__lte=event.generation).update(
-        steps_done=event.step or 0,
-        last_loss=event.loss,
-        samples_per_s=event.samples_per_s,
-        global_batch=event.global_batch,
-        learning_rate=event.lr,
-        last_progress_at=at,
+        **reported,
         attained_service_s=F("attained_service_s") + _service_since_last_report(job, event.generation, at),
     )
     if updated != 1:
         return
+    for name, value in reported.items():
+        setattr(job, name, value)
     JobMetric.objects.create(
         job=job,
         generation=event.generation,
@@ -121,11 +127,13 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
             "learning_rate": event.lr,
             "metrics": event.metrics or {},
             "at": event.at,
+            "finish_estimate_at": job.finish_estimate_at(),
         },
     )
     broadcast.send(
         broadcast.CLUSTER_GROUP,
-        {"type": "job_progress", "job_id": job.pk, "steps_done": event.step, "total_steps": job.total_steps},
+        {"type": "job_progress", "job_id": job.pk, "steps_done": event.step, "total_steps": job.total_steps,
+         "finish_estimate_at": job.finish_estimate_at()},
     )
 
 

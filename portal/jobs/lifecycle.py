@@ -218,7 +218,7 @@ def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
         if locked.state not in ACTIVE_STATES:
             return False
         # The scheduler's reasons were about a job it still planned for: a finished job has none.
-        done = {"schedule_reasons": [], "schedule_note": "", "pin_problem": ""}
+        done = {"schedule_reasons": [], "schedule_note": "", "pin_problem": "", "queue": {}}
         if not locked.claim(target, finished_at=timezone.now(), **done, **fields):
             return False
         locked.allocations.all().delete()

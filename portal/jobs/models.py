@@ -50,6 +50,11 @@ class Job(models.Model):
         default=list, blank=True, help_text="why it has what it has (elastic.scheduling.Reason values)"
     )
     schedule_note = models.CharField(max_length=300, blank=True, help_text="the reasons, for people")
+    queue = models.JSONField(
+        default=dict, blank=True,
+        help_text="a waiting job's place in the queue, who holds its devices, its estimated start "
+        "(portal.scheduling.decisions.queue_view); empty while it runs",
+    )
     attained_service_s = models.FloatField(default=0.0, help_text="device-seconds trained so far")
 
     steps_done = models.PositiveIntegerField(default=0)
@@ -89,7 +94,43 @@ class Job(models.Model):
             "schedule_reasons": list(self.schedule_reasons),
             "schedule_note": self.schedule_note,
             "batch_size": self.batch_size,
+            "queue": dict(self.queue),
         }
+
+    def summary(self) -> dict[str, Any]:
+        """What everyone may see of a job: the list, the board, the live `job` events. Reads the
+        `allocation_count` annotation where the queryset has it (portal.jobs.api.listed)."""
+        return {
+            "id": self.pk,
+            "name": self.name,
+            "owner": self.owner.get_username(),
+            "state": self.state,
+            "workload": self.workload,
+            "priority": self.priority,
+            "consistency": self.consistency,
+            "min_workers": self.min_workers,
+            "max_workers": self.max_workers,
+            "workers": self.allocation_count if hasattr(self, "allocation_count") else self.workers_now,
+            "generation": self.generation,
+            "steps_done": self.steps_done,
+            "total_steps": self.total_steps,
+            "progress": round(self.steps_done / self.total_steps, 4) if self.total_steps else None,
+            "finish_estimate_at": self.finish_estimate_at(),
+            "created_at": self.created_at.isoformat(),
+            **self.schedule_view(),
+        }
+
+    def finish_estimate_at(self) -> float | None:
+        """When a running job should finish (Unix time): its remaining steps at the step rate of
+        its last report (samples per second over the global batch). None while it does not run
+        or has not reported."""
+        if self.state not in (JobState.RUNNING, JobState.RESIZING) or self.last_progress_at is None:
+            return None
+        if not self.samples_per_s or not self.global_batch:
+            return None
+        steps_per_s = self.samples_per_s / self.global_batch
+        left = max(self.total_steps - self.steps_done, 0)
+        return round(self.last_progress_at.timestamp() + left / steps_per_s, 1)
 
     @property
     def workers_now(self) -> int:

@@ -10,6 +10,23 @@ from ninja import Field, Schema
 from elastic.spec import MAX_WORKERS_LIMIT
 
 
+class HolderOut(Schema):
+    id: int
+    name: str
+    owner: str
+    devices: int
+    pinned: bool
+    finish_estimate_at: float | None = Field(description="when it should finish (Unix time); null: not known yet")
+
+
+class QueueOut(Schema):
+    position: int = Field(description="1: the next job to start in its pool")
+    waiting: int = Field(description="jobs waiting in its pool")
+    holders: list[HolderOut] = Field(description="the running jobs of its pool, the soonest to end first")
+    start_estimate_at: float | None = Field(description="when it should start (Unix time); null: see no_estimate")
+    no_estimate: str = Field(description="why there is no estimate")
+
+
 class JobSummaryOut(Schema):
     id: int
     name: str
@@ -24,12 +41,19 @@ class JobSummaryOut(Schema):
     generation: int
     steps_done: int
     total_steps: int
+    progress: float | None = Field(description="steps done over total steps, 0 to 1")
+    finish_estimate_at: float | None = Field(
+        description="a running job: when it should finish (Unix time), from its last reported step rate"
+    )
     created_at: datetime
     pinned_workers: int | None = Field(description="a manual resize the scheduler honours until lifted")
     pin_problem: str = Field(description="why the pin cannot be met now; empty when it is")
     schedule_reasons: list[str] = Field(description="why the job has what it has (pinned, minimum, fair share, ...)")
     schedule_note: str = Field(description="the same, in a sentence")
     batch_size: int | None = Field(description="hybrid jobs: the global batch size the scheduler chose")
+    queue: QueueOut | dict[str, Any] = Field(
+        description="a waiting job: its place in the queue, the jobs holding its pool, its estimated start; {} otherwise"
+    )
 
 
 class AllocationOut(Schema):

@@ -34,28 +34,9 @@ def send(group: str, event: dict[str, Any]) -> None:
         log.exception("live update to %s failed", group)
 
 
-def job_summary(job: Job) -> dict[str, Any]:
-    """What everyone may see of a job (the cluster board and the job list)."""
-    return {
-        "id": job.pk,
-        "name": job.name,
-        "owner": job.owner.get_username(),
-        "state": job.state,
-        "workload": job.workload,
-        "min_workers": job.min_workers,
-        "max_workers": job.max_workers,
-        "workers": job.allocations.count(),
-        "generation": job.generation,
-        "priority": job.priority,
-        "steps_done": job.steps_done,
-        "total_steps": job.total_steps,
-        **job.schedule_view(),
-    }
-
-
 def job_changed(job: Job) -> None:
     job.refresh_from_db()
-    summary = job_summary(job)
+    summary = job.summary()
     send(CLUSTER_GROUP, {"type": "job", "job": summary})
     send(job_group(job.pk), {"type": "job_state", "job": summary, "message": job.message,
                              "pin_problem": job.pin_problem})

@@ -8,6 +8,7 @@ from typing import Any
 from django.conf import settings
 
 from elastic.scheduling import ClusterSnapshot, JobView, Plan, Reason
+from elastic.scheduling.queue import QueueEntry, explain_queue
 from portal.cluster.models import Device
 from portal.jobs.models import Job
 from portal.scheduling.models import SchedulerDecision
@@ -73,19 +74,69 @@ def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> str:
     return "; ".join(parts)[:300]
 
 
+ESTIMATE_SLACK_S = 30.0
+"""An estimate that moves by less than this (or a tenth of the time until it) is not rewritten
+nor pushed: the queue does not flicker at every cycle."""
+
+
+def queue_view(entry: QueueEntry, jobs: dict[int, Job], now: float) -> dict[str, Any]:
+    """A waiting job's QueueEntry as stored on the job and shown: Unix times, holders named."""
+
+    def at(seconds: float | None) -> float | None:
+        return None if seconds is None else round(now + seconds, 1)
+
+    return {
+        "position": entry.position,
+        "waiting": entry.waiting,
+        "holders": [
+            {"id": h.job_id, "name": jobs[h.job_id].name, "owner": jobs[h.job_id].owner.get_username(),
+             "devices": h.devices, "pinned": h.pinned, "finish_estimate_at": at(h.finishes_in_s)}
+            for h in entry.holders[:5]
+        ],
+        "start_estimate_at": at(entry.starts_in_s),
+        "no_estimate": entry.no_estimate,
+    }
+
+
+def _times(view: dict[str, Any]) -> list[float | None]:
+    return [view.get("start_estimate_at"), *(h["finish_estimate_at"] for h in view.get("holders", []))]
+
+
+def _same_queue(old: dict[str, Any], new: dict[str, Any], now: float) -> bool:
+    """Whether `new` says what `old` says, up to estimates that moved within the slack."""
+    if {**old, "holders": None, "start_estimate_at": None} != {**new, "holders": None, "start_estimate_at": None}:
+        return False
+    if [{**h, "finish_estimate_at": None} for h in old.get("holders", [])] != [
+        {**h, "finish_estimate_at": None} for h in new.get("holders", [])
+    ]:
+        return False
+    for before, after in zip(_times(old), _times(new), strict=True):
+        if (before is None) != (after is None):
+            return False
+        if before is not None and after is not None:
+            if abs(before - after) > max(ESTIMATE_SLACK_S, 0.1 * max(after - now, 0.0)):
+                return False
+    return True
+
+
 def store_job_reasons(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> list[int]:
-    """Writes each job's reasons, note, pin problem and (hybrid) batch size where they changed.
-    Returns the ids of the jobs that changed, to be pushed to the browsers."""
+    """Writes each job's reasons, note, pin problem, queue view and (hybrid) batch size where
+    they changed. Returns the ids of the jobs that changed, to be pushed to the browsers."""
     changed = []
+    ends = {job.pk: at - snapshot.now for job in jobs.values() if (at := job.finish_estimate_at()) is not None}
+    queue = explain_queue(snapshot, plan, ends)
     for view in snapshot.jobs:
         job = jobs[view.id]
         fields: dict[str, Any] = {
             "schedule_reasons": [str(r) for r in reasons_of(view, plan, snapshot)],
             "schedule_note": explain(view, plan, snapshot),
             "pin_problem": plan.pin_problems.get(view.id, ""),
+            "queue": queue_view(queue[view.id], jobs, snapshot.now) if view.id in queue else {},
         }
         if job.consistency == Job.Consistency.HYBRID and view.id in plan.batch_sizes:
             fields["batch_size"] = plan.batch_sizes[view.id]
+        if fields["queue"] and job.queue and _same_queue(job.queue, fields["queue"], snapshot.now):
+            del fields["queue"]
         stale = {name: value for name, value in fields.items() if getattr(job, name) != value}
         if stale:
             Job.objects.filter(pk=view.id).update(**stale)

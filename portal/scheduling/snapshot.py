@@ -134,7 +134,7 @@ def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
         )
         for d in Device.objects.select_related("node")
     )
-    jobs = {j.pk: j for j in Job.objects.filter(state__in=ACTIVE_STATES)}
+    jobs = {j.pk: j for j in Job.objects.filter(state__in=ACTIVE_STATES).select_related("owner")}
     current: dict[int, list[int]] = {job_id: [] for job_id in jobs}
     for allocation in Allocation.objects.filter(job_id__in=jobs).order_by("rank"):
         current[allocation.job_id].append(allocation.device_id)
@@ -152,6 +152,7 @@ def build_snapshot() -> tuple[ClusterSnapshot, dict[int, Job]]:
             pinned_workers=job.pinned_workers,
             consistency=job.consistency,  # type: ignore[arg-type]
             throughput=throughput.get(job.pk),
+            throughput_measured=bool(job.samples_per_s),
             batch_size=global_batch(job),
             min_batch_size=bounds[job.pk][0],
             max_batch_size=bounds[job.pk][1],

@@ -166,6 +166,7 @@
         : el("span", {}, "#" + job.id + " " + job.name);
       label.append(title, el("span", { class: "muted" }, " " + job.owner + " · " + job.state +
         " · " + job.workers + " of " + job.min_workers + "–" + job.max_workers));
+      label.appendChild(el("div", { class: "progress", "data-field": "progress" }, standing(job)));
       label.appendChild(why(job));
       const track = el("div", { class: "track", style: "--cells:" + cells });
       const target = pending.has(job.id) ? pending.get(job.id) : job.workers;
@@ -197,6 +198,25 @@
     });
     summarise();
   }
+
+  // Where the job stands: a running job's progress and ETA; a queued job's place, its estimated
+  // start and the jobs it waits for.
+  function standing(job) {
+    if (job.state === "queued") {
+      const holders = ((job.queue && job.queue.holders) || []).map(BungeeLive.holderText);
+      return BungeeLive.queueText(job) + (holders.length ? " · waits for " + holders.join(", ") : "");
+    }
+    return BungeeLive.progressText(job);
+  }
+
+  function updateStanding() {
+    document.querySelectorAll(".job-row").forEach((row) => {
+      const job = jobs.get(Number(row.dataset.job));
+      const cell = row.querySelector('[data-field="progress"]');
+      if (job && cell) cell.textContent = standing(job);
+    });
+  }
+  setInterval(updateStanding, 5000);
 
   // Why the job has what it has (the scheduler's reasons), an unmet pin, and the control that
   // lifts a pin, for those who may manage the job.
@@ -322,7 +342,11 @@
       }
     } else if (msg.type === "job_progress") {
       const job = jobs.get(msg.job_id);
-      if (job) job.steps_done = msg.steps_done;
+      if (job) {
+        job.steps_done = msg.steps_done;
+        job.finish_estimate_at = msg.finish_estimate_at;
+        updateStanding();
+      }
     }
   });
 

@@ -109,7 +109,8 @@
       ...modeFacts(),
       ["Workers", job.workers + " of " + job.min_workers + "–" + job.max_workers +
         (job.pinned_workers !== null && job.pinned_workers !== undefined ? " (pinned to " + job.pinned_workers + ")" : "")],
-      ["Progress", job.steps_done + " / " + job.total_steps + " steps"],
+      ["Progress", job.steps_done + " / " + job.total_steps + " steps" +
+        (job.state === "running" || job.state === "resizing" ? " (" + BungeeLive.progressText(job) + ")" : "")],
       ["Loss", job.last_loss === null || job.last_loss === undefined ? "–" : job.last_loss.toFixed(4)],
       ["Throughput", job.samples_per_s ? job.samples_per_s.toFixed(0) + " samples/s" : "–"],
       ["Generation", String(job.generation)],
@@ -117,6 +118,10 @@
     ];
     if (job.batch_size !== null && job.batch_size !== undefined) rows.push(["Global batch", String(job.batch_size)]);
     if (job.pin_problem) rows.push(["Pin not met", job.pin_problem]);
+    if (job.state === "queued" && job.queue && job.queue.position) {
+      rows.push(["Queue", BungeeLive.queueText(job)]);
+      if (job.queue.holders.length) rows.push(["Waiting for", job.queue.holders.map(BungeeLive.holderText).join("; ")]);
+    }
     rows.forEach(([k, v]) => facts.append(el("dt", k), el("dd", v)));
     const model = $("#download-model");
     if (job.artifacts) {
@@ -249,6 +254,7 @@
       steps.push(msg.step); losses.push(msg.loss); speeds.push(msg.samples_per_s);
       if (steps.length > MAX_POINTS) { steps.shift(); losses.shift(); speeds.shift(); }
       job.steps_done = msg.step; job.last_loss = msg.loss; job.samples_per_s = msg.samples_per_s;
+      job.finish_estimate_at = msg.finish_estimate_at;
       if (msg.global_batch) job.global_batch = msg.global_batch;
       if (msg.learning_rate !== null && msg.learning_rate !== undefined) job.learning_rate = msg.learning_rate;
       redraw(); renderFacts();
@@ -269,5 +275,6 @@
     }
   });
   BungeeLive.subscribeJob(job.id);
+  setInterval(() => { if (job.finish_estimate_at || (job.queue && job.queue.start_estimate_at)) renderFacts(); }, 5000);
   renderFacts(); renderDevices(); renderResizes();
 })();

@@ -66,7 +66,44 @@
     return "the portal answered " + result.status;
   }
 
+  // Times the scheduler estimates, for people: "about 3 min" from a Unix time.
+  function about(unixSeconds) {
+    const s = Math.max(0, unixSeconds - Date.now() / 1000);
+    if (s < 60) return "about " + Math.max(5, Math.round(s / 5) * 5) + " s";
+    if (s < 3600) return "about " + Math.round(s / 60) + " min";
+    if (s < 86400 * 2) return "about " + (s / 3600).toFixed(1).replace(/\.0$/, "") + " h";
+    return "about " + Math.round(s / 86400) + " days";
+  }
+  const ORDINAL = (n) => n + (n % 100 >= 11 && n % 100 <= 13 ? "th" : ["th", "st", "nd", "rd"][n % 10] || "th");
+
+  // A running job's progress: "42% · about 3 min left".
+  function progressText(job) {
+    if (!job.total_steps) return "";
+    const percent = Math.floor((100 * job.steps_done) / job.total_steps) + "%";
+    return job.finish_estimate_at ? percent + " · " + about(job.finish_estimate_at) + " left" : percent;
+  }
+
+  // A queued job's place: "1st of 2 in the queue · starts in about 25 s".
+  function queueText(job) {
+    const q = job.queue;
+    if (!q || !q.position) return "";
+    const start = q.start_estimate_at ? "starts in " + about(q.start_estimate_at) : "no start estimate: " + q.no_estimate;
+    return ORDINAL(q.position) + " of " + q.waiting + " in the queue · " + start;
+  }
+
+  // The jobs holding what a queued job waits for: "#4 hog (alice, 4 devices, pinned, ends in about 25 s)".
+  function holderText(h) {
+    const parts = [h.owner, h.devices + (h.devices === 1 ? " device" : " devices")];
+    if (h.pinned) parts.push("pinned");
+    parts.push(h.finish_estimate_at ? "ends in " + about(h.finish_estimate_at) : "end not known yet");
+    return "#" + h.id + " " + h.name + " (" + parts.join(", ") + ")";
+  }
+
   window.BungeeLive = {
+    about: about,
+    progressText: progressText,
+    queueText: queueText,
+    holderText: holderText,
     on: (handler) => handlers.push(handler),
     subscribeJob: (id) => { jobSubscriptions.add(id); send({ action: "subscribe_job", job_id: id }); },
     post: post,
