@@ -1,6 +1,6 @@
 """The queue explains itself in real Chromium: a running job's bar says how far it is and when it
 should end; a queued job says its place, its estimated start and the jobs it waits for (pinned or
-not), on the board and on its page."""
+not), on the board and on its page; the resize timeline says who asked and when it landed."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
 def test_progress_eta_place_in_queue_and_holders(browser_platform: Any, chromium: Any) -> None:
-    runner = submit_job(browser_platform, "alice", name="runner", min_workers=4, max_workers=4, steps=200_000)
+    runner = submit_job(browser_platform, "alice", name="runner", min_workers=3, max_workers=4, steps=200_000)
     alice = browser_platform.api("alice")
-    assert alice.post(f"/api/jobs/{runner}/resize", json={"workers": 4}).status_code == 200
-    browser_platform.wait_for("the runner's first report", lambda: alice.get(f"/api/jobs/{runner}").json()["finish_estimate_at"])
+    browser_platform.wait_for("the runner on 4", lambda: alice.get(f"/api/jobs/{runner}").json()["workers"] == 4)
+    assert alice.post(f"/api/jobs/{runner}/resize", json={"workers": 3}).status_code == 200
+
+    def landed() -> bool:
+        job = alice.get(f"/api/jobs/{runner}").json()
+        return job["state"] == "running" and job["workers"] == 3 and bool(job["finish_estimate_at"])
+
+    browser_platform.wait_for("the pin to 3 to land", landed, timeout_s=120)
     waiter = submit_job(browser_platform, "bob", name="waiter", min_workers=2, max_workers=2)
     page = log_in(chromium, browser_platform, "alice")
     running = page.locator(f'.job-row[data-job="{runner}"] [data-field="progress"]')
@@ -36,7 +42,7 @@ def test_progress_eta_place_in_queue_and_holders(browser_platform: Any, chromium
     )
     text = queued.inner_text()
     assert text.startswith("1st of 1 in the queue · starts in about "), text
-    assert f"waits for #{runner} runner (alice, 4 devices, pinned, ends in about " in text, text
+    assert f"waits for #{runner} runner (alice, 3 devices, pinned, ends in about " in text, text
     assert re.fullmatch(r"\d+% · about .+ left", running.inner_text())
     screenshot(page, "board-queue-and-progress")
 
@@ -44,11 +50,15 @@ def test_progress_eta_place_in_queue_and_holders(browser_platform: Any, chromium
     page.wait_for_selector("#conn-state[data-state=live]")
     progress = page.locator("#facts dt:text-is('Progress') + dd")
     assert re.fullmatch(r"\d+ / 200000 steps \(\d+% · about .+ left\)", progress.inner_text()), progress.inner_text()
+    # The timeline: who asked for the resize, its pause and the time it took to land.
+    cells = page.locator("#resizes tbody tr").last.locator("td").all_inner_texts()
+    assert cells[2] == "manual resize (asked by alice)" and re.fullmatch(r"\d+\.\d s", cells[5]), cells
+    screenshot(page, "job-running-timeline")
     bob = log_in(chromium, browser_platform, "bob")
     bob.goto(f"{browser_platform.base_url}/jobs/{waiter}/")
     bob.wait_for_selector("#conn-state[data-state=live]")
     assert bob.locator("#facts dt:text-is('Queue') + dd").inner_text().startswith("1st of 1 in the queue · starts in about")
-    assert bob.locator("#facts dt:text-is('Waiting for') + dd").inner_text().startswith(f"#{runner} runner (alice, 4 devices, pinned")
+    assert bob.locator("#facts dt:text-is('Waiting for') + dd").inner_text().startswith(f"#{runner} runner (alice, 3 devices, pinned")
     screenshot(bob, "job-queued")
     cancel_all(browser_platform, "bob")
     cancel_all(browser_platform, "alice")

@@ -130,6 +130,11 @@ def test_resize_happens_in_place(api: dict, cluster: Any, redis_client: Any) -> 
     assert job.state == "running" and job.active_generation == 2
     resize = ResizeEvent.objects.get(job=job, generation=2)
     assert (resize.workers_before, resize.workers_after, resize.pause_s, resize.step) == (2, 1, 0.08, 10)
+    # A manual resize lands from the API call: asked by Alice at her pin, not at the plan.
+    assert (resize.reason, resize.requested_by, resize.requested_at) == ("manual resize", "alice", job.pin_requested_at)
+    timeline = api["alice"].get(f"/api/jobs/{job.pk}").json()["resizes"]
+    assert timeline[1]["requested_by"] == "alice" and timeline[0]["requested_by"] == ""
+    assert timeline[1]["land_s"] == pytest.approx((resize.completed_at - resize.requested_at).total_seconds())
     assert resize.members_after == ["node-a/0"] and resize.phases["rendezvous"] == 0.02
     rows = {(w.generation, w.rank): (w.pid, w.state, w.reason) for w in job.workers.all()}
     assert rows == {(1, 0): (1000, "switched", ""), (1, 1): (1001, "exited", "left"), (2, 0): (1000, "running", "")}

@@ -56,11 +56,14 @@ def detail(job: Job) -> dict[str, Any]:
             {"rank": a.rank, "device_id": a.device_id, "node": a.device.node.name, "device_index": a.device.index}
             for a in job.allocations.select_related("device__node")
         ],
-        "resizes": list(job.resizes.values(
-            "generation", "reason", "workers_before", "workers_after", "devices_before",
-            "devices_after", "requested_at", "completed_at", "pause_s", "step", "members_before",
-            "members_after", "bytes_moved", "phases",
-        )),
+        "resizes": [
+            {**row, "land_s": (row["completed_at"] - row["requested_at"]).total_seconds() if row["completed_at"] else None}
+            for row in job.resizes.values(
+                "generation", "reason", "workers_before", "workers_after", "devices_before",
+                "devices_after", "requested_at", "requested_by", "completed_at", "pause_s", "step",
+                "members_before", "members_after", "bytes_moved", "phases",
+            )
+        ],
         "artifacts": artifacts.described(job),
         "workers_history": [
             {"generation": w.generation, "rank": w.rank, "node": w.node.name, "device_index": w.device_index,
@@ -155,7 +158,7 @@ def get_job(request: HttpRequest, job_id: int) -> dict[str, Any]:
 
 @router.post("/{int:job_id}/resize", response=JobDetailOut, summary="Pin a job to a worker count")
 def resize(request: HttpRequest, job_id: int, payload: ResizeIn) -> dict[str, Any]:
-    job = request_resize(job_for(request.user, job_id), payload.workers)
+    job = request_resize(job_for(request.user, job_id), payload.workers, request.user)
     return detail(job)
 
 
@@ -163,7 +166,7 @@ def resize(request: HttpRequest, job_id: int, payload: ResizeIn) -> dict[str, An
     "/{int:job_id}/unpin", response=JobDetailOut, summary="Lift a job's pin: the scheduler decides its size again"
 )
 def unpin(request: HttpRequest, job_id: int) -> dict[str, Any]:
-    return detail(request_resize(job_for(request.user, job_id), None))
+    return detail(request_resize(job_for(request.user, job_id), None, request.user))
 
 
 @router.post("/{int:job_id}/cancel", response=JobDetailOut, summary="Cancel a job")

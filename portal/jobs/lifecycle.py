@@ -334,10 +334,16 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
         Allocation(job=job, device_id=device_id, rank=rank, generation=number)
         for rank, device_id in enumerate(planned.devices)
     )
+    asked: dict[str, Any] = {}
+    if planned.reason == "manual resize" and job.pin_requested_at is not None:
+        previous = ResizeEvent.objects.filter(job=job).order_by("-generation").values_list("requested_at", flat=True).first()
+        if previous is None or job.pin_requested_at > previous:  # this pin's first resize: it lands now
+            asked = {"requested_at": job.pin_requested_at, "requested_by": job.pin_requested_by}
     ResizeEvent.objects.create(
         job=job,
         generation=number,
         reason=planned.reason[:40],
+        **asked,
         workers_before=len(planned.devices_before),
         workers_after=len(planned.devices),
         devices_before=[names[d] for d in planned.devices_before],

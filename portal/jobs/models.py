@@ -42,6 +42,10 @@ class Job(models.Model):
     master_port = models.PositiveIntegerField(null=True, blank=True)
     pinned_workers = models.PositiveIntegerField(null=True, blank=True, help_text="manual resize")
     pin_problem = models.CharField(max_length=300, blank=True, help_text="why the pin is not met")
+    pin_requested_by = models.CharField(max_length=150, blank=True, help_text="who asked for the newest pin")
+    pin_requested_at = models.DateTimeField(
+        null=True, blank=True, help_text="when the newest pin was asked for: a manual resize's land time starts here"
+    )
     restarts = models.PositiveIntegerField(default=0, help_text="generations that lost a worker")
     batch_size = models.PositiveIntegerField(
         null=True, blank=True, help_text="hybrid jobs: the global batch size the scheduler chose"
@@ -225,8 +229,13 @@ class ResizeEvent(models.Model):
     workers_after = models.PositiveIntegerField()
     devices_before = models.JSONField(default=list)
     devices_after = models.JSONField(default=list)
-    requested_at = models.DateTimeField(default=timezone.now)
-    completed_at = models.DateTimeField(null=True, blank=True)
+    requested_at = models.DateTimeField(
+        default=timezone.now, help_text="when it was asked for: the pin's request for a manual resize, else the plan"
+    )
+    requested_by = models.CharField(max_length=150, blank=True, help_text="who asked for a manual resize")
+    completed_at = models.DateTimeField(
+        null=True, blank=True, help_text="the first step of the new generation: landed"
+    )
     pause_s = models.FloatField(
         null=True, blank=True, help_text="last step end before to first step end after, less a normal step"
     )

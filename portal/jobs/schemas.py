@@ -70,8 +70,10 @@ class ResizeOut(Schema):
     workers_after: int
     devices_before: list[str]
     devices_after: list[str]
-    requested_at: datetime
-    completed_at: datetime | None
+    requested_at: datetime = Field(description="when it was asked for: the pin's request for a manual resize")
+    requested_by: str = Field(description="who asked for a manual resize; empty for the scheduler's own")
+    completed_at: datetime | None = Field(description="the first step of the new generation")
+    land_s: float | None = Field(description="from the request to the first step of the new generation")
     pause_s: float | None
     step: int | None
     members_before: list[str]

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
+from django.utils import timezone
 
 from elastic.scheduling.api import Reason
 from elastic.spec import FieldError, SpecError, validate_spec
@@ -40,9 +41,10 @@ def usable_device_count() -> int:
     return Device.objects.filter(present=True, owner_present=False, node__state=Node.State.ONLINE).count()
 
 
-def request_resize(job: Job, workers: int | None) -> Job:
-    """Pin the job to `workers` workers (None lifts the pin). Raises ApiError 400 for a count
-    outside [min, max] or above the cluster's usable devices, 409 for a job that has ended."""
+def request_resize(job: Job, workers: int | None, by: AbstractBaseUser) -> Job:
+    """Pin the job to `workers` workers (None lifts the pin), as `by` asks. Raises ApiError 400
+    for a count outside [min, max] or above the cluster's usable devices, 409 for a job that has
+    ended."""
     if job.state not in ACTIVE_STATES:
         raise conflict(f"job {job.pk} is {job.state}; only a queued or running job can be resized")
     if workers is not None:
@@ -59,7 +61,8 @@ def request_resize(job: Job, workers: int | None) -> Job:
                 f"the cluster has only {capacity} usable devices",
                 [FieldError("workers", f"must be at most {capacity}, the usable devices", workers)],
             )
-    fields: dict[str, Any] = {"pinned_workers": workers, "pin_problem": ""}
+    fields: dict[str, Any] = {"pinned_workers": workers, "pin_problem": "",
+                              "pin_requested_by": by.get_username(), "pin_requested_at": timezone.now()}
     if workers is None:  # what the scheduler said of the pin no longer holds; the next cycle says more
         pin_reasons = {str(Reason.PINNED), str(Reason.PIN_UNMET)}
         fields["schedule_reasons"] = [r for r in job.schedule_reasons if r not in pin_reasons]

@@ -187,8 +187,10 @@
     (job.resizes || []).forEach((r) => {
       const row = el("tr");
       row.append(el("td", String(r.generation)), el("td", new Date(r.requested_at).toLocaleTimeString()),
-        el("td", r.reason), el("td", r.workers_before + " → " + r.workers_after),
+        el("td", r.reason + (r.requested_by ? " (asked by " + r.requested_by + ")" : "")),
+        el("td", r.workers_before + " → " + r.workers_after),
         el("td", r.pause_s === null || r.pause_s === undefined ? "–" : r.pause_s.toFixed(2) + " s"),
+        el("td", r.land_s === null || r.land_s === undefined ? "–" : r.land_s.toFixed(1) + " s"),
         el("td", (r.devices_after || []).join(", ")),
         el("td", (r.members_after || []).length
           ? ((r.members_before || []).join(", ") || "none") + " → " + r.members_after.join(", ") : "–"),
