@@ -202,7 +202,35 @@ def status(job_id: JobId, output: OutputOption = Output.TEXT) -> None:
     for key in ("id", "name", "owner", "state", "workers", "pinned_workers", "generation", "steps_done",
                 "total_steps", "last_loss", "samples_per_s", "restarts", "message", "schedule_note"):  # fmt: skip
         table.add_row(key, "" if job.get(key) is None else escape(str(job.get(key))))
+    for key, value in standing(job):
+        table.add_row(key, escape(value))
     _emit(output, job, table)
+
+
+def _in(unix_time: float) -> str:
+    seconds = max(0.0, unix_time - time.time())
+    return f"about {seconds:.0f} s" if seconds < 120 else f"about {seconds / 60:.0f} min" if seconds < 7200 \
+        else f"about {seconds / 3600:.1f} h"
+
+
+def standing(job: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where the job stands, as the board says it: progress and ETA, or its place in the queue,
+    its estimated start and the jobs it waits for."""
+    rows = []
+    if job.get("progress") is not None and job["state"] in ("running", "resizing"):
+        eta = f", {_in(job['finish_estimate_at'])} left" if job.get("finish_estimate_at") else ""
+        rows.append(("progress", f"{job['progress']:.0%}{eta}"))
+    queue = job.get("queue") or {}
+    if queue.get("position"):
+        start = f"starts in {_in(queue['start_estimate_at'])}" if queue.get("start_estimate_at") else \
+            f"no start estimate: {queue.get('no_estimate')}"
+        rows.append(("queue", f"{queue['position']} of {queue['waiting']} waiting; {start}"))
+        for holder in queue.get("holders", []):
+            ends = f"ends in {_in(holder['finish_estimate_at'])}" if holder.get("finish_estimate_at") else "end not known"
+            pinned = ", pinned" if holder["pinned"] else ""
+            rows.append(("waits for", f"#{holder['id']} {holder['name']} ({holder['owner']}, "
+                                       f"{holder['devices']} devices{pinned}, {ends})"))
+    return rows
 
 
 @app.command()

@@ -121,3 +121,21 @@ def test_a_new_user_trains_their_code_and_takes_the_model_home(browser_platform:
     assert "Traceback" not in bad.stderr
     usage = bungee(tmp_path, "resize", str(endless), "zero")
     assert usage.returncode == 2 and "'workers'" in usage.stderr, usage.stderr
+
+
+def test_status_says_where_a_job_stands() -> None:
+    """`bungee status` words the API's progress and queue as the board does."""
+    import time
+
+    from bungee_cli.main import standing
+
+    now = time.time()
+    running = {"state": "running", "progress": 0.42, "finish_estimate_at": now + 185}
+    assert standing(running) == [("progress", "42%, about 3 min left")]
+    queued = {"state": "queued", "progress": 0.0, "queue": {
+        "position": 2, "waiting": 3, "start_estimate_at": None, "no_estimate": "it waits on jobs whose speed is not known yet (#4)",
+        "holders": [{"id": 4, "name": "hog", "owner": "alice", "devices": 4, "pinned": True, "finish_estimate_at": None}]}}
+    assert standing(queued) == [
+        ("queue", "2 of 3 waiting; no start estimate: it waits on jobs whose speed is not known yet (#4)"),
+        ("waits for", "#4 hog (alice, 4 devices, pinned, end not known)"),
+    ]
