@@ -44,7 +44,7 @@ def test_staff_see_the_latest_decision(api: dict, cluster: Any, redis_client: An
     assert 'id="policy-name">bungee<' in html and " ms</dd>" in html
     assert f'data-job="{job_id}"' in html and "borrower" in html
     assert "node-a/3 (owner carol) lent to job #" in html
-    assert "borrowed device(s) that their owner may take back" in html
+    assert "1 borrowed device that their owner may take back" in html
     decision = api["staff"].get("/api/scheduler/decisions/latest").json()
     assert decision["policy"] == "bungee" and decision["decision_ms"] > 0 and decision["resize_cost_s"] == 1.0
     [row] = decision["jobs"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from elastic.scheduling.api import ClusterSnapshot, DeviceView, JobView, Plan, Reason
 from elastic.scheduling.placement import FreeDevices, Request, place
+from elastic.wording import counted
 
 
 class PlanError(RuntimeError):
@@ -77,17 +78,12 @@ def pin_shortfall(job: JobView, given: int, free: int, kept_for: Sequence[JobVie
     not counting those set aside for the minimums of `kept_for` (they go first when the pin falls
     short because of them)."""
     assert job.pinned_workers is not None
-    head = f"pinned to {plural(job.pinned_workers, 'worker')} but given {given}"
+    head = f"pinned to {counted(job.pinned_workers, 'worker')} but given {given}"
     wanted = min(max(job.pinned_workers, job.min_workers), job.max_workers)
     if kept_for and 0 < given < wanted:
         needs = ", ".join(f"#{other.id} needs {other.min_workers}" for other in kept_for)
         return f"{head}: a pin may not keep another job below its minimum ({needs})"[:300]
-    return f"{head}: {plural(free, 'device')} free for it (min {job.min_workers}, max {job.max_workers})"
-
-
-def plural(count: int, noun: str) -> str:
-    """ "1 worker", "2 workers"."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+    return f"{head}: {counted(free, 'device')} free for it (min {job.min_workers}, max {job.max_workers})"
 
 
 def _serve_pins(jobs: Sequence[JobView], capacity: int, plan: Plan) -> tuple[dict[int, int], int]:

@@ -41,6 +41,7 @@ from elastic.scheduling.dynamic_program import maximise
 from elastic.scheduling.placement import FreeDevices
 from elastic.scheduling.speedup import speedup_table, worker_grid
 from elastic.scheduling.stragglers import StragglerConfig, handle_stragglers
+from elastic.wording import counted
 
 _STAY_BONUS = 1e-9
 """Relative bonus for a job's current count: among equal plans, the one that moves nothing."""
@@ -163,8 +164,8 @@ class GoodputPolicy:
         """Why `job` stays on `count` workers with `spare` devices free, in the numbers the
         optimiser used: its modelled speedup there and on `more` workers, and the resize cost."""
         now, then = float(speedup[np.searchsorted(grid, count)]), float(speedup[np.searchsorted(grid, more)])
-        head = (f"{count} of up to {job.max_workers} workers with {spare} "
-                f"device{'s' if spare != 1 else ''} free: its modelled speed on {more} workers is "
+        head = (f"{count} of up to {counted(job.max_workers, 'worker')} with {counted(spare, 'device')} "
+                f"free: its modelled speed on {counted(more, 'worker')} is "
                 f"{then:.2f}x one worker's, against {now:.2f}x on {count}")
         if then <= now:
             return f"{head}; more workers would not make it faster"

@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
+from elastic.wording import counted
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
 
 METRIC_SLOTS = 8
@@ -247,7 +248,7 @@ class Trainer:
             return False
         if not self.skip_nonfinite:
             raise NonFiniteLossError(
-                f"the loss was not finite (NaN or infinite) at step {step + 1} on {round(votes)} worker(s); "
+                f"the loss was not finite (NaN or infinite) at step {step + 1} on {counted(round(votes), 'worker')}; "
                 "the job's nan_loss setting is fail (set it to skip to skip such steps)"
             )
         return True

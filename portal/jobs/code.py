@@ -79,6 +79,6 @@ def check_usable(user: AbstractBaseUser, digest: str) -> None:
     """Raises ApiError 400 on the spec's `code` if `user` may not run `digest`."""
     if upload_for(user, digest) is None:
         raise ApiError(
-            400, "invalid_spec", "the job spec has 1 invalid field(s)",
+            400, "invalid_spec", "the job spec has 1 invalid field",
             [FieldError("code", "no code with this digest was uploaded by you; upload it with POST /api/code", digest)],
         )

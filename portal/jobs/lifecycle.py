@@ -44,6 +44,7 @@ from elastic.wire import (
     WorkerAssignment,
     WorkerEvent,
 )
+from elastic.wording import counted
 from portal import dispatch
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating
@@ -360,7 +361,7 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
         else:
             Job.objects.filter(pk=job.pk).update(**fields)
     elif job.state in (JobState.RUNNING, JobState.RESIZING):
-        fields["message"] = f"resizing to {len(planned.devices)} workers ({planned.reason})"
+        fields["message"] = f"resizing to {counted(len(planned.devices), 'worker')} ({planned.reason})"
         if job.state == JobState.RUNNING:
             job.claim(JobState.RESIZING, **fields)
         else:
@@ -368,7 +369,7 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
     else:
         has_workers = Worker.objects.filter(job=job, state=Worker.State.RUNNING).exists()
         waiting = " once its stopping workers are gone" if has_workers else ""
-        fields["message"] = f"starting {len(planned.devices)} workers{waiting}"
+        fields["message"] = f"starting {counted(len(planned.devices), 'worker')}{waiting}"
         Job.objects.filter(pk=job.pk).update(**fields)
 
 
@@ -528,7 +529,7 @@ def generation_reported(node: Node, job: Job, event: WorkerEvent) -> None:
     generation = current(job)
     if generation is not None:
         _maybe_settle(job, generation)
-    message = f"running on {job.allocations.count()} workers"
+    message = f"running on {counted(job.allocations.count(), 'worker')}"
     if job.state == JobState.RESIZING:
         job.claim(JobState.RUNNING, message=message)
     elif job.state == JobState.RUNNING:

@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from elastic.scheduling.api import Reason
 from elastic.spec import FieldError, SpecError, validate_spec
+from elastic.wording import counted
 from portal.cluster.models import Device, Node
 from portal.errors import ApiError, conflict
 from portal.jobs import artifacts, lifecycle
@@ -26,7 +27,7 @@ def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
     try:
         spec = validate_spec(data)
     except SpecError as exc:
-        raise ApiError(400, "invalid_spec", f"the job spec has {len(exc.errors)} invalid field(s)", exc.errors) from exc
+        raise ApiError(400, "invalid_spec", f"the job spec has {counted(len(exc.errors), 'invalid field')}", exc.errors) from exc
     if spec.code is not None:
         check_usable(owner, spec.code)
     if spec.init_from is not None:

@@ -9,6 +9,7 @@ from django.conf import settings
 
 from elastic.scheduling import ClusterSnapshot, JobView, Plan, Reason
 from elastic.scheduling.queue import QueueEntry, explain_queue
+from elastic.wording import counted
 from portal.cluster.models import Device
 from portal.jobs.models import Job
 from portal.scheduling.models import SchedulerDecision
@@ -38,28 +39,28 @@ def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> str:
     parts: list[str] = []
     for reason in reasons_of(job, plan, snapshot):
         if reason == Reason.PINNED:
-            parts.append(f"pinned to {job.pinned_workers} workers by a manual resize")
+            parts.append(f"pinned to {counted(job.pinned_workers, 'worker')} by a manual resize")
         elif reason == Reason.PIN_UNMET:
-            parts.append(f"pinned to {job.pinned_workers} workers, which cannot be met now")
+            parts.append(f"pinned to {counted(job.pinned_workers, 'worker')}, which cannot be met now")
         elif reason == Reason.MINIMUM:
-            parts.append(f"its minimum of {job.min_workers} workers")
+            parts.append(f"its minimum of {counted(job.min_workers, 'worker')}")
         elif reason == Reason.FAIR_SHARE:
-            parts.append(f"its fair share: {len(devices)} workers")
+            parts.append(f"its fair share: {counted(len(devices), 'worker')}")
         elif reason == Reason.THROUGHPUT:
-            parts.append(f"{len(devices)} workers, where it adds the most throughput")
+            parts.append(f"{counted(len(devices), 'worker')}, where it adds the most throughput")
         elif reason == Reason.GANG:
-            parts.append(f"the {job.gang_size} workers it asked for")
+            parts.append(f"the {counted(job.gang_size, 'worker')} it asked for")
         elif reason == Reason.BORROWED:
             borrowed = sum(1 for d in devices if d in lent)
-            parts.append(f"{borrowed} borrowed device(s) that their owner may take back at any time")
+            parts.append(f"{counted(borrowed, 'borrowed device')} that their owner may take back at any time")
         elif reason == Reason.WAITING:
             given = {d for assigned in plan.assignments.values() for d in assigned}
             free = sum(1 for d in snapshot.devices if d.available and d.id not in given)
             pool = "devices" if job.priority == "guaranteed" else "shared or lent devices"
             if job.min_workers > len(snapshot.devices):
                 parts.append(
-                    f"cannot start on the cluster as it is: needs at least {job.min_workers} workers and the "
-                    f"cluster has {len(snapshot.devices)} devices; it starts once nodes join (or lower min_workers)"
+                    f"cannot start on the cluster as it is: needs at least {counted(job.min_workers, 'worker')} and the "
+                    f"cluster has {counted(len(snapshot.devices), 'device')}; it starts once nodes join (or lower min_workers)"
                 )
             else:
                 parts.append(f"waiting for {pool}: needs at least {job.min_workers}, {free} free")
