@@ -117,11 +117,16 @@ WHITENOISE_AUTOREFRESH = DEBUG
 # --- Redis: Celery broker, Channels layer, agent command streams, live metrics --------------
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 
+# A socket's channel waits for its next message with a blocking pop of 5 s; redis-py 8 reads with
+# a 5 s socket timeout by default, so a socket that heard nothing for 5 s failed with "Timeout
+# reading" (a traceback in the log, and the browser dropped with 1011). Reads get 5 s beyond the
+# pop; connecting stays quick.
+CHANNEL_LAYER_TIMEOUTS = {"socket_timeout": 10, "socket_connect_timeout": 2}
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         "CONFIG": {
-            "hosts": [REDIS_URL],
+            "hosts": [{"address": REDIS_URL, **CHANNEL_LAYER_TIMEOUTS}],
             "prefix": env_str("BUNGEE_CHANNEL_PREFIX", "bungee"),
             # A socket that is gone without leaving its groups (the portal was killed) drops out
             # of them after this; a live one renews its membership well before (portal.live).
@@ -202,7 +207,9 @@ BUNGEE = {
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    # A 4xx is logged as one line (Django adds a 403's traceback): portal.error_pages.
+    "filters": {"one_line_refusals": {"()": "portal.error_pages.OneLineRefusals"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "filters": ["one_line_refusals"]}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }

@@ -3,6 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from portal.api import api
+from portal.error_pages import forbidden_page, not_found_page
 from portal.jobs import views
 from portal.metrics import metrics_view
 from portal.scheduling.views import scheduler_page
@@ -19,3 +20,6 @@ urlpatterns = [
     path("api/", api.urls),
     path("metrics", metrics_view, name="metrics"),
 ]
+
+handler403 = forbidden_page
+handler404 = not_found_page

@@ -7,7 +7,7 @@ import secrets
 import dj_database_url
 
 from portal.settings import *  # noqa: F403
-from portal.settings import BUNGEE
+from portal.settings import BUNGEE, CHANNEL_LAYER_TIMEOUTS
 
 DATABASES = {
     "default": dj_database_url.parse(
@@ -20,7 +20,8 @@ REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": f"bungee-test-{os.getpid()}", "group_expiry": 120},
+        "CONFIG": {"hosts": [{"address": REDIS_URL, **CHANNEL_LAYER_TIMEOUTS}], "prefix": f"bungee-test-{os.getpid()}",
+                   "group_expiry": 120},
     }
 }
 CELERY_BROKER_URL = REDIS_URL

@@ -21,6 +21,11 @@ SPEC_FIELDS = ("name", "workload", "min_workers", "max_workers", "priority", "co
 STRICT_FIELDS = ("virtual_workers",)
 HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size", "lr_scaling", "warmup_steps")
 """Each mode's own inputs; those of the mode not chosen are ignored (the script disables them)."""
+ERROR_SLOTS = (
+    *SPEC_FIELDS, *STRICT_FIELDS, *HYBRID_FIELDS, "length", "code_file", "entrypoint", "code_hyperparameters", "spec_yaml",
+)
+"""The inputs that show their own error beside them in the form (templates/jobs/submit.html); a
+workload's hyperparameters add theirs, and `hp-WORKLOAD` for an error about several of them."""
 MAX_YAML_BYTES = 64 * 1024
 OWN_CODE = "own-code"
 """The workload choice that means: the job's own code, uploaded with the form."""
@@ -148,6 +153,8 @@ def errors_by_input(error: ApiError, workload: str, from_yaml: bool) -> dict[str
             name = "code_file"
         elif name.startswith("hyperparameters."):
             name = f"hp-{workload}-{name.removeprefix('hyperparameters.')}"
+        elif name == "hyperparameters":  # a rule across several of them: d_model and heads
+            name = f"hp-{workload}"
         elif name in {"steps", "epochs"}:
             name = "length"
         mapped.setdefault(name, field.message)

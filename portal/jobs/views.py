@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
@@ -14,7 +15,7 @@ from elastic.workloads import CATALOGUE
 from portal.errors import ApiError
 from portal.jobs.access import job_for
 from portal.jobs.api import detail, listed, summary
-from portal.jobs.forms import errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
+from portal.jobs.forms import ERROR_SLOTS, errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
 from portal.jobs.models import Job
 from portal.jobs.services import submit_job
 from portal.jobs.states import ACTIVE_STATES, JobState
@@ -36,14 +37,22 @@ def board(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def job_list(request: HttpRequest) -> HttpResponse:
+    """Everyone's jobs, filtered by state and owner. A filter that names no state or no user is
+    refused (400, as the API does) with the reason next to its field, not taken for "no jobs"."""
     jobs = listed(Job.objects.all()).order_by("-created_at")
     state = request.GET.get("state", "")
-    owner = request.GET.get("owner", "")
-    if state in JobState.values:
+    # PostgreSQL refuses a NUL in a query; no user's name has one.
+    owner = request.GET.get("owner", "").replace("\x00", "\N{SYMBOL FOR NULL}")
+    errors: dict[str, str] = {}
+    if state and state not in JobState.values:
+        errors["state"] = f"there is no state “{state}”; choose one of the list"
+    elif state:
         jobs = jobs.filter(state=state)
-    if owner:
+    if owner and not get_user_model().objects.filter(username=owner).exists():
+        errors["owner"] = f"there is no user named “{owner}”"
+    elif owner:
         jobs = jobs.filter(owner__username=owner)
-    rows = [summary(j) for j in jobs[:500]]
+    rows = [] if errors else [summary(j) for j in jobs[:500]]
     return render(
         request,
         "jobs/list.html",
@@ -52,8 +61,10 @@ def job_list(request: HttpRequest) -> HttpResponse:
             "states": JobState.values,
             "state": state,
             "owner": owner,
+            "errors": errors,
             "bootstrap": {"viewer": _viewer(request), "filter": {"state": state, "owner": owner}},
         },
+        status=400 if errors else 200,
     )
 
 
@@ -80,17 +91,23 @@ def submit_page(request: HttpRequest) -> HttpResponse:
         else:
             return redirect("job-page", job_id=job.pk)
     workloads = []
+    placed = set(ERROR_SLOTS)
     for info in CATALOGUE.values():
         fields = []
         for field in hyperparameter_fields(info.name):
             input_id = field.input_id(info.name)
             fields.append({"field": field, "id": input_id,
                            "value": values.get(input_id, field.default), "error": errors.get(input_id)})
-        workloads.append({"info": info, "fields": fields})
+            placed.add(input_id)
+        placed.add(f"hp-{info.name}")
+        workloads.append({"info": info, "fields": fields, "error": errors.get(f"hp-{info.name}")})
+    # Every error the banner counts is shown: a YAML spec's all in one list, the form's beside
+    # their inputs, and any with no input of its own under the banner.
+    unplaced = {} if "spec_yaml" in errors else {name: text for name, text in errors.items() if name not in placed}
     return render(
         request,
         "jobs/submit.html",
-        {"values": values, "errors": errors, "message": message, "workloads": workloads},
+        {"values": values, "errors": errors, "unplaced": unplaced, "message": message, "workloads": workloads},
         status=400 if errors or message else 200,
     )
 
@@ -101,8 +118,8 @@ def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
         job = job_for(request.user, job_id)
     except ApiError as exc:
         if exc.status == 404:
-            raise Http404(exc.message) from exc
-        raise PermissionDenied(exc.message) from exc
+            raise Http404(f"there is no job {job_id}") from exc
+        raise PermissionDenied(f"job {job_id} is not yours; only its owner and staff may see its page") from exc
     metrics = list(job.metrics.order_by("-at").values("step", "loss", "samples_per_s", "metrics", "at")[:2000])[::-1]
     evaluations = list(job.evaluations.order_by("step", "at").values("step", "metrics")[:2000])
     logs = list(job.logs.order_by("-id").values("id", "generation", "rank", "line")[:200])[::-1]
