@@ -53,7 +53,8 @@ def detail(job: Job) -> dict[str, Any]:
         "started_at": job.started_at,
         "finished_at": job.finished_at,
         "allocations": [
-            {"rank": a.rank, "device_id": a.device_id, "node": a.device.node.name, "device_index": a.device.index}
+            {"rank": a.rank, "device_id": a.device_id, "node": a.device.node.name, "device_index": a.device.index,
+             "backend": a.device.node.backend}
             for a in job.allocations.select_related("device__node")
         ],
         "resizes": [

@@ -61,6 +61,8 @@ class AllocationOut(Schema):
     device_id: int
     node: str
     device_index: int
+    backend: str = Field(description="the node's device backend: nvml, or simulated (CPU cores posing as devices, "
+                         "whose temperature and power are modelled, not measured)")
 
 
 class ResizeOut(Schema):

@@ -20,7 +20,7 @@
     if (text !== undefined) node.textContent = text;
     return node;
   };
-  const hue = (id) => (id * 137.508) % 360;
+  const counted = BungeeFormat.counted;
   const bytes = (n) => {
     if (n === null || n === undefined) return "–";
     const units = ["B", "KB", "MB", "GB", "TB"];
@@ -42,7 +42,7 @@
     cluster.nodes.forEach((node) => node.devices.forEach((d) => {
       const old = devices.get(d.id);
       devices.set(d.id, Object.assign({}, d, { node: node.name, nodeState: node.state,
-        history: old ? old.history : [] }));
+        simulated: node.backend === "simulated", history: old ? old.history : [] }));
       if (d.sample) pushHistory(devices.get(d.id), d.sample);
       seen.add(d.id);
     }));
@@ -94,6 +94,7 @@
 
   function renderDevices() {
     const body = $("#devices tbody");
+    const headings = [...document.querySelectorAll("#devices thead th")].map((th) => th.textContent);
     body.replaceChildren();
     [...devices.values()].forEach((d) => {
       const row = el("tr", { "data-device": d.id });
@@ -106,6 +107,8 @@
       row.appendChild(el("td", { "data-field": "power" }));
       row.appendChild(el("td", { "data-field": "holder" }));
       row.appendChild(el("td", { "data-field": "share" }));
+      // Each cell names its column, for the narrow layout that stacks a row's cells.
+      row.querySelectorAll("td").forEach((cell, i) => cell.setAttribute("data-label", headings[i + 1]));
       body.appendChild(row);
       updateDeviceRow(d);
     });
@@ -120,13 +123,13 @@
     const spark = $(".spark", row);
     if (spark) spark.replaceWith(sparkline(d.history));
     $('[data-field="mem"]', row).textContent = s ? bytes(s.memory_used_bytes) + " / " + bytes(s.memory_total_bytes) : "–";
-    $('[data-field="temp"]', row).textContent = s && s.temperature_c !== null ? s.temperature_c.toFixed(0) + " °C" : "–";
-    $('[data-field="power"]', row).textContent = s && s.power_w !== null ? s.power_w.toFixed(0) + " W" : "–";
+    reading($('[data-field="temp"]', row), s && s.temperature_c !== null ? s.temperature_c.toFixed(0) + " °C" : null, d.simulated);
+    reading($('[data-field="power"]', row), s && s.power_w !== null ? s.power_w.toFixed(0) + " W" : null, d.simulated);
     const holder = $('[data-field="holder"]', row);
     const kind = holderOf(d);
     holder.replaceChildren();
     if (kind === "job" && d.job) {
-      const tag = el("span", { class: "tag job-tag", style: "--job-hue:" + hue(d.job.id) },
+      const tag = el("span", { class: "tag job-tag", style: BungeeFormat.jobColour(d.job.id) },
         "#" + d.job.id + " " + d.job.name + " (" + d.job.owner + ")");
       holder.appendChild(tag);
     } else {
@@ -135,12 +138,20 @@
     $('[data-field="share"]', row).textContent = perJob(s);
   }
 
+  // A reading that the simulated backend models rather than measures (a CPU slot's temperature
+  // and power) says so.
+  function reading(cell, text, simulated) {
+    cell.textContent = text === null ? "–" : text;
+    if (text !== null && simulated) cell.append(" ", el("span", { class: "sim" }, "simulated"));
+  }
+
   function summarise() {
     const all = [...devices.values()];
     const free = all.filter((d) => holderOf(d) === "free").length;
     const nodes = new Set(all.map((d) => d.node)).size;
-    $("#board-summary").textContent = nodes + " node(s) · " + all.length + " device(s) · " + free +
-      " free · " + [...jobs.values()].filter((j) => !FINAL.has(j.state)).length + " active job(s)";
+    $("#board-summary").textContent = counted(nodes, "node") + " · " + counted(all.length, "device") + " · " + free +
+      " free · " + counted([...jobs.values()].filter((j) => !FINAL.has(j.state)).length, "active job");
+    $("#simulated-note").hidden = !all.some((d) => d.simulated);
   }
 
   // --- jobs lane -----------------------------------------------------------------------------
@@ -170,9 +181,11 @@
       label.appendChild(why(job));
       const track = el("div", { class: "track", style: "--cells:" + cells });
       const target = pending.has(job.id) ? pending.get(job.id) : job.workers;
+      // A job without workers (queued) has no bar, only its state where the bar would start.
+      const empty = job.workers === 0 && !pending.has(job.id);
       const bar = el("div", {
-        class: "bar" + (pending.has(job.id) || job.state === "resizing" ? " resizing" : "") + (mayManage(job) ? " mine" : ""),
-        style: "--job-hue:" + hue(job.id) + ";--workers:" + Math.max(job.workers, 0.25),
+        class: "bar" + (pending.has(job.id) || job.state === "resizing" ? " resizing" : "") + (mayManage(job) ? " mine" : "") + (empty ? " empty" : ""),
+        style: BungeeFormat.jobColour(job.id) + ";--workers:" + Math.max(job.workers, 0.25),
         tabindex: "0",
         "data-workers": job.workers,
         "aria-label": "Job " + job.name + " workers",
@@ -182,16 +195,17 @@
         bar.setAttribute("aria-valuemin", "0");
         bar.setAttribute("aria-valuemax", String(cells));
         bar.setAttribute("aria-valuenow", String(target));
-        bar.setAttribute("aria-valuetext", target + " workers");
+        bar.setAttribute("aria-valuetext", counted(target, "worker"));
         const handle = el("span", { class: "handle", "aria-hidden": "true" });
         bar.appendChild(handle);
         attachDrag(job, bar, handle, track);
         attachKeys(job, bar, track);
       } else {
         bar.setAttribute("role", "img");
-        bar.setAttribute("aria-label", "Job " + job.name + " of " + job.owner + ": " + job.workers + " workers (not yours to resize)");
+        bar.setAttribute("aria-label", "Job " + job.name + " of " + job.owner + ": " + counted(job.workers, "worker") + " (not yours to resize)");
       }
-      bar.appendChild(el("span", { class: "bar-text" }, pending.has(job.id) ? "resizing to " + target + "…" : job.workers + " worker(s)"));
+      bar.appendChild(el("span", { class: "bar-text" }, pending.has(job.id) ? "resizing to " + target + "…"
+        : empty ? (job.state === "queued" ? "queued: no workers yet" : "no workers") : counted(job.workers, "worker")));
       track.appendChild(bar);
       row.append(label, track);
       lane.appendChild(row);
@@ -241,9 +255,10 @@
 
   function showDraft(bar, track, draft) {
     bar.style.setProperty("--workers", Math.max(draft, 0.25));
-    bar.querySelector(".bar-text").textContent = "→ " + draft + " worker(s)";
+    bar.classList.remove("empty");
+    bar.querySelector(".bar-text").textContent = "→ " + counted(draft, "worker");
     bar.setAttribute("aria-valuenow", String(draft));
-    bar.setAttribute("aria-valuetext", draft + " workers");
+    bar.setAttribute("aria-valuetext", counted(draft, "worker"));
     track.classList.add("dragging");
   }
 
@@ -254,7 +269,8 @@
     if (draft < job.min_workers || draft > job.max_workers) {
       refusal = job.name + " must have between " + job.min_workers + " and " + job.max_workers + " workers; " + draft + " is outside that.";
     } else if (draft > job.workers + freeDevices()) {
-      refusal = "Only " + freeDevices() + " device(s) are free: " + job.name + " can have at most " + (job.workers + freeDevices()) + " workers now.";
+      refusal = "Only " + counted(freeDevices(), "device") + (freeDevices() === 1 ? " is" : " are") + " free: " + job.name +
+        " can have at most " + counted(job.workers + freeDevices(), "worker") + " now.";
     }
     if (refusal) { message(refusal); renderJobs(); return; }
     pending.set(job.id, draft);

@@ -96,9 +96,16 @@
       return [["Virtual workers", job.virtual_workers === null || job.virtual_workers === undefined ? "–" : String(job.virtual_workers)]];
     }
     return [
-      ["Global batch", job.global_batch ? String(job.global_batch) : "–"],
+      ["Global batch", globalBatch()],
       ["Learning rate", job.learning_rate === null || job.learning_rate === undefined ? "–" : job.learning_rate.toPrecision(4)],
     ];
+  }
+  // Hybrid: the global batch of the last step and, where it differs, the scheduler's choice,
+  // which the job's workers take up with its next generation.
+  function globalBatch() {
+    const last = job.global_batch, chosen = job.batch_size;
+    if (!last) return chosen ? chosen + ", chosen by the scheduler (no step yet)" : "–";
+    return chosen && chosen !== last ? last + " at the last step; the scheduler chose " + chosen + " for the next generation" : String(last);
   }
   function renderFacts() {
     const facts = $("#facts");
@@ -116,7 +123,6 @@
       ["Generation", String(job.generation)],
       ["Scheduler", job.schedule_note || "–"],
     ];
-    if (job.batch_size !== null && job.batch_size !== undefined) rows.push(["Global batch", String(job.batch_size)]);
     if (job.pin_problem) rows.push(["Pin not met", job.pin_problem]);
     if (job.state === "queued" && job.queue && job.queue.position) {
       rows.push(["Queue", BungeeLive.queueText(job)]);
@@ -169,7 +175,9 @@
         mem += p.memory_bytes;
       });
       const row = el("tr");
-      row.append(el("td", String(a.rank)), el("td", a.node + "/" + a.device_index),
+      const device = el("td", a.node + "/" + a.device_index);
+      if (a.backend === "simulated") device.append(" ", el("span", "simulated", { class: "sim" }));
+      row.append(el("td", String(a.rank)), device,
         el("td", util === null ? "–" : util.toFixed(0) + "%"), el("td", s ? bytes(mem) : "–"),
         el("td", s ? s.utilization_pct.toFixed(0) + "%" : "–"));
       body.appendChild(row);
@@ -236,7 +244,7 @@
     const raw = $("#resize-to").value.trim();
     const workers = raw === "" ? null : Number(raw);
     const result = await BungeeLive.post("/api/jobs/" + job.id + "/resize", { workers: workers });
-    say(result.ok ? (workers === null ? "Pin lifted: the scheduler decides." : "Resizing to " + workers + " workers…") : BungeeLive.errorText(result));
+    say(result.ok ? (workers === null ? "Pin lifted: the scheduler decides." : "Resizing to " + BungeeFormat.counted(workers, "worker") + "…") : BungeeLive.errorText(result));
     if (result.ok) { job = result.body; renderFacts(); }
   });
   $("#unpin").addEventListener("click", async () => {
