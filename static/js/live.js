@@ -93,7 +93,7 @@
 
   // The jobs holding what a queued job waits for: "#4 hog (alice, 4 devices, pinned, ends in about 25 s)".
   function holderText(h) {
-    const parts = [h.owner, h.devices + (h.devices === 1 ? " device" : " devices")];
+    const parts = [h.owner, BungeeFormat.counted(h.devices, "device")];
     if (h.pinned) parts.push("pinned");
     parts.push(h.finish_estimate_at ? "ends in " + about(h.finish_estimate_at) : "end not known yet");
     return "#" + h.id + " " + h.name + " (" + parts.join(", ") + ")";
