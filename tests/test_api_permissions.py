@@ -189,7 +189,7 @@ def test_openapi_response_schemas_are_pinned() -> None:
         "GET /api/jobs/{job_id}/artifacts/{name}": (200, None, error),
         "GET /api/jobs/{job_id}/evaluations": (200, "list[EvaluationOut]", error),
         "GET /api/jobs/{job_id}/logs": (200, "list[LogOut]", error),
-        "GET /api/jobs/{job_id}/metrics": (200, "list[MetricOut]", error),
+        "GET /api/jobs/{job_id}/metrics": (200, "MetricsOut", error),
         "GET /api/scheduler/decisions/latest": (200, None, error),
         "GET /api/workloads": (200, "list[WorkloadOut]", error),
         "POST /api/agent/jobs/{job_id}/artifacts": (200, None, error),

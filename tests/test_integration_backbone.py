@@ -106,7 +106,7 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
     logs = [entry["line"] for entry in alice.get(f"/api/jobs/{job_id}/logs").json()]
     switched = [line for line in logs if line.startswith("generation ") and " -> " in line]
     assert len(switched) >= 2 and not [line for line in logs if "resumed" in line], logs
-    metrics = alice.get(f"/api/jobs/{job_id}/metrics").json()
+    metrics = alice.get(f"/api/jobs/{job_id}/metrics").json()["points"]
     steps = [m["step"] for m in metrics]
     assert steps == sorted(steps), "steps went backwards: a finished step was lost"
     assert metrics[-1]["loss"] < metrics[0]["loss"], "the model did not learn"

@@ -146,7 +146,7 @@ def logs(platform: Platform, job_id: int) -> list[str]:
 
 
 def loss_fell(platform: Platform, job_id: int) -> bool:
-    metrics = platform.api("alice").get(f"/api/jobs/{job_id}/metrics").json()
+    metrics = platform.api("alice").get(f"/api/jobs/{job_id}/metrics").json()["points"]
     return bool(metrics) and metrics[-1]["loss"] < metrics[0]["loss"] / 2
 
 

@@ -30,7 +30,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def throughput(platform: Platform, job_id: int, generation: int) -> float:
     rates = [
         m["samples_per_s"]
-        for m in platform.api("alice").get(f"/api/jobs/{job_id}/metrics").json()
+        for m in platform.api("alice").get(f"/api/jobs/{job_id}/metrics").json()["points"]
         if m["generation"] == generation and m["samples_per_s"]
     ]
     assert len(rates) >= 5, rates

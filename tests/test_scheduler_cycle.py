@@ -369,7 +369,7 @@ def test_named_metrics_and_evaluations_are_kept_and_served(api: dict, cluster: A
         event(job, "evaluation", step=10, metrics={"accuracy": 0.45}),
         event(job, "progress", step=20, loss=1.2, samples_per_s=95.0, metrics={"accuracy": 0.6, "top5": 0.95}),
     )
-    served = api["alice"].get(f"/api/jobs/{job.pk}/metrics").json()
+    served = api["alice"].get(f"/api/jobs/{job.pk}/metrics").json()["points"]
     assert [(m["step"], m["metrics"]) for m in served] == [(10, {"accuracy": 0.5, "top5": 0.9}),
                                                           (20, {"accuracy": 0.6, "top5": 0.95})]
     evaluations = api["alice"].get(f"/api/jobs/{job.pk}/evaluations").json()

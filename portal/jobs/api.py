@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
+from typing import Annotated, Any
 
 from django.contrib.auth import get_user_model
 from django.db.models import Count, QuerySet
@@ -13,16 +14,16 @@ from elastic.spec import FieldError, JobSpec
 from portal.auth import user_auth
 from portal.bodies import BodyError, parse_json, parse_yaml
 from portal.errors import ApiError, not_found
-from portal.jobs import artifacts
+from portal.jobs import artifacts, curves
 from portal.jobs.access import job_for
 from portal.jobs.models import Job
-from portal.jobs.schemas import EvaluationOut, JobDetailOut, JobSummaryOut, LogOut, MetricOut, ResizeIn
+from portal.jobs.schemas import EvaluationOut, JobDetailOut, JobSummaryOut, LogOut, MetricsOut, ResizeIn
 from portal.jobs.services import cancel_job, request_resize, submit_job
 from portal.jobs.states import JobState
 
 router = Router(auth=user_auth, tags=["jobs"])
 
-MAX_METRICS = 5000
+MAX_EVALUATIONS = 5000
 MAX_LOG_LINES = 1000
 LIST_PAGE = 100
 LIST_PAGE_MAX = 500
@@ -32,6 +33,11 @@ def listed(jobs: QuerySet[Job]) -> QuerySet[Job]:
     """`jobs` with what `summary` reads fetched in the same query: the owner and the number of
     devices held (without it, a list costs a query per row)."""
     return jobs.select_related("owner").annotate(allocation_count=Count("allocations"))
+
+
+CurvePoints = Annotated[
+    int, Field(ge=2, le=curves.MAX_POINTS, description="at most this many points, covering the whole run")
+]
 
 
 def summary(job: Job) -> dict[str, Any]:
@@ -178,14 +184,17 @@ def cancel(request: HttpRequest, job_id: int) -> dict[str, Any]:
 @router.get("/{int:job_id}/evaluations", response=list[EvaluationOut], summary="The task's evaluations, by step")
 def evaluations(request: HttpRequest, job_id: int) -> Any:
     job = job_for(request.user, job_id)
-    return list(job.evaluations.order_by("step", "at")[:MAX_METRICS])
+    return list(job.evaluations.order_by("step", "at")[:MAX_EVALUATIONS])
 
 
-@router.get("/{int:job_id}/metrics", response=list[MetricOut], summary="Loss, throughput and named metrics history")
-def metrics(request: HttpRequest, job_id: int) -> Any:
+@router.get(
+    "/{int:job_id}/metrics", response=MetricsOut,
+    summary="Loss, throughput and named metrics over the whole run, downsampled, with its rollbacks",
+)
+def metrics(request: HttpRequest, job_id: int, points: CurvePoints = curves.DEFAULT_POINTS) -> dict[str, Any]:
     job = job_for(request.user, job_id)
-    rows = job.metrics.order_by("-at")[:MAX_METRICS]
-    return list(reversed(rows))
+    curve = curves.curve(job, points)
+    return {"points": curve.points, "rollbacks": [asdict(r) for r in curve.rollbacks], "rows": curve.rows}
 
 
 @router.get("/{int:job_id}/logs", response=list[LogOut], summary="Log lines after `after` (an id)")

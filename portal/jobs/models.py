@@ -264,6 +264,9 @@ class JobMetric(models.Model):
 
     class Meta:
         ordering = ["job", "at"]
+        # A job's curve is read by step (portal.jobs.curves), and ingest's replay check looks
+        # for a step at or past the one reported.
+        indexes = [models.Index(fields=["job", "step"], name="jobmetric_job_step")]
 
 
 class JobEvaluation(models.Model):
@@ -287,6 +290,8 @@ class JobLog(models.Model):
 
     class Meta:
         ordering = ["job", "at", "id"]
+        # The API pages a job's log by id; pruning keeps a job's newest lines by id.
+        indexes = [models.Index(fields=["job", "id"], name="joblog_job_id")]
 
 
 class CodeUpload(models.Model):

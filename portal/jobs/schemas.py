@@ -141,12 +141,31 @@ class ResizeIn(Schema):
 
 class MetricOut(Schema):
     generation: int
+    segment: int = Field(description="the stretch of the run it belongs to: 0, then one more after each rollback")
     step: int
     epoch: float | None
     loss: float | None
     samples_per_s: float | None
     metrics: dict[str, float] = Field(description="the task's named training metrics (rank 0's part of the step)")
     at: datetime
+    loss_min: float | None = Field(description="the lowest loss of the rows this point stands for")
+    loss_max: float | None = Field(description="the highest loss of the rows this point stands for")
+    rows: int = Field(description="how many stored rows this point stands for (1: not downsampled)")
+
+
+class RollbackOut(Schema):
+    generation: int = Field(description="the generation that went back: every worker had gone, it resumed from the checkpoint")
+    at_step_from: int = Field(description="the last step reported before it")
+    to_step: int = Field(description="the completed steps it resumed from (the checkpoint's; 0 without one)")
+    at: datetime = Field(description="when it reported its first step")
+
+
+class MetricsOut(Schema):
+    points: list[MetricOut] = Field(
+        description="the whole run, oldest first, by segment then step: each point the newest row of its bucket of steps"
+    )
+    rollbacks: list[RollbackOut] = Field(description="where the run went back to an earlier step; each starts a segment")
+    rows: int = Field(description="the stored rows the points were drawn from")
 
 
 class EvaluationOut(Schema):

@@ -3,6 +3,7 @@ the same services as the API; everything live arrives over the one socket (/ws/l
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -13,12 +14,15 @@ from django.shortcuts import redirect, render
 
 from elastic.workloads import CATALOGUE
 from portal.errors import ApiError
+from portal.jobs import curves
 from portal.jobs.access import job_for
 from portal.jobs.api import detail, listed, summary
 from portal.jobs.forms import ERROR_SLOTS, errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
 from portal.jobs.models import Job
 from portal.jobs.services import submit_job
 from portal.jobs.states import ACTIVE_STATES, JobState
+
+CHART_FIELDS = ("generation", "segment", "step", "loss", "samples_per_s", "metrics")
 
 
 def _viewer(request: HttpRequest) -> dict[str, Any]:
@@ -120,7 +124,7 @@ def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
         if exc.status == 404:
             raise Http404(f"there is no job {job_id}") from exc
         raise PermissionDenied(f"job {job_id} is not yours; only its owner and staff may see its page") from exc
-    metrics = list(job.metrics.order_by("-at").values("step", "loss", "samples_per_s", "metrics", "at")[:2000])[::-1]
+    curve = curves.curve(job)
     evaluations = list(job.evaluations.order_by("step", "at").values("step", "metrics")[:2000])
     logs = list(job.logs.order_by("-id").values("id", "generation", "rank", "line")[:200])[::-1]
     return render(
@@ -131,7 +135,10 @@ def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
             "bootstrap": {
                 "viewer": _viewer(request),
                 "job": detail(job),
-                "metrics": [{**m, "at": m["at"].timestamp()} for m in metrics],
+                "metrics": [
+                    {**{k: m[k] for k in CHART_FIELDS}, "at": m["at"].timestamp()} for m in curve.points
+                ],
+                "rollbacks": [{**asdict(r), "at": r.at.timestamp()} for r in curve.rollbacks],
                 "evaluations": evaluations,
                 "logs": logs,
             },

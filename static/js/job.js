@@ -22,26 +22,134 @@
   const PHASES = ["leave", "rendezvous", "exchange", "transfer", "first_step"];
   const phaseOrder = (name) => (PHASES.indexOf(name) + PHASES.length + 1) % (PHASES.length + 1);
   const compact = (v) => Math.abs(v) >= 1e4 ? (v / 1e3).toFixed(0) + "k" : String(v);
-  const MAX_POINTS = 5000;
   const MAX_LOG_LINES = 500;
 
   // --- charts --------------------------------------------------------------------------------
-  const steps = [], losses = [], speeds = [];
-  boot.metrics.forEach((m) => { steps.push(m.step); losses.push(m.loss); speeds.push(m.samples_per_s); });
+  // The curve covers the whole run in at most CURVE_POINTS points (the API downsamples it); live
+  // points are appended, and past twice that many it is fetched again, downsampled anew. A
+  // rollback (every worker was gone, the job resumed from its checkpoint) cuts the run into
+  // segments: the steps trained again after it are the run's line, the steps lost past it stay
+  // as a faded line of their own, and a vertical marker says where it went back to.
+  const CURVE_POINTS = 2000;
+  let segments = [];  // per segment, its points in step order
+  let rollbacks = boot.rollbacks || [];
+  function setCurve(points, marked) {
+    segments = [];
+    points.forEach((p) => { (segments[p.segment] = segments[p.segment] || []).push(p); });
+    segments = segments.filter(Boolean);
+    rollbacks = marked;
+  }
+  setCurve(boot.metrics, rollbacks);
+  const lastPoint = () => { const seg = segments[segments.length - 1]; return seg && seg[seg.length - 1]; };
+  // Per segment, its line: the steps the run kept, up to where a later rollback went back to,
+  // then (all but the last segment) the steps lost past it, trained again after the rollback.
+  // Each is a series of its own, so the run's line breaks at every rollback.
+  function lines() {
+    if (!segments.length) return [[]];
+    const parts = [];
+    let limit = Infinity;
+    for (let s = segments.length - 1; s >= 0; s--) {
+      const kept = [], lost = [];
+      segments[s].forEach((p) => (p.step <= limit ? kept : lost).push(p));
+      parts.unshift(...(s < segments.length - 1 ? [kept, lost] : [kept]));
+      if (s > 0) limit = Math.min(limit, rollbacks[s - 1].to_step);
+    }
+    return parts;
+  }
+  // uPlot wants one x array: the steps of every line, each line null where it has no point.
+  function aligned(value) {
+    const parts = lines();
+    const xs = [...new Set(parts.flatMap((part) => part.map((p) => p.step)))].sort((a, b) => a - b);
+    const at = new Map(xs.map((x, i) => [x, i]));
+    return [xs, ...parts.map((part) => {
+      const ys = new Array(xs.length).fill(null);
+      part.forEach((p) => { ys[at.get(p.step)] = value(p); });
+      return ys;
+    })];
+  }
+  // After every draw (new data, a resize), each rollback's marker is put where its step is now;
+  // the markers are kept and moved rather than made again.
+  function placeMarkers(u) {
+    const marks = [...u.over.querySelectorAll(".rollback-marker")];
+    marks.slice(rollbacks.length).forEach((node) => node.remove());
+    rollbacks.forEach((r, i) => {
+      const mark = marks[i] || u.over.appendChild(el("div", undefined, { class: "rollback-marker" }));
+      mark.title = "generation " + r.generation + " went back from step " + r.at_step_from + " to step " +
+        r.to_step + " (its checkpoint): the steps after it were trained again";
+      const label = "rolled back to step " + r.to_step;
+      if (mark.textContent !== label) mark.replaceChildren(el("span", label));
+      const left = Math.min(Math.max(u.valToPos(r.to_step, "x"), 0), u.over.clientWidth);
+      mark.style.left = left + "px";
+      // In the right half the label goes left of the line, so that it stays inside the chart.
+      mark.classList.toggle("rollback-marker-left", left > u.over.clientWidth / 2);
+    });
+  }
   const css = getComputedStyle(document.documentElement);
-  function chart(target, label, values, colour) {
+  function chart(target, label, value, colour, previous) {
+    if (previous) previous.destroy();
+    const data = aligned(value);
     const width = Math.max(280, target.clientWidth || 480);
     return new uPlot({
       width: width, height: 220,
       scales: { x: { time: false } },
       axes: [{ label: "step", stroke: css.getPropertyValue("--fg") },
         { stroke: css.getPropertyValue("--fg"), size: 56, values: (u, ticks) => ticks.map(compact) }],
-      series: [{ label: "step" }, { label: label, stroke: colour, width: 2 }],
+      // Even series: the run's line; odd ones: steps lost at a rollback, faded and dashed.
+      series: [{ label: "step" }, ...data.slice(1).map((_, i) => (i % 2
+        ? { label: label + ", lost at rollback " + (i + 1) / 2, stroke: colour + "66", width: 1.5, dash: [6, 4], spanGaps: true }
+        : { label: label, stroke: colour, width: 2, spanGaps: true }))],
       legend: { show: false },
-    }, [steps, values], target);
+      hooks: { draw: [placeMarkers] },
+    }, data, target);
   }
-  const lossChart = chart($("#loss-chart"), "loss", losses, "#d9480f");
-  const speedChart = chart($("#speed-chart"), "samples/s", speeds, "#1c7ed6");
+  let lossChart = null, speedChart = null;
+  function drawCurves() {
+    // A new rollback adds a line: the charts are built again; otherwise only their data changes.
+    if (lossChart && lossChart.series.length === 2 * Math.max(segments.length, 1)) {
+      lossChart.setData(aligned((p) => p.loss));
+      speedChart.setData(aligned((p) => p.samples_per_s));
+      return;
+    }
+    lossChart = chart($("#loss-chart"), "loss", (p) => p.loss, "#d9480f", lossChart);
+    speedChart = chart($("#speed-chart"), "samples/s", (p) => p.samples_per_s, "#1c7ed6", speedChart);
+  }
+  drawCurves();
+  let reloading = false, reloadAgain = false;
+  async function reloadCurve() {
+    if (reloading) { reloadAgain = true; return; }
+    reloading = true;
+    try {
+      const reply = await fetch("/api/jobs/" + job.id + "/metrics?points=" + CURVE_POINTS, { credentials: "same-origin" });
+      if (reply.ok) {
+        const curve = await reply.json();
+        setCurve(curve.points, curve.rollbacks);
+        drawCurves(); renderFacts();
+      }
+    } finally {
+      reloading = false;
+      if (reloadAgain) { reloadAgain = false; reloadCurve(); }
+    }
+  }
+  // A live point: appended, unless the curve already has it; one of a newer generation at a
+  // step already reported is a rollback, which the API marks: the curve is fetched again.
+  function addPoint(msg) {
+    const last = lastPoint();
+    if (last && msg.step <= last.step) {
+      if (msg.generation > last.generation) reloadCurve();
+      return;
+    }
+    const point = { generation: msg.generation, segment: last ? last.segment : 0, step: msg.step, loss: msg.loss,
+      samples_per_s: msg.samples_per_s };
+    if (!segments.length) segments.push([]);
+    segments[segments.length - 1].push(point);
+    if (segments.reduce((n, seg) => n + seg.length, 0) > 2 * CURVE_POINTS) reloadCurve();
+    else drawCurves();
+  }
+  function rollbackNote() {
+    const latest = rollbacks[rollbacks.length - 1];
+    if (!latest || job.steps_done > latest.at_step_from) return "";
+    return " (rolled back from step " + latest.at_step_from + " to " + latest.to_step + ")";
+  }
   // The task's named metrics: "name (train)" from loss, "name (eval)" from evaluate, on one
   // step axis (gaps where a series has no point); the chart is rebuilt when a name appears.
   const named = new Map();  // series label -> Map(step -> value)
@@ -82,10 +190,6 @@
     }, namedData(), target);
   }
   drawNamed(true);
-  function redraw() {
-    lossChart.setData([steps, losses]);
-    speedChart.setData([steps, speeds]);
-  }
   window.addEventListener("resize", () => {
     [lossChart, speedChart, metricsChart].filter(Boolean).forEach((c) => c.setSize({ width: Math.max(280, c.root.parentElement.clientWidth), height: 220 }));
   });
@@ -116,7 +220,7 @@
       ...modeFacts(),
       ["Workers", job.workers + " of " + job.min_workers + "–" + job.max_workers +
         (job.pinned_workers !== null && job.pinned_workers !== undefined ? " (pinned to " + job.pinned_workers + ")" : "")],
-      ["Progress", job.steps_done + " / " + job.total_steps + " steps" +
+      ["Progress", job.steps_done + " / " + job.total_steps + " steps" + rollbackNote() +
         (job.state === "running" || job.state === "resizing" ? " (" + BungeeLive.progressText(job) + ")" : "")],
       ["Loss", job.last_loss === null || job.last_loss === undefined ? "–" : job.last_loss.toFixed(4)],
       ["Throughput", job.samples_per_s ? job.samples_per_s.toFixed(0) + " samples/s" : "–"],
@@ -261,13 +365,12 @@
 
   BungeeLive.on((msg) => {
     if (msg.type === "progress" && msg.job_id === job.id) {
-      steps.push(msg.step); losses.push(msg.loss); speeds.push(msg.samples_per_s);
-      if (steps.length > MAX_POINTS) { steps.shift(); losses.shift(); speeds.shift(); }
+      addPoint(msg);
       job.steps_done = msg.step; job.last_loss = msg.loss; job.samples_per_s = msg.samples_per_s;
       job.finish_estimate_at = msg.finish_estimate_at;
       if (msg.global_batch) job.global_batch = msg.global_batch;
       if (msg.learning_rate !== null && msg.learning_rate !== undefined) job.learning_rate = msg.learning_rate;
-      redraw(); renderFacts();
+      renderFacts();
       drawNamed(addNamed(msg.step, msg.metrics, "train"));
     } else if (msg.type === "evaluation" && msg.job_id === job.id) {
       drawNamed(addNamed(msg.step, msg.metrics, "eval"));
@@ -279,6 +382,7 @@
       // After (re)subscribing, whatever happened while the socket was away is fetched once.
       refresh();
       catchUpLogs();
+      reloadCurve();
     } else if (msg.type === "samples") {
       msg.samples.forEach((s) => deviceSamples.set(s.device_id, s));
       renderDevices();
