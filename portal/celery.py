@@ -26,6 +26,9 @@ def _beat_schedule(sender: Celery, **_: object) -> None:
     sender.add_periodic_task(
         PRUNE_EVERY_S, sender.signature("portal.jobs.tasks.prune_artifacts"), name="prune artifacts"
     )
+    sender.add_periodic_task(
+        PRUNE_EVERY_S, sender.signature("portal.jobs.tasks.prune_history"), name="prune history"
+    )
 
 
 @signals.worker_init.connect

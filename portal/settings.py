@@ -202,6 +202,23 @@ BUNGEE = {
     "ARTIFACT_DIR": str(DATA_DIR / "artifacts"),
     "ARTIFACT_MAX_BYTES": env_int("BUNGEE_ARTIFACT_MAX_BYTES", 20 * 1024**3),
     "ARTIFACT_RETENTION_DAYS": env_int("BUNGEE_ARTIFACT_RETENTION_DAYS", 30),
+    # History, pruned hourly by the beat and by `manage.py prunehistory` (portal.jobs.history).
+    # A job's metrics stay as reported for its newest METRICS_FULL_STEPS steps and its last
+    # METRICS_FULL_DAYS days; older ones are thinned to about METRICS_OLD_POINTS rows a job
+    # (0: never thinned).
+    "METRICS_FULL_STEPS": env_int("BUNGEE_METRICS_FULL_STEPS", 10_000),
+    "METRICS_FULL_DAYS": env_float("BUNGEE_METRICS_FULL_DAYS", 2.0),
+    "METRICS_OLD_POINTS": env_int("BUNGEE_METRICS_OLD_POINTS", 4000),
+    # Device samples stay as taken for DEVICE_SAMPLES_FULL_HOURS (the API serves a day back),
+    # then one per device per DEVICE_SAMPLES_BUCKET_S, the mean of its samples; none past
+    # DEVICE_SAMPLES_KEEP_DAYS (0: kept for ever).
+    "DEVICE_SAMPLES_FULL_HOURS": env_float("BUNGEE_DEVICE_SAMPLES_FULL_HOURS", 24.0),
+    "DEVICE_SAMPLES_BUCKET_S": env_int("BUNGEE_DEVICE_SAMPLES_BUCKET_S", 300),
+    "DEVICE_SAMPLES_KEEP_DAYS": env_float("BUNGEE_DEVICE_SAMPLES_KEEP_DAYS", 30.0),
+    # The logs of jobs that ended more than LOG_RETENTION_DAYS ago (0: kept for ever) are cut
+    # to their last LOG_LINES_KEPT lines (0: deleted).
+    "LOG_RETENTION_DAYS": env_float("BUNGEE_LOG_RETENTION_DAYS", 30.0),
+    "LOG_LINES_KEPT": env_int("BUNGEE_LOG_LINES_KEPT", 1000),
 }
 
 LOGGING = {

@@ -72,8 +72,10 @@ class Device(models.Model):
 
 
 class DeviceSample(models.Model):
-    """History: one sample per device per BUNGEE SAMPLE_HISTORY_EVERY_S. The latest sample of
-    every device lives in Redis, not here."""
+    """History: one sample per device per BUNGEE SAMPLE_HISTORY_EVERY_S, and past
+    DEVICE_SAMPLES_FULL_HOURS one per DEVICE_SAMPLES_BUCKET_S, the mean of the samples it
+    replaced (portal.cluster.history). The latest sample of every device lives in Redis, not
+    here."""
 
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="samples")
     taken_at = models.DateTimeField(db_index=True)
@@ -81,7 +83,13 @@ class DeviceSample(models.Model):
     memory_used_bytes = models.BigIntegerField()
     temperature_c = models.FloatField(null=True)
     power_w = models.FloatField(null=True)
+    averaged_over_s = models.PositiveIntegerField(
+        default=0, help_text="0: one sample as taken; N: the mean of the device's samples over N seconds from taken_at"
+    )
 
     class Meta:
         ordering = ["taken_at"]
-        indexes = [models.Index(fields=["device", "taken_at"])]
+        indexes = [
+            models.Index(fields=["device", "taken_at"]),
+            models.Index(fields=["averaged_over_s", "taken_at"], name="devicesample_resolution_time"),
+        ]
