@@ -310,6 +310,13 @@ def test_every_worker_killed_resumes_from_the_checkpoint(platform: Platform, rec
     again.check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1, virtual_workers=3)
     assert any(len(records) == 2 for records in ledger.values()), "the steps after the checkpoint ran twice"
     assert loss_fell(platform, job_id)
+    # Reported steps past the checkpoint come back as a rollback, not as a line going back.
+    curve = platform.api("alice").get(f"/api/jobs/{job_id}/metrics").json()
+    for rollback in curve["rollbacks"]:
+        assert rollback["to_step"] < rollback["at_step_from"], rollback
+    for segment in {p["segment"] for p in curve["points"]}:
+        steps = [p["step"] for p in curve["points"] if p["segment"] == segment]
+        assert steps == sorted(set(steps)), f"steps went back inside segment {segment}"
 
 
 def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
