@@ -19,10 +19,10 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	touch $(STAMP)
 
 $(STATIC_LIBS): static/vendor/package-lock.json
-	npm ci --prefix static/vendor --no-audit --no-fund --loglevel=error
+	npm ci --prefix static/vendor --ignore-scripts --no-audit --no-fund --loglevel=error
 
 $(TEST_LIBS): tests/browser/package-lock.json
-	npm ci --prefix tests/browser --no-audit --no-fund --loglevel=error
+	npm ci --prefix tests/browser --ignore-scripts --no-audit --no-fund --loglevel=error
 
 install: $(STAMP) $(STATIC_LIBS)
 
