@@ -178,3 +178,20 @@ def test_the_list_comes_a_page_at_a_time_with_no_query_per_row(
 
     assert queries(0) == queries(20), "the list's queries do not grow with its rows"
     assert [j["workers"] for j in api["alice"].get("/api/jobs", owner="alice", limit=500).json()][-1] == 2
+
+
+def test_a_jobs_row_and_its_worker_count_are_read_at_one_instant(
+    api: dict, cluster: Any, django_user_model: Any
+) -> None:
+    """A summary's generation, state and worker count come from one statement: read in two, a
+    generation committed between them showed the old generation with the new count, and the
+    backbone test took a resize for landed before it had begun."""
+    from portal.jobs.access import job_for
+    from portal.jobs.models import Allocation
+
+    job_id = api["alice"].post("/api/jobs", VALID_SPEC).json()["id"]
+    job = job_for(django_user_model.objects.get(username="alice"), job_id)
+    Allocation.objects.create(job_id=job_id, device=cluster.devices.first(), rank=0, generation=1)  # committed "between"
+    assert (job.summary()["workers"], job.summary()["generation"]) == (0, 0), "the count is the row's, not later"
+    job.refresh_from_db()
+    assert job.summary()["workers"] == 1, "a refreshed job counts again"

@@ -132,7 +132,7 @@ def test_the_owner_takes_the_device_back_and_the_job_trains_on(platform: Platfor
         assert {row["pid"] for row in live_rows(shrunk)} == others
         assert shrunk["resizes"][-1]["reason"] == "owner reclaimed a device"
         assert "pin unmet" in shrunk["schedule_reasons"]
-        assert shrunk["pin_problem"].startswith("pinned to 3 workers but only 2 can be given")
+        assert shrunk["pin_problem"].startswith("pinned to 3 workers but given 2")
         assert holder_of_device_2(platform) == "owner"
         steps_past(platform, job_id, shrunk["steps_done"] + 20)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 
 from portal.errors import ApiError, forbidden, not_found
-from portal.jobs.models import Job
+from portal.jobs.models import Job, listed
 
 
 def may_manage(user: AbstractBaseUser | AnonymousUser, job: Job) -> bool:
@@ -20,7 +20,7 @@ def job_for(user: AbstractBaseUser | AnonymousUser, job_id: int) -> Job:
     it belongs to someone else."""
     if not user.is_authenticated:
         raise ApiError(401, "unauthenticated", "log in or send an API token")
-    job = Job.objects.select_related("owner").filter(pk=job_id).first()
+    job = listed(Job.objects.filter(pk=job_id)).first()  # its row and its worker count at one instant
     if job is None:
         raise not_found(f"job {job_id}")
     if not may_manage(user, job):

@@ -6,7 +6,6 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 from django.contrib.auth import get_user_model
-from django.db.models import Count, QuerySet
 from django.http import FileResponse, HttpRequest, HttpResponse, QueryDict
 from ninja import Field, Query, Router, Schema, Status
 
@@ -16,7 +15,7 @@ from portal.bodies import BodyError, parse_json, parse_yaml
 from portal.errors import ApiError, not_found
 from portal.jobs import artifacts, curves
 from portal.jobs.access import job_for
-from portal.jobs.models import Job
+from portal.jobs.models import Job, listed
 from portal.jobs.schemas import EvaluationOut, JobDetailOut, JobSummaryOut, LogOut, MetricsOut, ResizeIn
 from portal.jobs.services import cancel_job, request_resize, submit_job
 from portal.jobs.states import JobState
@@ -27,12 +26,6 @@ MAX_EVALUATIONS = 5000
 MAX_LOG_LINES = 1000
 LIST_PAGE = 100
 LIST_PAGE_MAX = 500
-
-
-def listed(jobs: QuerySet[Job]) -> QuerySet[Job]:
-    """`jobs` with what `summary` reads fetched in the same query: the owner and the number of
-    devices held (without it, a list costs a query per row)."""
-    return jobs.select_related("owner").annotate(allocation_count=Count("allocations"))
 
 
 CurvePoints = Annotated[

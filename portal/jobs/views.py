@@ -16,9 +16,9 @@ from elastic.workloads import CATALOGUE
 from portal.errors import ApiError
 from portal.jobs import curves
 from portal.jobs.access import job_for
-from portal.jobs.api import detail, listed, summary
+from portal.jobs.api import detail, summary
 from portal.jobs.forms import ERROR_SLOTS, errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
-from portal.jobs.models import Job
+from portal.jobs.models import Job, listed
 from portal.jobs.services import submit_job
 from portal.jobs.states import ACTIVE_STATES, JobState
 
