@@ -115,7 +115,8 @@ class GoodputPolicy:
         largest = min(capacity, max(j.max_workers for j in jobs))
         grid = worker_grid(largest)
         table = speedup_table(jobs, grid, stage.node_size, self.config.adapt_batch)
-        values = self.utility(table.speedup()) * self.weights(jobs, table.single_rate)[:, None]
+        speedup = table.speedup()
+        values = self.utility(speedup) * self.weights(jobs, table.single_rate)[:, None]
         available = {d.id for d in stage.snapshot.devices if d.available}
         penalty = (
             min(1.0, self.config.resize_cost_s / self.config.horizon_s) if self.config.horizon_s > 0 else 0.0
@@ -151,7 +152,7 @@ class GoodputPolicy:
             more = grid[(grid > count) & (grid <= min(job.max_workers, count + spare))]
             if len(more):
                 decision.reasons[job.id] = Reason.NOT_WORTH
-                decision.notes[job.id] = self._not_worth(job, table.speedup()[j], grid, count, int(more[0]), spare, penalty)
+                decision.notes[job.id] = self._not_worth(job, speedup[j], grid, count, int(more[0]), spare, penalty)
             elif count == job.min_workers:
                 decision.reasons[job.id] = Reason.MINIMUM
             else:

@@ -87,11 +87,29 @@ def explain_queue(
         if held:
             known = (finishes_in_s or {}).get(job.id)
             finish[job.id] = known if known is not None else duration_s(job, held) or math.inf
+    # What a waiting job's pool shows it, the same for every job of the pool: who waits, and
+    # the running jobs (a guaranteed job waits only on guaranteed ones), soonest to end first.
+    pools: dict[bool, tuple[list[JobView], tuple[Holder, ...]]] = {}
+    for guaranteed in (True, False):
+        running = sorted(
+            (
+                Holder(
+                    job_id=other.id,
+                    devices=len(plan.assignments[other.id]),
+                    pinned=other.pinned_workers is not None,
+                    finishes_in_s=finish[other.id] if math.isfinite(finish[other.id]) else None,
+                )
+                for other in ordered
+                if plan.assignments.get(other.id) and (guaranteed <= (other.priority == "guaranteed"))
+            ),
+            key=lambda h: (h.finishes_in_s is None, h.finishes_in_s or 0.0, h.job_id),
+        )
+        pools[guaranteed] = ([w for w in waiting if (w.priority == "guaranteed") == guaranteed], tuple(running))
     entries: dict[int, QueueEntry] = {}
     for job in waiting:
         guaranteed = job.priority == "guaranteed"
         capacity = shared if guaranteed else len(available)
-        ahead = [j for j in ordered if _service_order(j) < _service_order(job)]
+        ahead = ordered[: ordered.index(job)]
         spans: list[_Span] = []  # what each job served before it occupies
         for other in ahead:
             held = len(plan.assignments.get(other.id, ()))
@@ -116,25 +134,12 @@ def explain_queue(
             else:
                 unknown = ", ".join(f"#{s.job_id}" for s in spans if not math.isfinite(s.end))
                 no_estimate = f"it waits on jobs whose speed is not known yet ({unknown})"
-        pool_waiting = [w for w in waiting if (w.priority == "guaranteed") == guaranteed]
-        holders = sorted(
-            (
-                Holder(
-                    job_id=other.id,
-                    devices=len(plan.assignments[other.id]),
-                    pinned=other.pinned_workers is not None,
-                    finishes_in_s=finish[other.id] if math.isfinite(finish[other.id]) else None,
-                )
-                for other in ordered
-                if plan.assignments.get(other.id) and (guaranteed <= (other.priority == "guaranteed"))
-            ),
-            key=lambda h: (h.finishes_in_s is None, h.finishes_in_s or 0.0, h.job_id),
-        )
+        pool_waiting, holders = pools[guaranteed]
         entries[job.id] = QueueEntry(
             job_id=job.id,
             position=pool_waiting.index(job) + 1,
             waiting=len(pool_waiting),
-            holders=tuple(holders),
+            holders=holders,
             starts_in_s=starts_in,
             no_estimate=no_estimate,
         )
