@@ -85,6 +85,7 @@ class AgentConfig:
     worker_module: str
     log_level: str
     state_dir: Path
+    standbys: bool = True
 
 
 def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
@@ -187,6 +188,14 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "the module each worker runs as `python -m MODULE`",
     )
     flag(
+        "--standbys",
+        "BUNGEE_STANDBYS",
+        "on",
+        "keep a warm standby worker on each free device, so that a joiner starts in well under a "
+        "second (each costs a process with torch imported, a few hundred MB; on a GPU, its context)",
+        choices=["on", "off"],
+    )
+    flag(
         "--state-dir",
         "BUNGEE_AGENT_STATE_DIR",
         None,
@@ -234,6 +243,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         stop_grace_s=args.stop_grace,
         worker_module=args.worker_module,
         log_level=args.log_level,
+        standbys=args.standbys == "on",
         state_dir=Path(args.state_dir).resolve() if args.state_dir else default_state_dir(environ, args.name),
     )
 
@@ -395,11 +405,18 @@ class Agent:
         # and its exit is in the same report, never missing from both.
         running = self.supervisor.running()
         self._sweep({worker.job_id for worker in running})
+        ours: dict[int, tuple[int | None, int]] = {
+            pid: (None, index) for pid, index in self.supervisor.standby_pids().items()
+        }
+        ours.update((w.pid, (w.job_id, w.device_index)) for w in running)
         try:
-            samples = self.backend.sample({w.pid: (w.job_id, w.device_index) for w in running})
+            samples = self.backend.sample(ours)
         except DeviceError as err:
             log.warning("could not sample the devices: %s", err)
             samples = []
+        else:
+            # After the reading: a device whose owner came back loses its standby at once.
+            self.supervisor.keep_standbys(self.backend, {s.index for s in samples if s.owner_present})
         self._pending.extend(self._uploads_taken(self.supervisor.drain_events()))
         events = self._pending.peek(self._isolation.batch_size())
         report = AgentReport(node=self.config.node_name, samples=samples, events=events, running=running)
@@ -511,6 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             node_name=config.node_name,
             node_address=config.address,
             state_dir=config.state_dir,
+            standbys=config.standbys,
         ),
         on_exit=report_now.set,
     )

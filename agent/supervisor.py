@@ -57,6 +57,7 @@ import elastic
 from agent.devices import DeviceBackend, DeviceError
 from agent.events import EventBuffer
 from agent.records import RecordStore, WorkerRecord, open_process, process_start_time
+from agent.standby import StandbyPool
 from elastic.membership.codec import decode
 from elastic.wire import (
     ExitReason,
@@ -213,6 +214,9 @@ class SupervisorConfig:
     """Where the workers' output files and records live (agent.records): a supervisor started
     on the directory an earlier one used re-adopts the workers it left. None: a temporary
     directory of this supervisor's own, so nothing outlives it."""
+    standbys: bool = False
+    """Keep a warm standby worker on each free device (agent.standby); `keep_standbys` says
+    which devices are free. The agent turns it on unless told not to (--no-standbys)."""
 
 
 @dataclass
@@ -297,6 +301,11 @@ class WorkerSupervisor:
         self.state_dir = state_dir
         """Where the agent keeps what outlives it: worker records, jobs' code."""
         self._records = RecordStore(state_dir / "workers")
+        self._standbys = (
+            StandbyPool(state_dir / "standby", self.config.python, self.config.worker_module)
+            if self.config.standbys
+            else None
+        )
         self._jobs: dict[int, _Job] = {}
         self._workers: list[_Worker] = []
         self._threads: set[threading.Thread] = set()
@@ -412,6 +421,31 @@ class WorkerSupervisor:
                 if not worker.done.is_set()
             ]
 
+    def keep_standbys(self, backend: DeviceBackend, taken: set[int]) -> None:
+        """Keeps a warm standby on each device of `backend` that runs no worker of ours and is
+        not in `taken` (its owner is there), and none on any other. Does nothing unless
+        standbys are on."""
+        with self._lock:
+            if self._standbys is None:
+                return
+            if self._closed:
+                self._standbys.close()
+                return
+            busy = {worker.device_index for worker in self._workers if not worker.done.is_set()}
+            free = [device.index for device in backend.devices() if device.index not in busy | taken]
+            placements = {}
+            for index in free:
+                try:
+                    placements[index] = backend.placement(index)
+                except DeviceError as err:
+                    log.warning("no standby on device %d: %s", index, err)
+            self._standbys.keep(placements.keys(), placements, self._worker_env())
+
+    def standby_pids(self) -> dict[int, int]:
+        """pid -> device index of the standbys waiting: processes of ours, not an owner's."""
+        with self._lock:
+            return self._standbys.pids() if self._standbys is not None else {}
+
     def drain_events(self) -> list[WorkerEvent]:
         """Removes and returns the events since the last drain, oldest first."""
         with self._lock:
@@ -503,6 +537,9 @@ class WorkerSupervisor:
             workers = list(self._workers)
         # Launch threads spawn under the lock and only while not closed, so `workers` is all
         # there will ever be; a launch thread still stopping older workers ends with them.
+        if self._standbys is not None:
+            with self._lock:
+                self._standbys.close()
         self._stop_and_wait(workers, "agent shutting down", grace_s)
         with self._lock:
             threads = list(self._threads)
@@ -561,22 +598,20 @@ class WorkerSupervisor:
             entrypoint=command.spec.get("entrypoint") if code_dir is not None else None,
             initial_model=str(initial_model) if initial_model is not None else None,
         )
-        env = {
-            **process_environment(),
-            **socket_interface_env(self.config.node_address, os.environ),
-            **placement.env,
-            WORKER_CONFIG_ENV: config.model_dump_json(),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": python_path(),
-        }
+        env = {**self._worker_env(), **placement.env, WORKER_CONFIG_ENV: config.model_dump_json()}
         argv = [self.config.python, "-m", self.config.worker_module]
         stem = f"job{command.job_id}-gen{command.generation}-rank{assignment.rank}-{uuid.uuid4().hex[:8]}"
+        output_path = self._records.output_path(stem)
         try:
             # A file, not a pipe: the worker must outlive the agent. Its own session keeps it out
             # of the agent's process group and away from the agent's terminal.
-            with self._records.output_path(stem).open("ab") as output:
-                process = subprocess.Popen(
+            with output_path.open("ab") as output:
+                standby = (
+                    self._standbys.take(assignment.device_index, placement, output_path, env)
+                    if self._standbys is not None
+                    else None
+                )
+                process = standby.process if standby is not None else subprocess.Popen(
                     argv,
                     env=env,
                     stdin=subprocess.DEVNULL,
@@ -588,7 +623,7 @@ class WorkerSupervisor:
             self._records.remove(stem)
             failed(f"cannot start {' '.join(argv)}: {err}")
             return
-        if placement.cpu_affinity:
+        if placement.cpu_affinity and standby is None:
             try:
                 os.sched_setaffinity(process.pid, placement.cpu_affinity)
             except OSError as err:
@@ -608,16 +643,28 @@ class WorkerSupervisor:
         self._workers.append(worker)
         self._persist(worker)
         log.info(
-            "started job %d generation %d rank %d on device %d: pid %d",
+            "started job %d generation %d rank %d on device %d: pid %d%s",
             worker.job_id,
             worker.generation,
             worker.rank,
             worker.device_index,
             worker.pid,
+            " (a warm standby)" if standby is not None else "",
         )
         self._events.add(worker.event("started", pid=worker.pid, device_index=worker.device_index))
         reader = self._start_thread(f"read-{worker.pid}", lambda: self._tail(worker))
         self._start_thread(f"watch-{worker.pid}", lambda: self._watch_child(worker, reader))
+
+    def _worker_env(self) -> dict[str, str]:
+        """The environment every worker of this node starts with, before its device's and its
+        own config: a standby is started with it too."""
+        return {
+            **process_environment(),
+            **socket_interface_env(self.config.node_address, os.environ),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": python_path(),
+        }
 
     def _start_thread(self, name: str, target: Callable[[], None]) -> threading.Thread:
         def run() -> None:

@@ -36,6 +36,7 @@ def test_the_flags() -> None:
         "--worker-module",
         "--state-dir",
         "--log-level",
+        "--standbys",
     }
 
 
@@ -63,6 +64,7 @@ def test_defaults_need_only_a_token() -> None:
         worker_module="elastic.worker",
         log_level="INFO",
         state_dir=ROOT / "var" / "agent" / socket.gethostname(),
+        standbys=True,
     )
 
 
@@ -84,6 +86,7 @@ ENVIRONMENT = {
     "BUNGEE_WORKER_MODULE": "my.worker",
     "BUNGEE_LOG_LEVEL": "DEBUG",
     "BUNGEE_AGENT_STATE_DIR": "/var/lib/agent-state",
+    "BUNGEE_STANDBYS": "off",
 }
 
 
@@ -101,6 +104,7 @@ def test_every_flag_falls_back_to_its_environment_variable() -> None:
         worker_module="my.worker",
         log_level="DEBUG",
         state_dir=Path("/var/lib/agent-state"),
+        standbys=False,
     )
 
 

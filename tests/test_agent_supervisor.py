@@ -491,10 +491,16 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
+@pytest.mark.parametrize("standbys", [False, True], ids=["cold", "standby"])
+def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path, standbys: bool) -> None:
+    """Started cold, and by a warm standby that takes the launch (agent.standby)."""
     from elastic.membership.redis import RedisBoard
 
-    supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0, node_name="node-t"))
+    supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0, node_name="node-t", standbys=standbys))
+    backend = make_backend("simulated", slots=1)
+    supervisor.keep_standbys(backend, set())
+    standby_pids = list(supervisor.standby_pids())
+    assert len(standby_pids) == (1 if standbys else 0)
     recorder = Recorder(supervisor)
     spec = {"name": "agent-test", "workload": "digits-mlp", "steps": 100_000, "seed": 1}
     key = f"bungee-agent-test-{os.getpid()}:job:9"
@@ -522,9 +528,10 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path) -> None:
         )
     )
     try:
-        assert supervisor.launch(command, make_backend("simulated", slots=1), REDIS_URL)
+        assert supervisor.launch(command, backend, REDIS_URL)
         recorder.wait_for(lambda _: bool(recorder.of("progress")) or bool(recorder.of("exited")), 120)
         assert recorder.of("exited") == [], [e.message for e in recorder.of("log")]
+        assert (recorder.of("started")[0].pid in standby_pids) == standbys
         [joined] = recorder.of("joined")
         assert (joined.generation, joined.rank, joined.pid) == (1, 0, recorder.of("started")[0].pid)
         progress = recorder.of("progress")[0]

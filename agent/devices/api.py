@@ -14,7 +14,7 @@ from typing import Any
 
 from elastic.wire import DeviceInfo, DeviceSample
 
-WorkerPids = Mapping[int, tuple[int, int]]
+WorkerPids = Mapping[int, tuple[int | None, int]]
 """The agent's live workers: pid -> (job_id, device_index)."""
 
 
@@ -62,7 +62,7 @@ class DeviceBackend(abc.ABC):
     @abc.abstractmethod
     def sample(self, workers: WorkerPids) -> list[DeviceSample]:
         """Returns one fresh reading per device. `workers` maps the pids of the agent's workers
-        to (job_id, device_index); a process on a device that is not one of them (nor one of
+        to (job_id, device_index), a standby's job_id being None; a process on a device that is not one of them (nor one of
         their children) marks the device `owner_present`. Raises DeviceError if the devices
         cannot be read at all."""
 

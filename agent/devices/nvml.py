@@ -48,7 +48,7 @@ class GpuProcess:
 
 def classify_processes(
     found: Iterable[GpuProcess],
-    ours: Mapping[int, int],
+    ours: Mapping[int, int | None],
     name_of: Callable[[int], str],
 ) -> tuple[list[DeviceProcess], bool]:
     """Returns the GPU's processes, each marked ours or not, and whether the owner is present.
@@ -77,8 +77,8 @@ def classify_processes(
     return processes, any(not process.ours for process in processes)
 
 
-def with_descendants(workers: WorkerPids) -> dict[int, int]:
-    """Returns pid -> job_id for the workers and every live descendant of theirs."""
+def with_descendants(workers: WorkerPids) -> dict[int, int | None]:
+    """Returns pid -> job_id (None for a standby) for the workers and every live descendant of theirs."""
     ours = {pid: job_id for pid, (job_id, _) in workers.items()}
     for pid, (job_id, _) in workers.items():
         try:
@@ -184,7 +184,7 @@ class NvmlBackend(DeviceBackend):
     def close(self) -> None:
         pynvml.nvmlShutdown()
 
-    def _sample_one(self, index: int, handle: Any, ours: Mapping[int, int]) -> DeviceSample:
+    def _sample_one(self, index: int, handle: Any, ours: Mapping[int, int | None]) -> DeviceSample:
         taken_at = time.time()
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
         rates = _optional(lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))

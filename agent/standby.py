@@ -1,0 +1,197 @@
+"""Warm standby workers: one waiting process per free device, so that a joiner skips the slow part
+of a worker's start-up (elastic.worker.standby says what a standby does and does not do).
+
+Why a waiting process per device, and not a fork server: a GPU's context cannot cross a fork,
+and torch's thread pools do not survive one, so a forked worker would make its context and
+pools again (the slow part); a process started with the device's environment (CUDA_VISIBLE_DEVICES,
+the CPU affinity) makes them once, before it is needed. It also keeps the worker's life as it is:
+a standby that takes a job is, from then on, a `python -m elastic.worker` in its own session,
+writing to its own output file, that outlives the agent.
+
+The pool is the supervisor's (one owner): it starts a standby on each device the agent calls free
+that has none, kills the standby of a device that is not free any more (its owner came back, or
+a worker started there cold), and hands a standby to a launch on its device. A standby is taken
+only if it was started with the placement the device has now (a played slowdown changes the
+environment a worker must start with); otherwise it is killed and the worker starts cold.
+
+A standby that dies while waiting is logged with its output's tail; its device gets no new one
+for RESTART_BACKOFF_S, so a standby that cannot start does not burn a core in a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.devices import WorkerPlacement
+from elastic.worker.standby import READY_LINE, Assignment
+
+log = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = 60.0
+"""How long a device waits for a new standby after one died on its own."""
+_TAIL_BYTES = 2000
+
+
+@dataclass
+class Standby:
+    device_index: int
+    placement: WorkerPlacement
+    process: subprocess.Popen[bytes]
+    output: Path
+    """Its own output until it is assigned (then the worker's file takes over)."""
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def ready(self) -> bool:
+        """Whether it is warm: it said so in its output."""
+        try:
+            return READY_LINE.encode() in self.output.read_bytes()[:_TAIL_BYTES]
+        except OSError:
+            return False
+
+    def output_tail(self) -> str:
+        try:
+            return self.output.read_bytes()[-_TAIL_BYTES:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class StandbyPool:
+    """The node's standbys. Not thread-safe: its owner (the supervisor) calls it under its lock."""
+
+    def __init__(self, directory: Path, python: str, worker_module: str) -> None:
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.python = python
+        self.worker_module = worker_module
+        self._standbys: dict[int, Standby] = {}
+        self._dying: list[Standby] = []
+        self._backoff_until: dict[int, float] = {}
+
+    def keep(self, free: Iterable[int], placements: Mapping[int, WorkerPlacement], env: Mapping[str, str]) -> None:
+        """Makes the standbys match `free`: a standby on each free device (started with its
+        placement in `placements` and the environment `env` plus the placement's), none on any
+        other. Also reaps the standbys that were killed."""
+        free = set(free)
+        now = time.monotonic()
+        for index, standby in list(self._standbys.items()):
+            if standby.process.poll() is not None:
+                del self._standbys[index]
+                self._backoff_until[index] = now + RESTART_BACKOFF_S
+                log.error(
+                    "the standby on device %d (pid %d) died with code %s; none there for %.0f s. Its output:\n%s",
+                    index, standby.pid, standby.process.returncode, RESTART_BACKOFF_S, standby.output_tail(),
+                )
+                standby.output.unlink(missing_ok=True)
+            elif index not in free:
+                self._kill(index, "its device is not free")
+        for index in sorted(free - self._standbys.keys()):
+            if index in placements and now >= self._backoff_until.get(index, 0.0):
+                self._start(index, placements[index], env)
+        self._reap()
+
+    def take(self, index: int, placement: WorkerPlacement, output: Path, env: Mapping[str, str]) -> Standby | None:
+        """Hands device `index`'s standby the worker whose output file is `output` and whose
+        environment is `env`; returns it, or None (the worker then starts cold) if the device
+        has no live standby started with `placement`."""
+        standby = self._standbys.get(index)
+        if standby is None:
+            return None
+        if standby.placement != placement or standby.process.poll() is not None:
+            self._kill(index, "it was started for another placement" if standby.placement != placement else "it died")
+            return None
+        del self._standbys[index]
+        ticket = self.directory / f"assign-{uuid.uuid4().hex}.json"
+        try:
+            descriptor = os.open(ticket, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(Assignment(output=str(output), env=dict(env)).model_dump_json().encode())
+            assert standby.process.stdin is not None
+            # One short line: a pipe write below PIPE_BUF bytes is whole and does not block.
+            standby.process.stdin.write(f"{ticket}\n".encode())
+            standby.process.stdin.close()
+        except OSError as err:
+            log.warning("could not hand device %d's standby (pid %d) a worker: %s", index, standby.pid, err)
+            ticket.unlink(missing_ok=True)
+            self._standbys[index] = standby
+            self._kill(index, "it could not be handed a worker")
+            return None
+        standby.output.unlink(missing_ok=True)
+        return standby
+
+    def pids(self) -> dict[int, int]:
+        """pid -> device index of every standby waiting."""
+        return {standby.pid: index for index, standby in self._standbys.items()}
+
+    def standbys(self) -> list[Standby]:
+        return list(self._standbys.values())
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Kills every standby and reaps them."""
+        for index in list(self._standbys):
+            self._kill(index, "the agent is shutting down")
+        deadline = time.monotonic() + timeout_s
+        for standby in self._dying:
+            try:
+                standby.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("standby pid %d did not die in %.0f s", standby.pid, timeout_s)
+        self._reap()
+
+    def _start(self, index: int, placement: WorkerPlacement, env: Mapping[str, str]) -> None:
+        output = self.directory / f"device{index}-{uuid.uuid4().hex[:8]}.out"
+        argv = [
+            self.python, "-m", "elastic.worker.standby", "--module", self.worker_module, "--device", placement.device,
+        ]
+        try:
+            with output.open("ab") as sink:
+                process = subprocess.Popen(
+                    argv,
+                    env={**env, **placement.env},
+                    stdin=subprocess.PIPE,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except OSError as err:
+            log.error("cannot start a standby on device %d: %s", index, err)
+            self._backoff_until[index] = time.monotonic() + RESTART_BACKOFF_S
+            return
+        if placement.cpu_affinity:
+            try:
+                os.sched_setaffinity(process.pid, placement.cpu_affinity)
+            except OSError as err:
+                log.warning("could not pin standby pid %d to cores %s: %s", process.pid, sorted(placement.cpu_affinity), err)
+        self._standbys[index] = Standby(index, placement, process, output)
+        log.info("standby on device %d: pid %d", index, process.pid)
+
+    def _kill(self, index: int, why: str) -> None:
+        standby = self._standbys.pop(index)
+        log.info("killing the standby on device %d (pid %d): %s", index, standby.pid, why)
+        if standby.process.poll() is None:
+            try:
+                os.killpg(standby.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._dying.append(standby)
+
+    def _reap(self) -> None:
+        alive = []
+        for standby in self._dying:
+            if standby.process.poll() is None:
+                alive.append(standby)
+            else:
+                standby.output.unlink(missing_ok=True)
+                if standby.process.stdin is not None and not standby.process.stdin.closed:
+                    standby.process.stdin.close()
+        self._dying = alive

@@ -1,0 +1,149 @@
+"""Warm standby workers (agent.standby, elastic.worker.standby) with real processes: a standby on
+each free device, a launch that takes it (same pid, the worker's output, environment and CPU
+core), a standby that serves one worker only, none on a device whose owner is back, none used
+when the device's placement changed, and none left after the agent's shutdown or death."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+
+from agent.devices.nvml import GpuProcess, classify_processes
+from agent.devices.simulated import SimulatedBackend
+from agent.standby import StandbyPool
+from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from tests.test_agent_supervisor import FAKE_WORKER, REDIS_URL, Recorder, launch
+
+WARM_S = 120.0
+"""A standby imports torch: seconds on a quiet machine, more on a loaded one."""
+
+
+def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float = WARM_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def backend() -> SimulatedBackend:
+    return SimulatedBackend(slots=2)
+
+
+@pytest.fixture
+def supervisor() -> Iterator[WorkerSupervisor]:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=True))
+    yield supervisor
+    supervisor.shutdown(grace_s=1.0)
+
+
+def warm(supervisor: WorkerSupervisor, backend: SimulatedBackend, taken: set[int] | None = None) -> dict[int, int]:
+    """Keeps the standbys and waits until each is warm; returns device index -> pid."""
+    supervisor.keep_standbys(backend, taken or set())
+    pool = supervisor._standbys
+    assert pool is not None
+    wait_until("the standbys to warm up", lambda: all(standby.ready() for standby in pool.standbys()))
+    return {index: pid for pid, index in supervisor.standby_pids().items()}
+
+
+def test_a_launch_takes_the_devices_standby_which_serves_that_worker_only(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    standbys = warm(supervisor, backend)
+    assert sorted(standbys) == [0, 1]
+    recorder = Recorder(supervisor)
+    assert supervisor.launch(launch(ranks=1, steps=3), backend, REDIS_URL)
+    recorder.wait_for(recorder.exits(1))
+    [started] = recorder.of("started")
+    [exited] = recorder.of("exited")
+    # The standby became the worker: same process, the worker's output and environment (its
+    # config, one OpenMP thread) and its device's core.
+    assert started.pid == standbys[0]
+    assert (exited.exit_code, exited.reason, exited.step) == (0, "completed", 3)
+    core = sorted(os.sched_getaffinity(0))[0]
+    assert f"fake worker rank=0 device=cpu cuda=None omp=1 affinity={core}" in [
+        e.message for e in recorder.of("log")
+    ]
+    assert [e.step for e in recorder.of("progress")] == [1, 2, 3]
+    assert supervisor.standby_pids() == {standbys[1]: 1}
+    # The device is free again: it gets a new standby, never the one that served the job.
+    supervisor.keep_standbys(backend, set())
+    [(fresh, index)] = [(pid, i) for pid, i in supervisor.standby_pids().items() if i == 0]
+    assert fresh != standbys[0]
+    assert gone(standbys[0])
+
+
+def test_a_device_whose_owner_is_back_loses_its_standby(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    standbys = warm(supervisor, backend)
+    supervisor.keep_standbys(backend, {1})
+    assert supervisor.standby_pids() == {standbys[0]: 0}
+    wait_until("the owner's device's standby to die", lambda: gone(standbys[1]), 10)
+    assert not gone(standbys[0])
+
+
+def test_a_device_running_a_cold_worker_has_no_standby(backend: SimulatedBackend) -> None:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, standbys=True))
+    try:
+        assert supervisor.launch(launch(ranks=1, steps=1000), backend, REDIS_URL)
+        supervisor.keep_standbys(backend, set())
+        assert set(supervisor.standby_pids().values()) == {1}
+    finally:
+        supervisor.shutdown(grace_s=1.0)
+
+
+def test_a_standby_started_for_another_placement_is_not_used(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    standbys = warm(supervisor, backend)
+    backend.set_slowdown(0, 3.0)  # a worker started on device 0 from now on needs another environment
+    recorder = Recorder(supervisor)
+    assert supervisor.launch(launch(ranks=1, steps=2), backend, REDIS_URL)
+    recorder.wait_for(recorder.exits(1))
+    [started] = recorder.of("started")
+    assert started.pid != standbys[0]
+    assert recorder.of("exited")[0].reason == "completed"
+    wait_until("the unused standby to die", lambda: gone(standbys[0]), 10)
+
+
+def test_shutdown_kills_the_standbys(backend: SimulatedBackend) -> None:
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, standbys=True))
+    supervisor.keep_standbys(backend, set())
+    pids = list(supervisor.standby_pids())
+    assert len(pids) == 2
+    supervisor.shutdown(grace_s=1.0)
+    assert all(gone(pid) for pid in pids)
+    supervisor.keep_standbys(backend, set())
+    assert supervisor.standby_pids() == {}
+
+
+def test_a_standby_whose_agent_is_gone_exits(tmp_path: os.PathLike[str], backend: SimulatedBackend) -> None:
+    import sys
+
+    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER)  # type: ignore[arg-type]
+    pool.keep([0], {0: backend.placement(0)}, dict(os.environ))
+    [standby] = pool.standbys()
+    assert standby.process.stdin is not None
+    standby.process.stdin.close()  # what the agent's death does to the pipe
+    assert standby.process.wait(timeout=WARM_S) == 0
+
+
+def test_a_standby_is_ours_on_a_gpu_not_an_owners() -> None:
+    processes, owner_present = classify_processes(
+        [GpuProcess(pid=4242, memory_bytes=300 << 20)], {4242: None}, lambda pid: "python"
+    )
+    assert not owner_present
+    assert processes[0].ours and processes[0].job_id is None
