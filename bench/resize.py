@@ -24,9 +24,14 @@ waits for its last call) and 2 -> 3 (it fills the range and closes at once: the 
 resize as ours), once with the rendezvous defaults and once with `last_call_timeout=1`;
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712) lets it recover at all.
 
+Land time (bench/land.py) is what a user waits for: from the API call that asks for a resize to
+the end of the first step of the new generation, on the whole platform (scheduler, agent, real
+workers), for scale-out 1 -> 2 and 2 -> 3 and a migration, with warm standby workers (agent.standby)
+and without (every joiner starts Python and imports torch): 5 rounds each, 2 in --quick.
+
 The last line is one JSON object: {"bench": "resize", "model_params", "pause_median_s",
 "torchrun_pause_median_s", "speedup_vs_torchrun", "two_joiners_vs_one", "bandwidth_fraction",
-"crash_recovery_s", ...} for the 25.6M model.
+"crash_recovery_s", "land_median_s", "land_median_s_cold", ...} for the 25.6M model.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from bench.conditions import (  # noqa: E402
     show,
     spread,
 )
+from bench.land import land_report  # noqa: E402
 from elastic.wire import WorkerEvent  # noqa: E402
 from elastic.worker.local import LocalJob, free_port  # noqa: E402
 
@@ -354,6 +360,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     # our resizes, and the ratio uses every measurement.
     bandwidth += broadcast_bandwidth(first.state_bytes, args.device)
     print(f"raw broadcast again after our resizes: {show(bandwidth, 'GB/s', 2)} (all)", flush=True)
+    land = {} if args.skip_land or args.task else land_report(RESNET50_SIZED, 2 if args.quick else 5, work)
     torchrun: dict[str, list[Transition]] = {}
     if not args.skip_torchrun:
         for last_call in (1.0, None):
@@ -429,6 +436,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "bandwidth_fraction": out_bandwidth / raw if out_bandwidth and raw else None,
         "raw_broadcast_gbps": raw,
         "crash_recovery_s": spread(main.crash_recovery_s)["median"],
+        **land,
         "large_model": {
             label: {
                 "model_params": r.model.parameters,
@@ -452,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--skip-torchrun", action="store_true", help="leave the torchrun baseline out")
+    parser.add_argument(
+        "--skip-land", action="store_true", help="leave out the land time on the platform (bench/land.py)"
+    )
     parser.add_argument("--task", type=Path, help="a user's task directory, trained instead of the MLP")
     parser.add_argument("--entrypoint", default="task:Task", help="the task class in --task, module:ClassName")
     parser.add_argument(

@@ -118,7 +118,9 @@ class WorkerEvent(WorkerKey):
       process group formed and whose training state it now holds. A survivor sends one at every
       resize, so its generation and rank follow it while its pid stays the same.
     - resized (rank 0 only): generation `generation` took over at `step`: members_before and
-      members_after ("node/device_index"), pause_s, bytes_moved, phases (seconds per phase)
+      members_after ("node/device_index"), pause_s, bytes_moved, phases (seconds per phase);
+      sent a few steps later (the pause needs the pace after it) but dated (`at`) at the end of
+      the first step of the new generation: when the resize landed
     - progress: step, total_steps, epoch, loss, samples_per_s, global_batch, lr; metrics, the
       named metrics the task's `loss` returned, averaged over the step's global batch
     - evaluation (rank 0): step, metrics, the task's `evaluate` over its eval_data (every

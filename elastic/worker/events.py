@@ -44,15 +44,15 @@ class EventWriter:
         self.generation = generation
         self.rank = rank
 
-    def emit(self, kind: WorkerKind, **fields: Any) -> WorkerEvent:
-        """Write one event and flush; return it. Raises pydantic.ValidationError if a field
-        does not belong to WorkerEvent."""
+    def emit(self, kind: WorkerKind, at: float | None = None, **fields: Any) -> WorkerEvent:
+        """Write one event and flush; return it. `at`: when it happened, if not now. Raises
+        pydantic.ValidationError if a field does not belong to WorkerEvent."""
         event = WorkerEvent(
             job_id=self._job_id,
             generation=self.generation,
             rank=self.rank,
             kind=kind,
-            at=time.time(),
+            at=time.time() if at is None else at,
             **fields,
         )
         self._stream.write(encode(event) + "\n")

@@ -145,7 +145,8 @@ class ResizeMeter:
 
     def report(self) -> None:
         """Emits the "resized" event of the last switch, if not done yet: its pause is known
-        once a step after it ended."""
+        once a step after it ended. The event is dated at the end of the first step of the new
+        generation, where the resize landed (now, if no step has ended since)."""
         pending = self.pending
         if pending is None:
             return
@@ -159,6 +160,7 @@ class ResizeMeter:
             pending.phases["first_step"] = ends[0] - pending.last_step_end - sum(pending.phases.values())
         self.events.emit(
             "resized",
+            at=ends[0] if ends else None,
             step=pending.step,
             members_before=pending.members_before,
             members_after=pending.members_after,
