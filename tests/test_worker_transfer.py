@@ -1,9 +1,12 @@
 """The state transfer's plan, without processes: tensors cut into chunks (large ones sliced, small
 ones packed, every byte once, in order), chunks dealt evenly to the sources, and the optimiser's
-outline carrying the small values while large tensors wait for the bulk. The transfer itself runs
-in the tests with real workers (test_worker_resize_in_place, test_worker_failure)."""
+outline carrying the small values while large tensors wait for the bulk; the chains that relay
+each chunk through the receivers. Then the transfer itself between real processes over gloo (and
+in the tests with real workers: test_worker_resize_in_place, test_worker_failure)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +15,10 @@ from elastic.worker.transfer import (
     TensorSlot,
     apply_outline,
     assign_sources,
+    move_state,
     outline,
     plan_chunks,
+    relay_routes,
     state_tensors,
 )
 
@@ -75,3 +80,61 @@ def test_the_outline_gives_a_fresh_optimiser_the_same_layout() -> None:
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         if optimizer.state[a]["momentum_buffer"].numel() > 64:
             assert torch.equal(optimizer.state[a]["momentum_buffer"], fresh.state[b]["momentum_buffer"])
+
+
+def test_each_chunk_reaches_every_receiver_once_down_a_rotating_chain() -> None:
+    routes = relay_routes(6, [3, 5, 7])
+    assert routes[:3] == [[3, 5, 7], [5, 7, 3], [7, 3, 5]]
+    assert all(sorted(route) == [3, 5, 7] for route in routes)
+    # Every receiver is first (fed by a source) for a third of the chunks, and forwards as many.
+    assert [sum(route[0] == r for route in routes) for r in (3, 5, 7)] == [2, 2, 2]
+    assert [sum(r in route[:-1] for route in routes) for r in (3, 5, 7)] == [4, 4, 4]
+    assert relay_routes(3, []) == []
+
+
+def _move(rank: int, world: int, init: str, sources: list[int], receivers: list[int], out: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    # A receive that never comes fails the test in 30 s, not gloo's 30 minutes.
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        generator = torch.Generator().manual_seed(7)
+        expected = [
+            torch.randn(1000, generator=generator),  # sliced
+            torch.randn(3, 5, generator=generator),  # packed with the next ones
+            torch.arange(7, dtype=torch.int64),
+            torch.randn(10, generator=generator).to(torch.float16),
+        ]
+        tensors = [t.clone() if rank in sources else torch.zeros_like(t) for t in expected]
+        moved = move_state(tensors, sources, receivers, rank, chunk_bytes=512)
+        assert moved.state_bytes == sum(t.numel() * t.element_size() for t in expected)
+        if rank in receivers:
+            torch.save(tensors, f"{out}/{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("sources", "receivers"), [([0, 1], [2, 3, 4]), ([0], [1, 2])])
+def test_the_state_arrives_whole_at_every_receiver(tmp_path: Path, sources: list[int], receivers: list[int]) -> None:
+    """Real processes over gloo (forked: torch is imported already): three receivers down a
+    chain from two sources, and one source feeding two."""
+    import torch.multiprocessing as mp
+
+    world = len(sources) + len(receivers)
+    init = f"file://{tmp_path / 'store'}"
+    mp.start_processes(
+        _move, args=(world, init, sources, receivers, str(tmp_path)), nprocs=world, start_method="fork"
+    )
+    generator = torch.Generator().manual_seed(7)
+    expected = [
+        torch.randn(1000, generator=generator),
+        torch.randn(3, 5, generator=generator),
+        torch.arange(7, dtype=torch.int64),
+        torch.randn(10, generator=generator).to(torch.float16),
+    ]
+    for rank in receivers:
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), rank

@@ -7,9 +7,13 @@ sources send with the group's first collective. Everything else, the bulk, goes 
 
 - Every tensor is seen as its bytes. The byte stream is cut into chunks of at most
   `chunk_bytes`: a large tensor becomes several slices, small tensors are packed together.
-- Chunks are dealt to the sources so that each sends about the same number of bytes, and each
-  source sends its chunks to every receiver at once (asynchronous sends and receives), so the
-  sources send concurrently.
+- Chunks are dealt to the sources so that each sends about the same number of bytes, and the
+  sources send concurrently (asynchronous sends and receives, every receive posted at once).
+- A source sends a chunk once, whatever the number of receivers: the chunk goes down a chain of
+  the receivers, each forwarding it to the next as soon as it has it (while it receives the next
+  chunks), as Elan's replication relays the state along the devices. The chain starts at a
+  different receiver for each chunk, so every receiver forwards an equal share. With two joiners
+  the sources send the state once, not twice.
 - A receiver receives a slice straight into its own, already built tensor; only packed small
   tensors pass through a temporary buffer. Memory therefore does not double on either side.
 
@@ -164,6 +168,14 @@ def assign_sources(chunks: list[Chunk], sources: list[int]) -> list[int]:
     return owners
 
 
+def relay_routes(chunk_count: int, receivers: list[int]) -> list[list[int]]:
+    """Returns, for each chunk, the receivers in the order it passes through them: the chain of
+    chunk k starts at receiver k mod R (in `receivers`' order) and goes on round the list, so the
+    first hops, and so the forwarding, are spread evenly."""
+    count = len(receivers)
+    return [receivers[k % count :] + receivers[: k % count] for k in range(chunk_count)] if count else []
+
+
 # --- moving ----------------------------------------------------------------------------------
 
 
@@ -199,12 +211,14 @@ def move_state(
     if not receivers or not chunks or (rank not in sources and rank not in receivers):
         return result
     owners = assign_sources(chunks, sources)
-    operations: list[dist.P2POp] = []
+    routes = relay_routes(len(chunks), sorted(receivers))
+    sends: list[tuple[Any, torch.Tensor]] = []  # each send's buffer lives until it is done
+    receives: list[tuple[Any, torch.Tensor, int | None, int]] = []
     unpack: list[tuple[torch.Tensor, Chunk]] = []
     # gloo sends no CUDA tensor point to point (workers sharing a GPU): stage through the host.
     staged = views[0].device.type == "cuda" and dist.get_backend() == "gloo"
     device = torch.device("cpu") if staged else views[0].device
-    for tag, (chunk, owner) in enumerate(zip(chunks, owners, strict=True)):
+    for tag, (chunk, owner, route) in enumerate(zip(chunks, owners, routes, strict=True)):
         if rank == owner:
             if len(chunk.pieces) == 1:
                 piece = chunk.pieces[0]
@@ -212,18 +226,24 @@ def move_state(
             else:
                 buffer = torch.cat([views[p.tensor][p.start : p.stop] for p in chunk.pieces])
             buffer = buffer.to(device)
-            operations.extend(dist.P2POp(dist.isend, buffer, peer, tag=tag) for peer in receivers)
-        elif rank in receivers:
+            sends.append((dist.isend(buffer, route[0], tag=tag), buffer))
+        elif rank in route:
+            hop = route.index(rank)
             if len(chunk.pieces) == 1 and not staged:
                 piece = chunk.pieces[0]
                 buffer = views[piece.tensor][piece.start : piece.stop]
             else:
                 buffer = torch.empty(chunk.size, dtype=torch.uint8, device=device)
                 unpack.append((buffer, chunk))
-            operations.append(dist.P2POp(dist.irecv, buffer, owner, tag=tag))
-    if operations:
-        for request in dist.batch_isend_irecv(operations):
-            request.wait()
+            forward_to = route[hop + 1] if hop + 1 < len(route) else None
+            receives.append((dist.irecv(buffer, owner if hop == 0 else route[hop - 1], tag=tag), buffer, forward_to, tag))
+    # In chunk order: a chunk is passed on as soon as it is here, while the later ones arrive.
+    for request, buffer, forward_to, tag in receives:
+        request.wait()
+        if forward_to is not None:
+            sends.append((dist.isend(buffer, forward_to, tag=tag), buffer))
+    for request, _ in sends:
+        request.wait()
     for buffer, chunk in unpack:
         offset = 0
         for piece in chunk.pieces:
