@@ -397,6 +397,15 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
                     f"{name} {statistics.median(values) * 1000:.0f} ms" for name, values in phases.items()
                 )
             )
+            timed = [r for r in chosen if r.event and r.event.pause_s is not None]
+            if len(timed) > 1:
+                # Where the tail comes from: the slowest resize of the scenario, phase by phase.
+                worst = max(timed, key=lambda r: r.event.pause_s if r.event and r.event.pause_s else 0.0)
+                assert worst.event is not None
+                print(
+                    "  " + " " * 18 + f" slowest (pause {worst.event.pause_s:.3f} s): "
+                    + ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in (worst.event.phases or {}).items())
+                )
         if result.crash_recovery_s:
             print(
                 f"  {'crash recovery':18} {show(result.crash_recovery_s)} (SIGKILL to the end of the first step "

@@ -299,6 +299,8 @@ def test_the_pause_of_a_switch_is_the_gap_around_it_less_a_normal_step() -> None
     assert resized.pause_s == 1.0  # 2 s between the steps, less the median step of 1 s
     assert resized.bytes_moved == 2048
     assert resized.phases == {"rendezvous": 0.25, "exchange": 0.125, "transfer": 0.125, "first_step": 1.5}
+    # Sent after the pace is known, dated when the resize landed: the first step's end.
+    assert resized.at == 102.0 and log.at > 106.5
     meter.report()
     assert len(_events(stream)) == 2  # reported once
 
