@@ -24,7 +24,7 @@ from elastic.worker.loop import PAUSE_STEPS, CheckpointSaver, ResizeMeter, Switc
 from elastic.worker.position import WorkerPosition
 from elastic.worker.step_clock import StepClock
 from elastic.worker.stop import StopRequest
-from elastic.worker.trainer import CollectiveError, StepOutcome
+from elastic.worker.trainer import CollectiveError, StepOutcome, SwitchVote, vote
 from tests.membership_support import record
 from tests.test_worker_events import CONFIG
 
@@ -54,9 +54,10 @@ class FakeTrainer:
         self.steps: list[tuple[int, bool, int]] = []
         self.context = torch.zeros(3)
 
-    def step(self, step: int, stop_requested: bool, switch_to: int = 0) -> StepOutcome:
+    def step(self, step: int, stop_requested: bool, switch_to: SwitchVote = 0) -> StepOutcome:
         if step == self.fail_at:
             raise CollectiveError(f"the all-reduce of step {step} failed: a peer is gone")
+        switch_to = vote(switch_to)
         self.steps.append((step, stop_requested, switch_to))
         self.context += 1
         done = step + 1

@@ -231,3 +231,28 @@ def test_strict_metrics_are_the_global_batchs_whatever_the_virtual_workers(group
             expected += accuracy * (stop - start) / BATCH
         trainer.step(step, stop_requested=False)
         assert trainer.metrics == {"accuracy": pytest.approx(expected, abs=1e-6)}, step
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_switch_vote_is_asked_after_the_steps_compute(mode: str, group_of_one: None) -> None:
+    """A joiner that got ready while the step computed is switched to after this step: the vote
+    is read once the task's loss has run, not before the step began."""
+    trainer = _trainer(mode, _task())
+    losses_before_vote: list[int] = []
+    calls = {"loss": 0}
+    loss = trainer.problem.loss
+
+    def counting_loss(batch: Any) -> Any:
+        calls["loss"] += 1
+        return loss(batch)
+
+    trainer.problem.loss = counting_loss  # type: ignore[method-assign]
+
+    def ask() -> int:
+        losses_before_vote.append(calls["loss"])
+        return 9
+
+    outcome = trainer.step(0, stop_requested=False, switch_to=ask)
+    assert outcome.switch_to == 9
+    assert losses_before_vote == [3 if mode == "strict" else 1]  # every loss of the step (3 virtual workers in strict), then the vote
+    assert trainer.step(1, stop_requested=False, switch_to=0).switch_to == 0

@@ -37,7 +37,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream
-from elastic.worker.trainer import SampleRecorder, StepOutcome, Trainer
+from elastic.worker.trainer import SampleRecorder, StepOutcome, SwitchVote, Trainer
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class HybridTrainer(Trainer):
     def batch_start(self, step: int) -> int:
         return self.position
 
-    def step(self, step: int, stop_requested: bool, switch_to: int = 0) -> StepOutcome:
+    def step(self, step: int, stop_requested: bool, switch_to: SwitchVote = 0) -> StepOutcome:
         if self.ramp is None:
             raise RuntimeError("rebind_members must be called before the first step")
         lr = self.ramp.lr_at(step)

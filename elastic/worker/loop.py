@@ -307,10 +307,9 @@ class TrainingLoop:
         position = self.position
         first_of_generation = True
         while position.step < self.total_steps:
-            switch_to = self.pending()
             began = time.perf_counter()
             self.clock.start()
-            outcome = self.trainer.step(position.step, self.stop.requested, switch_to)
+            outcome = self.trainer.step(position.step, self.stop.requested, self.pending)
             self.clock.report(generation_changed=bool(outcome.switch_to))
             self.resizes.step_took(time.perf_counter() - began)
             position.last_step_end = time.time()

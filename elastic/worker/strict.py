@@ -49,9 +49,11 @@ from elastic.worker.trainer import (
     NonFiniteLossError,
     SampleRecorder,
     StepOutcome,
+    SwitchVote,
     Trainer,
     finite_or_zero,
     names_fingerprint,
+    vote,
 )
 
 _COUNT, _STOP_VOTES, _SWITCH_TO, _NONFINITE_VOTES, _METRIC_NAMES = 0, 1, 2, 3, 4
@@ -184,7 +186,7 @@ class StrictTrainer(Trainer):
 
     # --- the step ----------------------------------------------------------------------------
 
-    def step(self, step: int, stop_requested: bool, switch_to: int = 0) -> StepOutcome:
+    def step(self, step: int, stop_requested: bool, switch_to: SwitchVote = 0) -> StepOutcome:
         """Trains 0-based step `step` with this process's virtual workers and returns what all
         ranks agree on; a collective call. Raises CollectiveError if a peer fails or times out:
         then nothing of the step is applied (parameters, optimiser, contexts)."""
@@ -243,7 +245,7 @@ class StrictTrainer(Trainer):
             self._to_fixed(terms, scales, total[:width])
             stats[_COUNT] = sum(len(indices) for indices in trained)
             stats[_STOP_VOTES] = 1 if stop_requested else 0
-            stats[_SWITCH_TO] = switch_to
+            stats[_SWITCH_TO] = vote(switch_to)
             stats[_NONFINITE_VOTES] = 1 if nonfinite else 0
             stats[_METRIC_NAMES] = names_fingerprint(self.metric_names())
             dist.all_reduce(total, op=dist.ReduceOp.SUM)

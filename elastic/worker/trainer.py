@@ -72,6 +72,17 @@ def all_reduce_sum(buffer: torch.Tensor) -> None:
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
 
 
+SwitchVote = int | Callable[[], int]
+"""The generation a rank asks the group to switch to (0: none), or a function that returns it.
+A function is asked at the last moment, just before the step's all-reduce, so that joiners that
+got ready during the step's compute are switched to after this step rather than the next: up to
+a step sooner."""
+
+
+def vote(switch_to: SwitchVote) -> int:
+    return switch_to() if callable(switch_to) else switch_to
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
     """Return the seed of torch's generator for `rank` at step `step` (0-based) of a job.
 
@@ -180,10 +191,11 @@ class Trainer:
         self.rank = rank
         self.world_size = world_size
 
-    def step(self, step: int, stop_requested: bool, switch_to: int = 0) -> StepOutcome:
+    def step(self, step: int, stop_requested: bool, switch_to: SwitchVote = 0) -> StepOutcome:
         """Train 0-based step `step` and return what all ranks agree on. A collective call:
         every rank must call it with the same `step`; `switch_to` is the generation this rank
-        asks to switch to (0: none). Raises CollectiveError if a peer fails or times out."""
+        asks to switch to (0: none), or a function that says it, asked once the step's compute
+        is done (see SwitchVote). Raises CollectiveError if a peer fails or times out."""
         torch.manual_seed(step_seed(self.seed, step, self.rank))
         first = self.batch_start(step)
         start, stop = share_bounds(self.batch_size, self.world_size, self.rank)
@@ -209,7 +221,7 @@ class Trainer:
         buffer[_METRIC_NAMES] = names_fingerprint(self.metric_names())
         buffer[_COUNT] = count
         buffer[_STOP_VOTES] = 1.0 if stop_requested else 0.0
-        buffer[_SWITCH_TO] = switch_to
+        buffer[_SWITCH_TO] = vote(switch_to)
         if self.compute_done is not None:
             self.compute_done()
         try:
