@@ -309,6 +309,7 @@ class Agent:
         )
         self._reader: CommandReader | None = None
         self._pending = EventBuffer(PENDING_EVENTS)
+        self._uploads_waiting: list[WorkerEvent] = []
         self._isolation = PoisonIsolation(MAX_EVENTS_PER_REPORT)
         self._report_failures = _FailureLog("reporting to the portal")
 
@@ -458,18 +459,23 @@ class Agent:
             log.info("deleted the files of job %d: no worker of it here for %.0f s", job_id, JOB_FILES_KEPT_S)
 
     def _uploads_taken(self, events: list[WorkerEvent]) -> list[WorkerEvent]:
-        """Hands "artifacts" events to the uploader (the upload tells the portal); returns the
-        others, to be reported."""
-        for event in events:
-            if event.kind == "artifacts":
-                self.uploader.submit(event)
+        """Keeps "artifacts" events for the uploader (the upload tells the portal) until the
+        events drained before them have reached the portal (`_delivered`): the portal takes a
+        job's artifacts only from a node it knows the job ran on, which it learns from those
+        events. A worker from a warm standby can finish a short job before the next report.
+        Returns the other events, to be reported."""
+        self._uploads_waiting += [event for event in events if event.kind == "artifacts"]
         return [event for event in events if event.kind != "artifacts"]
 
     def _delivered(self) -> None:
-        """Tells the supervisor once every event it handed over has reached the portal, so that
-        its records move on (what a restarted agent would report again)."""
+        """Once every event handed over has reached the portal: tells the supervisor, so that its
+        records move on (what a restarted agent would report again), and starts the uploads
+        that waited for them."""
         if not len(self._pending):
             self.supervisor.events_delivered()
+            uploads, self._uploads_waiting = self._uploads_waiting, []
+            for event in uploads:
+                self.uploader.submit(event)
 
     # --- shutdown ----------------------------------------------------------------------------
 
