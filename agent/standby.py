@@ -20,6 +20,7 @@ for RESTART_BACKOFF_S, so a standby that cannot start does not burn a core in a 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 60.0
 """How long a device waits for a new standby after one died on its own."""
 _TAIL_BYTES = 2000
+PIPE_BYTES = 1 << 20
+"""A standby's stdin holds this much (Linux's default pipe-max-size), so that an assignment with
+a large job spec still goes in one write; one larger still starts the worker cold."""
 
 
 @dataclass
@@ -110,22 +114,24 @@ class StandbyPool:
         if standby.placement != placement or standby.process.poll() is not None:
             self._kill(index, "it was started for another placement" if standby.placement != placement else "it died")
             return None
-        del self._standbys[index]
-        ticket = self.directory / f"assign-{uuid.uuid4().hex}.json"
+        line = Assignment(output=str(output), env=dict(env)).model_dump_json().encode() + b"\n"
+        assert standby.process.stdin is not None
+        pipe = standby.process.stdin.fileno()
         try:
-            descriptor = os.open(ticket, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(Assignment(output=str(output), env=dict(env)).model_dump_json().encode())
-            assert standby.process.stdin is not None
-            # One short line: a pipe write below PIPE_BUF bytes is whole and does not block.
-            standby.process.stdin.write(f"{ticket}\n".encode())
+            # Through the pipe, never a file: the environment holds what the job may read and
+            # the disk may not keep. Into an empty pipe that can hold it all, the write neither
+            # blocks (the standby may still be importing) nor is cut short.
+            if len(line) > fcntl.fcntl(pipe, fcntl.F_GETPIPE_SZ):
+                raise OSError(f"the assignment ({len(line)} bytes) is larger than the pipe")
+            written = os.write(pipe, line)
+            if written != len(line):
+                raise OSError(f"only {written} of {len(line)} bytes went through")
             standby.process.stdin.close()
         except OSError as err:
             log.warning("could not hand device %d's standby (pid %d) a worker: %s", index, standby.pid, err)
-            ticket.unlink(missing_ok=True)
-            self._standbys[index] = standby
             self._kill(index, "it could not be handed a worker")
             return None
+        del self._standbys[index]
         standby.output.unlink(missing_ok=True)
         return standby
 
@@ -167,6 +173,11 @@ class StandbyPool:
             log.error("cannot start a standby on device %d: %s", index, err)
             self._backoff_until[index] = time.monotonic() + RESTART_BACKOFF_S
             return
+        assert process.stdin is not None
+        try:
+            fcntl.fcntl(process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError as err:  # the system's pipe-max-size is lower: the default 64 KiB stays
+            log.debug("could not grow a standby's pipe to %d bytes: %s", PIPE_BYTES, err)
         if placement.cpu_affinity:
             try:
                 os.sched_setaffinity(process.pid, placement.cpu_affinity)

@@ -78,6 +78,8 @@ def test_a_launch_takes_the_devices_standby_which_serves_that_worker_only(
     ]
     assert [e.step for e in recorder.of("progress")] == [1, 2, 3]
     assert supervisor.standby_pids() == {standbys[1]: 1}
+    # The worker's environment went down the pipe: nothing of it is on disk.
+    assert not [p for p in (supervisor.state_dir / "standby").iterdir() if b"BUNGEE_WORKER_CONFIG" in p.read_bytes()]
     # The device is free again: it gets a new standby, never the one that served the job.
     supervisor.keep_standbys(backend, set())
     [(fresh, index)] = [(pid, i) for pid, i in supervisor.standby_pids().items() if i == 0]
@@ -147,3 +149,17 @@ def test_a_standby_is_ours_on_a_gpu_not_an_owners() -> None:
     )
     assert not owner_present
     assert processes[0].ours and processes[0].job_id is None
+
+
+def test_an_assignment_too_large_for_the_pipe_starts_the_worker_cold(
+    tmp_path: os.PathLike[str], backend: SimulatedBackend
+) -> None:
+    import sys
+
+    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER)  # type: ignore[arg-type]
+    pool.keep([0], {0: backend.placement(0)}, dict(os.environ))
+    [standby] = pool.standbys()
+    huge = {"BUNGEE_WORKER_CONFIG": "x" * (4 << 20)}
+    assert pool.take(0, backend.placement(0), tmp_path / "out", huge) is None  # type: ignore[operator]
+    assert pool.standbys() == []
+    assert standby.process.wait(timeout=10) != 0  # killed, never half-assigned

@@ -3,8 +3,9 @@
 The agent keeps one on each free device (agent.standby). It does the part of a worker's start-up
 that is the same for every job, and slow: the interpreter starts, torch, torch.distributed and the
 worker runtime are imported (seconds on a busy CPU), and on a GPU the device's context is made.
-Then it waits on stdin for one line: the path of an assignment file (Assignment, JSON) the agent
-wrote. With it, the standby
+Then it waits on stdin for one line: its Assignment, as JSON. The assignment holds the worker's
+environment, secrets the job's processes may read included, so it goes through the pipe and never
+to disk. With it, the standby
 
 1. opens the worker's output file (append) and makes it its stdout and stderr, so that from here
    on it is that worker to the agent: same file, same tailing, same records;
@@ -28,7 +29,6 @@ import json
 import os
 import runpy
 import sys
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
@@ -97,15 +97,6 @@ def take(assignment: Assignment) -> None:
     os.environ.update(assignment.env)
 
 
-def read_assignment(path: str) -> Assignment:
-    """Reads the assignment file and removes it (it holds the worker's environment)."""
-    file = Path(path)
-    try:
-        return Assignment.model_validate_json(file.read_bytes())
-    finally:
-        file.unlink(missing_ok=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--module", default="elastic.worker", help="the worker module it runs, once assigned")
@@ -113,13 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warm_up(args.device)
     print(json.dumps({"standby": READY_LINE, "pid": os.getpid()}), flush=True)
-    line = sys.stdin.readline().strip()
+    line = sys.stdin.buffer.readline().strip()
     if not line:
         return 0
     try:
-        assignment = read_assignment(line)
-    except (OSError, ValueError) as err:
-        print(f"standby {os.getpid()}: bad assignment {line!r}: {err}", file=sys.stderr, flush=True)
+        assignment = Assignment.model_validate_json(line)
+    except ValueError as err:
+        print(f"standby {os.getpid()}: a bad assignment ({len(line)} bytes): {err}", file=sys.stderr, flush=True)
         return FAILED_EXIT_CODE
     take(assignment)
     devnull = os.open(os.devnull, os.O_RDONLY)
