@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform as host
 import statistics
 import sys
@@ -114,10 +115,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="10 s per phase, one repeat")
+    parser.add_argument("--no-polling", action="store_true", help="measure the push alone")
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.repeats = 10, 1
 
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp, running_platform(Path(tmp), {"bench-node": args.devices}) as platform:
         api = platform.api("alice")
         platform.wait_for("the devices", lambda: sum(len(n["devices"]) for n in api.get("/api/cluster").json()["nodes"]) == args.devices, timeout_s=90)
@@ -125,32 +128,44 @@ def main() -> None:
         push: list[float] = []
         poll: list[float] = []
         push_cpu: list[float] = []
+        push_p95: list[float] = []
         poll_cpu: list[float] = []
         for repeat in range(args.repeats):
+            print(f"repeat {repeat + 1}: push", flush=True)
             delays, cpu = measure(platform, sockets(platform, args.sockets, args.seconds, args.devices))
             push += delays
             push_cpu.append(cpu)
-            delays, cpu = measure(platform, polling(platform, args.sockets, args.seconds))
-            poll += delays
-            poll_cpu.append(cpu)
-            print(f"repeat {repeat + 1}: push p50 {statistics.median(push) * 1000:.0f} ms, poll p50 {statistics.median(poll) * 1000:.0f} ms", flush=True)
+            push_p95.append(percentile(delays, 95) * 1000)
+            print(f"repeat {repeat + 1}: push p50 {statistics.median(push) * 1000:.0f} ms", flush=True)
+            if not args.no_polling:
+                delays, cpu = measure(platform, polling(platform, args.sockets, args.seconds))
+                poll += delays
+                poll_cpu.append(cpu)
+                print(f"repeat {repeat + 1}: poll p50 {statistics.median(poll) * 1000:.0f} ms", flush=True)
 
+    load_after = os.getloadavg()
     conditions = (
         f"{host.node()}: {psutil.cpu_count()} cores, Python {host.python_version()}; {args.devices} simulated "
         f"devices sampled every 1 s by one agent; {args.sockets} clients; {args.repeats} x {args.seconds:.0f} s per "
-        f"approach, interleaved; portal = one daphne process; Redis and PostgreSQL on the same machine"
+        f"approach, interleaved; portal = one daphne process; Redis and PostgreSQL on the same machine; "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     )
-    ours, baseline = summary(push), summary(poll)
+    ours = summary(push)
+    baseline = summary(poll) if poll else None
     print(f"\nconditions: {conditions}")
     print(f"{'approach':<34} {'n':>8} {'min':>8} {'p50':>8} {'p95':>8} {'max':>8}  portal CPU")
-    for name, s, cpu in (("Channels push (ours)", ours, push_cpu), ("HTTP polling 1/s (baseline)", baseline, poll_cpu)):
+    rows = [("Channels push (ours)", ours, push_cpu)] + ([("HTTP polling 1/s (baseline)", baseline, poll_cpu)] if baseline else [])
+    for name, s, cpu in rows:
         print(f"{name:<34} {s['n']:>8} {s['min_ms']:>6.0f}ms {s['p50_ms']:>6.0f}ms {s['p95_ms']:>6.0f}ms {s['max_ms']:>6.0f}ms"
               f"  {statistics.median(cpu):.0f}% (min {min(cpu):.0f}, max {max(cpu):.0f})")
+    print(f"push p95 per repeat: min {min(push_p95):.0f} ms, median {statistics.median(push_p95):.0f} ms, max {max(push_p95):.0f} ms")
     print(json.dumps({
         "bench": "live", "devices": args.devices, "sockets": args.sockets,
         "p50_ms": ours["p50_ms"], "p95_ms": ours["p95_ms"], "max_ms": ours["max_ms"], "min_ms": ours["min_ms"],
         "portal_cpu_pct": round(statistics.median(push_cpu), 1),
-        "baseline_polling": {**baseline, "portal_cpu_pct": round(statistics.median(poll_cpu), 1)},
+        "p95_per_repeat_ms": [round(p, 1) for p in push_p95],
+        "baseline_polling": {**baseline, "portal_cpu_pct": round(statistics.median(poll_cpu), 1)} if baseline else None,
+        "load_average": [round(load_before[0], 2), round(load_after[0], 2)],
         "seconds": args.seconds, "repeats": args.repeats
     }))
 
