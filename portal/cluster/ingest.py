@@ -19,6 +19,7 @@ from portal.cluster.models import DeviceSample as DeviceSampleRow
 from portal.cluster.state import latest_key
 from portal.dispatch import stream_for
 from portal.live import broadcast
+from portal.live.samples import changed
 from portal.redis import client
 from portal.trigger import request_schedule
 
@@ -97,20 +98,24 @@ def node_seen(node: Node) -> None:
 
 
 def ingest_samples(node: Node, samples: list[DeviceSample]) -> None:
+    """Stores each sample as its device's latest (Redis) and, every SAMPLE_HISTORY_EVERY_S, in
+    the history table; sends the sockets one message for the node with what changed since each
+    device's previous sample (portal.live.samples.changed), read back by the same Redis call
+    that stores the new one."""
     now = timezone.now()
     devices = {d.index: d for d in node.devices.all()}
     pipe = client().pipeline(transaction=False)
     history_cutoff = now - timedelta(seconds=settings.BUNGEE["SAMPLE_HISTORY_EVERY_S"])
     history: list[DeviceSampleRow] = []
-    outgoing = []
+    stored = []
     for sample in samples:
         device = devices.get(sample.index)
         if device is None:
             continue
         payload = sample.model_dump(mode="json")
         payload["device_id"] = device.pk
-        pipe.set(latest_key(device.pk), json.dumps(payload), ex=LATEST_SAMPLE_TTL_S)
-        outgoing.append(payload)
+        pipe.set(latest_key(device.pk), json.dumps(payload), ex=LATEST_SAMPLE_TTL_S, get=True)
+        stored.append(payload)
         if sample.owner_present != device.owner_present:
             Device.objects.filter(pk=device.pk).update(
                 owner_present=sample.owner_present, owner_since=now if sample.owner_present else None
@@ -129,8 +134,9 @@ def ingest_samples(node: Node, samples: list[DeviceSample]) -> None:
                     power_w=sample.power_w,
                 )
             )
-            Device.objects.filter(pk=device.pk).update(last_history_at=now)
-    pipe.execute()
+    previous = pipe.execute()
     if history:
         DeviceSampleRow.objects.bulk_create(history)
-    broadcast.send(broadcast.CLUSTER_GROUP, {"type": "samples", "node": node.name, "samples": outgoing})
+        Device.objects.filter(pk__in=[row.device_id for row in history]).update(last_history_at=now)
+    outgoing = [changed(json.loads(old) if old else None, payload) for old, payload in zip(previous, stored, strict=True)]
+    broadcast.samples(node.pk, node.name, outgoing)

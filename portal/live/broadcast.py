@@ -1,11 +1,14 @@
-"""Pushing events to open sockets through the Channels layer. Two kinds of group: `cluster`
-(everyone logged in: device samples, allocations, job summaries) and `job-<id>` (the job's
-owner and staff: progress, logs, state). Sending never fails the caller: live updates are a
-view of the database, and a browser that missed one catches up on its next snapshot. It imports
-no portal app: callers hand it what to send."""
+"""Pushing events to open sockets through the Channels layer. Groups: `cluster` (everyone
+logged in: allocations, job summaries), `job-<id>` (the job's owner and staff: progress, logs,
+state), and for device samples `samples` (the sockets that follow every node) and
+`samples-node-<id>` (those that follow that node or some of its devices). An event is encoded
+as JSON once here, not once per socket: the consumer writes the text as it is. Sending never
+fails the caller: live updates are a view of the database, and a browser that missed one
+catches up on its next snapshot. It imports no portal app: callers hand it what to send."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -18,20 +21,49 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CLUSTER_GROUP = "cluster"
+SAMPLES_GROUP = "samples"
 
 
 def job_group(job_id: int) -> str:
     return f"job-{job_id}"
 
 
-def send(group: str, event: dict[str, Any]) -> None:
+def node_samples_group(node_id: int) -> str:
+    return f"samples-node-{node_id}"
+
+
+def encoded(event: dict[str, Any]) -> str:
+    return json.dumps(event, separators=(",", ":"))
+
+
+def _send(groups: tuple[str, ...], message: dict[str, Any]) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
+
+    async def to_every_group() -> None:
+        for group in groups:
+            await layer.group_send(group, message)
+
     try:
-        async_to_sync(layer.group_send)(group, {"type": "live.event", "event": event})
+        async_to_sync(to_every_group)()
     except Exception:
-        log.exception("live update to %s failed", group)
+        log.exception("live update to %s failed", ", ".join(groups))
+
+
+def send(group: str, event: dict[str, Any]) -> None:
+    _send((group,), {"type": "live.event", "text": encoded(event)})
+
+
+def samples(node_id: int, node_name: str, rows: list[dict[str, Any]]) -> None:
+    """One node's samples of one report, as one message (`portal.live.samples.changed` says what
+    each row holds), to the sockets that follow every node and to those that follow this one.
+    The rows travel beside the text for a socket that follows only some of the node's devices."""
+    if not rows:
+        return
+    text = encoded({"type": "samples", "node": node_name, "samples": rows})
+    _send((SAMPLES_GROUP, node_samples_group(node_id)),
+          {"type": "live.samples", "node_id": node_id, "node": node_name, "text": text, "rows": rows})
 
 
 def job_changed(job: Job) -> None:

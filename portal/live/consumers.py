@@ -1,28 +1,70 @@
-"""The one live socket. On connect it joins the cluster group and sends a snapshot of the
-cluster; a client then subscribes to the jobs it may manage with
-`{"action": "subscribe_job", "job_id": N}`. Anonymous sockets are refused at the handshake."""
+"""The one live socket. On connect it joins the cluster group and the samples of every node and
+sends a snapshot of the cluster; a client then subscribes to the jobs it may manage with
+`{"action": "subscribe_job", "job_id": N}`, and may narrow the samples to what its page shows
+with `{"action": "subscribe_samples", "nodes": ["name", ...], "device_ids": [N, ...]}` (either
+may be left out; `{"action": "subscribe_samples", "all": true}` widens them again to every
+node). Anonymous sockets are refused at the handshake."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.layers import get_channel_layer
 
+from portal.cluster.models import Device, Node
 from portal.jobs.access import may_manage
 from portal.jobs.board import cluster_state
 from portal.jobs.models import Job
-from portal.live.broadcast import CLUSTER_GROUP, job_group
+from portal.live.broadcast import CLUSTER_GROUP, SAMPLES_GROUP, encoded, job_group, node_samples_group
+from portal.live.samples import Subscription
 
 UNAUTHENTICATED_CLOSE_CODE = 4401
+MAX_SUBSCRIBED = 10_000
 
 
 def renew_every_s() -> float:
     """How often a socket renews its group memberships: a third of the layer's group expiry, so
     that a live socket never drops out while a dead one (its portal killed) does within it."""
     return float(getattr(get_channel_layer(), "group_expiry", 86400)) / 3
+
+
+class SharedSnapshot:
+    """One cluster snapshot for every socket of this process that connects at about the same
+    time (a portal restart reconnects every board at once): a socket takes a snapshot begun
+    after it joined its groups, so that none misses an event sent in between, and shares it
+    with the others that joined before it began."""
+
+    def __init__(self, build: Callable[[], Awaitable[str]]) -> None:
+        self.build = build
+        self.started_at = 0.0
+        self.task: asyncio.Task[str] | None = None
+
+    async def after(self, joined_at: float) -> str:
+        """The snapshot's JSON text, begun at or after `joined_at` (time.monotonic())."""
+        while True:
+            task = self.task
+            if task is not None and task.get_loop() is not asyncio.get_running_loop():
+                task = self.task = None
+            if task is not None and self.started_at >= joined_at:
+                return await asyncio.shield(task)
+            if task is not None and not task.done():
+                await asyncio.wait([task])
+                continue
+            self.started_at = time.monotonic()
+            self.task = asyncio.ensure_future(self.build())
+
+
+@database_sync_to_async
+def _cluster_text() -> str:
+    return encoded({"type": "cluster", "cluster": cluster_state()})
+
+
+snapshots = SharedSnapshot(_cluster_text)
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
@@ -32,23 +74,33 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=UNAUTHENTICATED_CLOSE_CODE)
             return
         self.job_groups: set[str] = set()
-        await self.channel_layer.group_add(CLUSTER_GROUP, self.channel_name)
+        self.subscription = Subscription()
+        joined_at = time.monotonic()
+        for group in self._groups():
+            await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
         self._renewal = asyncio.create_task(self._renew_groups())
-        await self.send_json({"type": "cluster", "cluster": await self._cluster()})
+        await self.send(text_data=await snapshots.after(joined_at))
+
+    def _sample_groups(self) -> set[str]:
+        if self.subscription.everything:
+            return {SAMPLES_GROUP}
+        return {node_samples_group(node_id) for node_id in self.subscription.followed_nodes()}
+
+    def _groups(self) -> set[str]:
+        return {CLUSTER_GROUP, *self.job_groups, *self._sample_groups()}
 
     async def _renew_groups(self) -> None:
         while True:
             await asyncio.sleep(renew_every_s())
-            for group in (CLUSTER_GROUP, *self.job_groups):
+            for group in self._groups():
                 await self.channel_layer.group_add(group, self.channel_name)
 
     async def disconnect(self, code: int) -> None:
         if not hasattr(self, "job_groups"):
             return
         self._renewal.cancel()
-        await self.channel_layer.group_discard(CLUSTER_GROUP, self.channel_name)
-        for group in self.job_groups:
+        for group in self._groups():
             await self.channel_layer.group_discard(group, self.channel_name)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
@@ -59,6 +111,8 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             group = job_group(content["job_id"])
             self.job_groups.discard(group)
             await self.channel_layer.group_discard(group, self.channel_name)
+        elif action == "subscribe_samples":
+            await self._subscribe_samples(content)
         else:
             await self.send_json({"type": "error", "message": f"unknown action {action!r}"})
 
@@ -80,8 +134,38 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         await self.channel_layer.group_add(group, self.channel_name)
         await self.send_json({"type": "subscribed", "job_id": job_id})
 
+    async def _subscribe_samples(self, content: dict[str, Any]) -> None:
+        """Replaces what samples this socket follows; answers `subscribed_samples` with the
+        nodes and devices it now follows (names and ids that name nothing are left out)."""
+        nodes, device_ids = content.get("nodes", []), content.get("device_ids", [])
+        if content.get("all") is True:
+            subscription = Subscription()
+        elif not (_list_of(nodes, str) and _list_of(device_ids, int)):
+            await self.send_json({"type": "error", "message": f"nodes must be a list of at most {MAX_SUBSCRIBED} names "
+                                  f"and device_ids one of integers, not {nodes!r} and {device_ids!r}"})
+            return
+        else:
+            subscription = await self._subscription(nodes, device_ids)
+        before = self._sample_groups()
+        self.subscription = subscription
+        after = self._sample_groups()
+        for group in after - before:
+            await self.channel_layer.group_add(group, self.channel_name)
+        for group in before - after:
+            await self.channel_layer.group_discard(group, self.channel_name)
+        await self.send_json({"type": "subscribed_samples", **await self._described(subscription)})
+
     async def live_event(self, message: dict[str, Any]) -> None:
-        await self.send_json(message["event"])
+        await self.send(text_data=message["text"] if "text" in message else encoded(message["event"]))
+
+    async def live_samples(self, message: dict[str, Any]) -> None:
+        wanted = self.subscription.wants(message["node_id"])
+        if wanted is True:
+            await self.send(text_data=message["text"])
+        elif wanted:
+            rows = [row for row in message["rows"] if row["device_id"] in wanted]
+            if rows:
+                await self.send_json({"type": "samples", "node": message["node"], "samples": rows})
 
     @database_sync_to_async
     def _may_manage(self, job_id: int) -> bool | None:
@@ -89,5 +173,22 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         return None if job is None else may_manage(self.scope["user"], job)
 
     @database_sync_to_async
-    def _cluster(self) -> dict[str, Any]:
-        return cluster_state()
+    def _subscription(self, nodes: list[str], device_ids: list[int]) -> Subscription:
+        subscription = Subscription(everything=False)
+        subscription.node_ids = set(Node.objects.filter(name__in=nodes).values_list("pk", flat=True))
+        for device_id, node_id in Device.objects.filter(pk__in=device_ids).values_list("pk", "node_id"):
+            subscription.device_ids.setdefault(node_id, set()).add(device_id)
+        return subscription
+
+    @database_sync_to_async
+    def _described(self, subscription: Subscription) -> dict[str, Any]:
+        if subscription.everything:
+            return {"all": True, "nodes": [], "device_ids": []}
+        names = Node.objects.filter(pk__in=subscription.node_ids).order_by("name").values_list("name", flat=True)
+        devices = sorted(d for ids in subscription.device_ids.values() for d in ids)
+        return {"all": False, "nodes": list(names), "device_ids": devices}
+
+
+def _list_of(value: Any, kind: type) -> bool:
+    return (isinstance(value, list) and len(value) <= MAX_SUBSCRIBED
+            and all(isinstance(v, kind) and not isinstance(v, bool) for v in value))

@@ -96,6 +96,8 @@
     const body = $("#devices tbody");
     const headings = [...document.querySelectorAll("#devices thead th")].map((th) => th.textContent);
     body.replaceChildren();
+    rowsOnScreen.disconnect();
+    shownRows.clear();
     [...devices.values()].forEach((d) => {
       const row = el("tr", { "data-device": d.id });
       row.appendChild(el("th", { scope: "row" }, d.node + "/" + d.index));
@@ -111,8 +113,29 @@
       row.querySelectorAll("td").forEach((cell, i) => cell.setAttribute("data-label", headings[i + 1]));
       body.appendChild(row);
       updateDeviceRow(d);
+      rowsOnScreen.observe(row);
     });
     summarise();
+  }
+
+  // The socket sends the samples of the nodes whose rows are on screen (or near it); the rest
+  // keep their last readings until they are scrolled to.
+  const shownRows = new Set();
+  let subscribeTimer = null;
+  const rowsOnScreen = new IntersectionObserver((entries) => {
+    entries.forEach((entry) => {
+      const id = Number(entry.target.dataset.device);
+      if (entry.isIntersecting) shownRows.add(id); else shownRows.delete(id);
+    });
+    clearTimeout(subscribeTimer);
+    subscribeTimer = setTimeout(subscribeShownNodes, 100);
+  }, { rootMargin: "200px 0px" });
+
+  function subscribeShownNodes() {
+    [...shownRows].forEach((id) => { if (!devices.has(id)) shownRows.delete(id); });
+    const shown = new Set([...shownRows].map((id) => devices.get(id).node));
+    const all = new Set([...devices.values()].map((d) => d.node));
+    BungeeLive.subscribeSamples(shown.size === all.size ? { all: true } : { nodes: [...shown].sort() });
   }
 
   function updateDeviceRow(d) {
@@ -331,8 +354,8 @@
       msg.samples.forEach((s) => {
         const d = devices.get(s.device_id);
         if (!d) return;
-        d.sample = s;
-        pushHistory(d, s);
+        d.sample = BungeeLive.mergeSample(d.sample, s);
+        pushHistory(d, d.sample);
         updateDeviceRow(d);
       });
       summarise();

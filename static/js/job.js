@@ -268,6 +268,8 @@
 
   const deviceSamples = new Map();
   function renderDevices() {
+    // The socket sends the samples of this job's devices only.
+    BungeeLive.subscribeSamples({ device_ids: (job.allocations || []).map((a) => a.device_id).sort((a, b) => a - b) });
     const body = $("#job-devices tbody");
     body.replaceChildren();
     (job.allocations || []).forEach((a) => {
@@ -384,7 +386,7 @@
       catchUpLogs();
       reloadCurve();
     } else if (msg.type === "samples") {
-      msg.samples.forEach((s) => deviceSamples.set(s.device_id, s));
+      msg.samples.forEach((s) => deviceSamples.set(s.device_id, BungeeLive.mergeSample(deviceSamples.get(s.device_id), s)));
       renderDevices();
     }
   });

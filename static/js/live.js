@@ -1,9 +1,14 @@
 // The one live socket of every page. Reconnects by itself with backoff, shows its state in the
-// header, re-subscribes after a reconnect, and hands each message to the page's handlers.
+// header, re-subscribes after a reconnect, and hands each message to the page's handlers. A
+// page that shows only some devices says which (subscribeSamples), and the portal sends it only
+// those devices' samples; a sample message holds, per device, only what changed since the
+// device's previous one (mergeSample keeps the rest).
 (function () {
   "use strict";
   const handlers = [];
   const jobSubscriptions = new Set();
+  let sampleSubscription = null;
+  let sentSampleSubscription = null;
   let socket = null;
   let attempt = 0;
   const stateEl = () => document.getElementById("conn-state");
@@ -23,6 +28,8 @@
       attempt = 0;
       showState("live", "live");
       jobSubscriptions.forEach((id) => send({ action: "subscribe_job", job_id: id }));
+      sentSampleSubscription = null;
+      sendSampleSubscription();
     });
     socket.addEventListener("message", function (event) {
       let message;
@@ -39,6 +46,25 @@
 
   function send(message) {
     if (socket && socket.readyState === WebSocket.OPEN) socket.send(JSON.stringify(message));
+  }
+
+  function sendSampleSubscription() {
+    if (sampleSubscription === null || !socket || socket.readyState !== WebSocket.OPEN) return;
+    const text = JSON.stringify(sampleSubscription);
+    if (text === sentSampleSubscription) return;
+    sentSampleSubscription = text;
+    send(Object.assign({ action: "subscribe_samples" }, sampleSubscription));
+  }
+
+  // Which samples this page wants: {all: true}, or {nodes: [names], device_ids: [ids]}.
+  function subscribeSamples(what) {
+    sampleSubscription = what.all ? { all: true } : { nodes: what.nodes || [], device_ids: what.device_ids || [] };
+    sendSampleSubscription();
+  }
+
+  // A device's sample after a message's row for it: the row's fields over the ones held.
+  function mergeSample(held, row) {
+    return Object.assign({}, held || {}, row);
   }
 
   function csrfToken() {
@@ -106,6 +132,8 @@
     holderText: holderText,
     on: (handler) => handlers.push(handler),
     subscribeJob: (id) => { jobSubscriptions.add(id); send({ action: "subscribe_job", job_id: id }); },
+    subscribeSamples: subscribeSamples,
+    mergeSample: mergeSample,
     post: post,
     errorText: errorText,
     bootstrap: () => JSON.parse(document.getElementById("bootstrap").textContent),
