@@ -86,11 +86,24 @@ class ProcessGroup:
         self.processes.clear()
 
 
-def platform_commands(port: int, queue: str, state_dir: Path, host: str = "127.0.0.1") -> dict[str, list[str]]:
-    """The portal (daphne, listening on `host`), the Celery worker and beat, as argument lists
-    after `python`."""
+def portal_command(port: int, host: str = "127.0.0.1", processes: int = 1) -> list[str]:
+    """The portal's ASGI server, as arguments after `python`: daphne, or with `processes` > 1
+    uvicorn's workers, that many processes answering on one address (the kernel hands each
+    connection to one of them; they share the Redis channel layer, so an event sent from any
+    process reaches the sockets of all)."""
+    if processes > 1:
+        return ["-m", "uvicorn", "portal.asgi:application", "--host", host, "--port", str(port),
+                "--workers", str(processes), "--ws", "websockets", "--no-access-log"]
+    return ["-m", "daphne", "-b", host, "-p", str(port), "portal.asgi:application"]
+
+
+def platform_commands(
+    port: int, queue: str, state_dir: Path, host: str = "127.0.0.1", portal_processes: int = 1
+) -> dict[str, list[str]]:
+    """The portal (portal_command), the Celery worker and beat, as argument lists after
+    `python`."""
     return {
-        "portal": ["-m", "daphne", "-b", host, "-p", str(port), "portal.asgi:application"],
+        "portal": portal_command(port, host, portal_processes),
         "worker": ["-m", "celery", "-A", "portal", "worker", "-Q", queue, "-c", "2", "--loglevel", "INFO",
                    "-n", f"scheduler-{port}@%h"],
         "beat": ["-m", "celery", "-A", "portal", "beat", "--loglevel", "INFO", "-s",

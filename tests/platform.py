@@ -204,12 +204,14 @@ def redis_server(host: str, folder: Path) -> Iterator[RedisServer]:
 
 @contextmanager
 def running_platform(
-    tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None, network: Network | None = None
+    tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None, network: Network | None = None,
+    portal_processes: int = 1,
 ) -> Iterator[Platform]:
     """The platform with an agent of `agents[name]` simulated devices per name; `extra_env` goes
     to every process (workers inherit their agent's). With a `network`, each agent runs on its
     host there, and the portal listens on the network's gateway (Redis must be reachable there
-    too: `extra_env`'s REDIS_URL)."""
+    too: `extra_env`'s REDIS_URL). `portal_processes` > 1 runs that many portal processes on the
+    one address (portal.launcher.portal_command)."""
     run_id = uuid.uuid4().hex[:10]
     database = f"bungee_it_{run_id}"
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
@@ -238,7 +240,7 @@ def running_platform(
             group.run("manage.py", "shell", "--no-imports", "-c", _SEED.format(agents=sorted(agents)))
         )
         host = network.gateway if network is not None else "127.0.0.1"
-        commands = platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp, host)
+        commands = platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp, host, portal_processes)
         for name, command in commands.items():
             group.python(name, *command)
         platform = Platform(f"http://{host}:{port}", group, tokens, env, commands, network)
@@ -263,6 +265,9 @@ class SocketRecorder:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     error: str | None = None
+    local_port: int | None = None
+    """The client's end of the connection, once it is open (which portal process holds the
+    other end: psutil's connections)."""
 
     def start(self) -> SocketRecorder:
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -277,6 +282,7 @@ class SocketRecorder:
                 self.url, additional_headers={"Authorization": f"Bearer {self.token}"},
                 origin="http://127.0.0.1",  # type: ignore[arg-type]
             ) as ws:
+                self.local_port = ws.socket.getsockname()[1]
                 while not self._stop.is_set():
                     try:
                         raw = ws.recv(timeout=0.2)

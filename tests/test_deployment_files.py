@@ -42,3 +42,13 @@ def test_no_secret_has_a_usable_default() -> None:
         "${BUNGEE_AGENT_TOKEN:-}"
     ]
     assert "change-me" not in text
+
+
+def test_the_portal_runs_several_processes_on_one_port() -> None:
+    """uvicorn's workers (portal.launcher.portal_command), BUNGEE_PORTAL_PROCESSES of them,
+    two unless .env says otherwise; tests/test_live_two_portals.py runs two for real."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    command = compose["services"]["portal"]["command"][-1]
+    assert "-m uvicorn portal.asgi:application" in command
+    assert "--workers ${BUNGEE_PORTAL_PROCESSES:-2}" in command
+    assert compose["services"]["portal"]["ports"] == ["${PORT:-8000}:8000"]
