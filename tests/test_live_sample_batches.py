@@ -1,6 +1,7 @@
 """Device samples on the live socket, over the real Redis channel layer: one message per node
 and report whatever the number of devices, and in it only what changed since each device's
-previous sample (its id and taken_at always; the whole sample once every FULL_EVERY_S)."""
+previous sample (its id and taken_at always, taken_at once for the message when the samples
+share it; the whole sample once every FULL_EVERY_S)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def test_one_message_per_report_with_every_device_in_it(tokens: dict, cluster: A
         await database_sync_to_async(report)(cluster, *(sample(i, at + 1, 20.0 + i) for i in range(4)))
         message = await socket.receive_json_from(timeout=10)
         assert message["type"] == "samples" and message["node"] == "node-a"
+        assert message["taken_at"] == at + 1, "taken once for the four, said once"
         assert [row["device_id"] for row in message["samples"]] == [device_ids[i] for i in range(4)]
+        assert not any("taken_at" in row for row in message["samples"])
         assert [row["utilization_pct"] for row in message["samples"]] == [20.0, 21.0, 22.0, 23.0]
         assert await socket.receive_nothing(timeout=0.5), "one message for the report, not one per device"
         await socket.disconnect()
@@ -69,10 +72,11 @@ def test_only_what_changed_is_sent_and_the_whole_sample_once_a_window(tokens: di
         socket = await opened(tokens["alice"])
 
         async def rows_after(*samples: DeviceSample) -> list[dict[str, Any]]:
+            """The message's rows, each with its taken_at (from the message where it is shared)."""
             await database_sync_to_async(report)(cluster, *samples)
             message = await socket.receive_json_from(timeout=10)
             assert message["type"] == "samples"
-            return list(message["samples"])
+            return [{"taken_at": message["taken_at"], **row} if "taken_at" in message else row for row in message["samples"]]
 
         first = await rows_after(sample(0, at + 1), sample(1, at + 1))
         assert first[0] == {"device_id": device_ids[0], "taken_at": at + 1, "index": 0, "utilization_pct": 10.0,
@@ -87,6 +91,10 @@ def test_only_what_changed_is_sent_and_the_whole_sample_once_a_window(tokens: di
 
         unchanged = await rows_after(sample(0, at + 3, utilization_pct=55.0))
         assert unchanged == [{"device_id": device_ids[0], "taken_at": at + 3}]
+
+        apart = await rows_after(sample(0, at + 4, utilization_pct=55.0), sample(1, at + 5, memory_used_bytes=7))
+        assert apart == [{"device_id": device_ids[0], "taken_at": at + 4}, {"device_id": device_ids[1], "taken_at": at + 5}], \
+            "taken at different times, each row says when"
 
         next_window = await rows_after(sample(0, at + FULL_EVERY_S, utilization_pct=55.0))
         assert next_window[0]["taken_at"] == at + FULL_EVERY_S

@@ -62,7 +62,7 @@ def test_each_socket_gets_the_samples_it_subscribed_to(tokens: dict, cluster: An
             assert rows(await socket.receive_json_from(timeout=10)) == [a_ids[i] for i in range(4)]
         job_rows = await job_page.receive_json_from(timeout=10)
         assert job_rows["node"] == "node-a" and rows(job_rows) == [a_ids[1]]
-        assert job_rows["samples"][0]["utilization_pct"] == 10.0
+        assert job_rows["samples"][0]["utilization_pct"] == 10.0 and job_rows["taken_at"] == at + 1
         assert await board_b.receive_nothing(timeout=0.5)
 
         await database_sync_to_async(report)(node_b, 0, 1, at=at + 1)

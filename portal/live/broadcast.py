@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
+from portal.live.samples import taken_together
+
 if TYPE_CHECKING:
     from portal.jobs.models import Job
 
@@ -57,13 +59,14 @@ def send(group: str, event: dict[str, Any]) -> None:
 
 def samples(node_id: int, node_name: str, rows: list[dict[str, Any]]) -> None:
     """One node's samples of one report, as one message (`portal.live.samples.changed` says what
-    each row holds), to the sockets that follow every node and to those that follow this one.
+    each row holds; `taken_together` takes out a `taken_at` they share), to the sockets that follow every node and to those that follow this one.
     The rows travel beside the text for a socket that follows only some of the node's devices."""
     if not rows:
         return
-    text = encoded({"type": "samples", "node": node_name, "samples": rows})
+    taken_at, rows = taken_together(rows)
+    head = {"type": "samples", "node": node_name} | ({} if taken_at is None else {"taken_at": taken_at})
     _send((SAMPLES_GROUP, node_samples_group(node_id)),
-          {"type": "live.samples", "node_id": node_id, "node": node_name, "text": text, "rows": rows})
+          {"type": "live.samples", "node_id": node_id, "head": head, "text": encoded(head | {"samples": rows}), "rows": rows})
 
 
 def job_changed(job: Job) -> None:

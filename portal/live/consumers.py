@@ -165,7 +165,7 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         elif wanted:
             rows = [row for row in message["rows"] if row["device_id"] in wanted]
             if rows:
-                await self.send_json({"type": "samples", "node": message["node"], "samples": rows})
+                await self.send(text_data=encoded(message["head"] | {"samples": rows}))
 
     @database_sync_to_async
     def _may_manage(self, job_id: int) -> bool | None:

@@ -1,5 +1,6 @@
 """What a device sample sends to the open sockets: only what changed since the device's previous
-sample (its id and `taken_at` always), and the whole sample when there is no previous one or
+sample (its id and `taken_at` always; a report whose samples were all taken at once, as an
+agent takes them, says `taken_at` once for all), and the whole sample when there is no previous one or
 once every FULL_EVERY_S of the agent's clock, so that a socket that missed a message (the layer
 drops messages to a full channel) is whole again within that time. Which sockets want which
 devices is a subscription: `Subscription` says whether a socket wants a node's batch whole, in
@@ -22,6 +23,15 @@ def changed(previous: dict[str, Any] | None, current: dict[str, Any]) -> dict[st
     if previous is None or previous["taken_at"] // FULL_EVERY_S != current["taken_at"] // FULL_EVERY_S:
         return current
     return {name: value for name, value in current.items() if name in ALWAYS_SENT or previous.get(name) != value}
+
+
+def taken_together(rows: list[dict[str, Any]]) -> tuple[float | None, list[dict[str, Any]]]:
+    """(taken_at, rows): when every row has the same `taken_at`, that time and the rows without
+    it; else None and the rows as they are."""
+    times = {row["taken_at"] for row in rows}
+    if len(times) != 1:
+        return None, rows
+    return times.pop(), [{name: value for name, value in row.items() if name != "taken_at"} for row in rows]
 
 
 @dataclass

@@ -351,7 +351,7 @@
     if (msg.type === "cluster") {
       loadCluster(msg.cluster);
     } else if (msg.type === "samples") {
-      msg.samples.forEach((s) => {
+      BungeeLive.sampleRows(msg).forEach((s) => {
         const d = devices.get(s.device_id);
         if (!d) return;
         d.sample = BungeeLive.mergeSample(d.sample, s);

@@ -386,7 +386,7 @@
       catchUpLogs();
       reloadCurve();
     } else if (msg.type === "samples") {
-      msg.samples.forEach((s) => deviceSamples.set(s.device_id, BungeeLive.mergeSample(deviceSamples.get(s.device_id), s)));
+      BungeeLive.sampleRows(msg).forEach((s) => deviceSamples.set(s.device_id, BungeeLive.mergeSample(deviceSamples.get(s.device_id), s)));
       renderDevices();
     }
   });

@@ -2,7 +2,7 @@
 // header, re-subscribes after a reconnect, and hands each message to the page's handlers. A
 // page that shows only some devices says which (subscribeSamples), and the portal sends it only
 // those devices' samples; a sample message holds, per device, only what changed since the
-// device's previous one (mergeSample keeps the rest).
+// device's previous one (sampleRows and mergeSample put a device's sample together again).
 (function () {
   "use strict";
   const handlers = [];
@@ -60,6 +60,13 @@
   function subscribeSamples(what) {
     sampleSubscription = what.all ? { all: true } : { nodes: what.nodes || [], device_ids: what.device_ids || [] };
     sendSampleSubscription();
+  }
+
+  // A samples message's rows, each with its taken_at (a message whose rows were all taken at
+  // once says it once, beside them).
+  function sampleRows(message) {
+    if (message.taken_at === undefined) return message.samples;
+    return message.samples.map((row) => row.taken_at === undefined ? Object.assign({ taken_at: message.taken_at }, row) : row);
   }
 
   // A device's sample after a message's row for it: the row's fields over the ones held.
@@ -133,6 +140,7 @@
     on: (handler) => handlers.push(handler),
     subscribeJob: (id) => { jobSubscriptions.add(id); send({ action: "subscribe_job", job_id: id }); },
     subscribeSamples: subscribeSamples,
+    sampleRows: sampleRows,
     mergeSample: mergeSample,
     post: post,
     errorText: errorText,
