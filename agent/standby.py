@@ -14,6 +14,11 @@ a worker started there cold), and hands a standby to a launch on its device. A s
 only if it was started with the placement the device has now (a played slowdown changes the
 environment a worker must start with); otherwise it is killed and the worker starts cold.
 
+A standby runs at SCHED_IDLE until it is handed a worker: its seconds of importing use only
+CPU that nothing else wants, so training on the node (CPU slots share the cores) does not slow
+down while a standby warms up. Handing it a worker gives its threads the normal policy back; where
+the agent may not do that (no CAP_SYS_NICE), the standby is killed and the worker starts cold.
+
 A standby that dies while waiting is logged with its output's tail; its device gets no new one
 for RESTART_BACKOFF_S, so a standby that cannot start does not burn a core in a loop.
 """
@@ -42,6 +47,17 @@ _TAIL_BYTES = 2000
 PIPE_BYTES = 1 << 20
 """A standby's stdin holds this much (Linux's default pipe-max-size), so that an assignment with
 a large job spec still goes in one write; one larger still starts the worker cold."""
+
+
+def normal_priority(pid: int) -> None:
+    """Gives every thread of process `pid` the normal scheduling policy back (a standby warms
+    up at SCHED_IDLE; the worker it becomes must not). Raises OSError where that is not allowed
+    (leaving SCHED_IDLE needs CAP_SYS_NICE or a permissive RLIMIT_NICE)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(task), os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
 
 
 @dataclass
@@ -118,6 +134,7 @@ class StandbyPool:
         assert standby.process.stdin is not None
         pipe = standby.process.stdin.fileno()
         try:
+            normal_priority(standby.pid)
             # Through the pipe, never a file: the environment holds what the job may read and
             # the disk may not keep. Into an empty pipe that can hold it all, the write neither
             # blocks (the standby may still be importing) nor is cut short.
@@ -173,6 +190,11 @@ class StandbyPool:
             log.error("cannot start a standby on device %d: %s", index, err)
             self._backoff_until[index] = time.monotonic() + RESTART_BACKOFF_S
             return
+        try:
+            # It warms up on idle CPU only: a node's training never waits for a standby.
+            os.sched_setscheduler(process.pid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as err:
+            log.warning("could not give standby pid %d idle priority: %s", process.pid, err)
         assert process.stdin is not None
         try:
             fcntl.fcntl(process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)

@@ -63,6 +63,7 @@ def test_a_launch_takes_the_devices_standby_which_serves_that_worker_only(
 ) -> None:
     standbys = warm(supervisor, backend)
     assert sorted(standbys) == [0, 1]
+    assert {os.sched_getscheduler(pid) for pid in standbys.values()} == {os.SCHED_IDLE}  # idle CPU only
     recorder = Recorder(supervisor)
     assert supervisor.launch(launch(ranks=1, steps=3), backend, REDIS_URL)
     recorder.wait_for(recorder.exits(1))

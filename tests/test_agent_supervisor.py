@@ -531,7 +531,10 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path, standbys
         assert supervisor.launch(command, backend, REDIS_URL)
         recorder.wait_for(lambda _: bool(recorder.of("progress")) or bool(recorder.of("exited")), 120)
         assert recorder.of("exited") == [], [e.message for e in recorder.of("log")]
-        assert (recorder.of("started")[0].pid in standby_pids) == standbys
+        pid = recorder.of("started")[0].pid
+        assert (pid in standby_pids) == standbys
+        # A worker from a standby (which waited at SCHED_IDLE) runs at the normal policy, every thread.
+        assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")} == {os.SCHED_OTHER}
         [joined] = recorder.of("joined")
         assert (joined.generation, joined.rank, joined.pid) == (1, 0, recorder.of("started")[0].pid)
         progress = recorder.of("progress")[0]
