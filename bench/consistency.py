@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.conditions import PYTHON_PATH, REDIS_URL, TaskModel, machine, shared_gpu_env, show  # noqa: E402
+from bench.profile_step import strict_profile  # noqa: E402
 from elastic.tasks.runtime import bind_task  # noqa: E402
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint  # noqa: E402
 from elastic.worker.local import LocalJob  # noqa: E402
@@ -164,6 +165,11 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
     hp = spec["hyperparameters"]
     parameters = model_parameters(spec)
+    if TASK is None and DEVICE == "cpu":
+        print(
+            f"\n  where a strict step's time goes (torch.profiler, top 8 by self CPU time of 10 steps of the "
+            f"same model in this process, one virtual worker, world size 1):\n{strict_profile(hp)}"
+        )
     pct = (statistics.median(strict) / statistics.median(averaged) - 1) * 100
     print(
         f"\nstep time: {spec.get('workload') or spec.get('entrypoint')} {parameters / 1e6:.4f}M parameters, "

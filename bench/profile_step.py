@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -41,10 +42,12 @@ HYPERPARAMETERS = {"batch_size": 256, "hidden": 512, "layers": 7, "dropout": 0.0
 SEED = 5
 
 
-def trainer(kind: str, device: torch.device) -> StrictTrainer | HybridTrainer:
+def trainer(
+    kind: str, device: torch.device, hyperparameters: dict[str, Any] = HYPERPARAMETERS
+) -> StrictTrainer | HybridTrainer:
     info = CATALOGUE["digits-mlp"]
     source = (info.path, info.entrypoint)
-    problem = BoundTask(load_task_class(*source), HYPERPARAMETERS, SEED, device, source)
+    problem = BoundTask(load_task_class(*source), hyperparameters, SEED, device, source)
     optimizer = problem.make_optimizer()
     stream = SampleStream(problem.num_samples, SEED)
     batch = problem.batch_size
@@ -77,6 +80,25 @@ def top_operators(run: StrictTrainer | HybridTrainer, first: int, device: torch.
         timed_steps(run, first, 10, device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return str(profiled.key_averages().table(sort_by=key, row_limit=rows))
+
+
+def strict_profile(hyperparameters: dict[str, Any], rows: int = 8) -> str:
+    """torch.profiler's top `rows` operators by self CPU time of 10 strict steps of the digits
+    MLP with `hyperparameters`, one virtual worker, in this process (a gloo group of one on a
+    free port, destroyed after)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+    try:
+        device = torch.device("cpu")
+        run = trainer("strict", device, hyperparameters)
+        timed_steps(run, 0, 5, device)
+        return top_operators(run, 5, device, rows)
+    finally:
+        dist.destroy_process_group()
 
 
 def main() -> int:
