@@ -16,6 +16,15 @@ so is the loss, summed the same way. The scales are powers of two, so the conver
 the gradients' own dtype, exactly, rather than through float64, and the step's buffers are kept
 from one step to the next. Every parameter update is therefore placement-independent.
 
+Predicted scales: the MAX all-reduce is a second round trip a step. After a step that took it,
+the next steps use its scales loosened by a margin (up to MAX_SCALE_MARGIN_BITS; none with 9 to
+32 virtual workers, where int32 has no bits to spare) without it, and every rank votes in the SUM
+all-reduce whether its terms fit them: none over the integers' range, and in each segment that
+is not all zeros some term that keeps MIN_SPARE_BITS. If any vote fails, every rank takes the
+MAX all-reduce and a second SUM of the gradients for that step, with what the MAX gives, and
+predicts again from it. The scales a step uses are thus a function of the committed steps alone,
+the same on every placement; they are state (small_state), carried to joiners and checkpoints.
+
 Contexts and crashes: the contexts of all V vws ride in the step's SUM all-reduce, each
 worker writing the rows of the vws it hosts and zeros elsewhere (x + 0 = x in integers, so the
 rows arrive unchanged). After every step each worker thus holds every vw's context, committed
@@ -60,6 +69,10 @@ _COUNT, _STOP_VOTES, _SWITCH_TO, _NONFINITE_VOTES, _METRIC_NAMES = 0, 1, 2, 3, 4
 _STATS = 5
 MIN_SPARE_BITS = 24
 """Fixed-point bits a term must keep below its tensor's largest magnitude: a float32's."""
+MAX_SCALE_MARGIN_BITS = 8
+"""The most a predicted scale leaves for a segment's magnitude to grow (and to shrink) before the
+step falls back to the MAX all-reduce."""
+_VOTES = 3  # per segment: terms over the predicted range, terms within its low end, nonzero terms
 
 
 def virtual_worker_seed(seed: int, step: int, virtual_worker: int) -> int:
@@ -128,13 +141,28 @@ class StrictTrainer(Trainer):
         # virtual workers the sum needs more headroom, and int64 it is.
         narrow = spare_bits(virtual_workers, 31) >= MIN_SPARE_BITS
         self._fixed, self._int_bits = (torch.int32, 31) if narrow else (torch.int64, 63)
+        spare = spare_bits(virtual_workers, self._int_bits)
+        self._margin_bits = min((spare - MIN_SPARE_BITS) // 2, MAX_SCALE_MARGIN_BITS)
+        """How far a segment's magnitude may grow, and shrink, under a predicted scale (0: no
+        prediction, every step takes the MAX all-reduce: so with 9 to 32 virtual workers)."""
+        self._highest_scaled = 2.0**spare
+        self._lowest_scaled = 2.0 ** (spare - 2 * self._margin_bits - 1)
+        self.predicted_scales: list[float] | None = None
+        """The scales the next step tries without the MAX all-reduce; a function of the committed
+        steps alone, so the same on every worker and in the state a joiner or a checkpoint gets."""
+        self.scale_fallbacks = 0
+        """Steps whose predicted scales every worker rejected (then the MAX all-reduce ran)."""
+        self._votes_at = ends[-1] + _STATS
         per_word = 8 // self._fixed.itemsize
-        self._contexts_at = math.ceil((ends[-1] + _STATS) / per_word) * per_word
+        self._contexts_at = math.ceil((self._votes_at + _VOTES * len(sizes)) / per_word) * per_word
         """Where the contexts start in the SUM buffer, on an 8-byte boundary."""
         self._total = torch.zeros(
             self._contexts_at + virtual_workers * words * per_word, dtype=self._fixed, device=self._device
         )
         self._result = torch.zeros(ends[-1], dtype=self._dtype, device=self._device)
+        self._rounded = torch.zeros(ends[-1], dtype=self._dtype, device=self._device)
+        """One row of terms times their scales, rounded: the terms themselves stay, for a step
+        whose predicted scales are rejected."""
         """The step's exact sum, as floats: the gradient the optimiser reads, then the loss."""
         self.hosted = range(0)
         self.rebind(rank, world_size)
@@ -180,10 +208,16 @@ class StrictTrainer(Trainer):
             self._unpack(self.contexts[0])
 
     def small_state(self) -> dict[str, Any]:
-        return {**super().small_state(), "virtual_workers": self.virtual_workers}
+        return {
+            **super().small_state(),
+            "virtual_workers": self.virtual_workers,
+            "predicted_scales": None if self.predicted_scales is None else list(self.predicted_scales),
+        }
 
     def load_small_state(self, state: dict[str, Any]) -> None:
         super().load_small_state(state)
+        carried = state.get("predicted_scales")
+        self.predicted_scales = None if carried is None else [float(scale) for scale in carried]
         if state.get("virtual_workers", self.virtual_workers) != self.virtual_workers:
             raise ValueError(
                 f"the state is of {state['virtual_workers']} virtual workers, this job has {self.virtual_workers}"
@@ -236,24 +270,45 @@ class StrictTrainer(Trainer):
             if words:
                 outgoing[vw] = self._pack()
         max_abs = self._segment_max_abs(terms)
+        magnitudes = max_abs.tolist()  # the step's one device-to-host copy before its collectives
         # A NaN or infinite loss or gradient here (NaN survives aminmax) is voted on; the terms
         # are zeroed so that the sums stay finite and every rank skips or fails the same step.
-        nonfinite = not bool(torch.isfinite(max_abs).all())
+        nonfinite = not all(math.isfinite(magnitude) for magnitude in magnitudes)
         if nonfinite:
             terms.zero_()
             max_abs.zero_()
+            magnitudes = [0.0] * len(magnitudes)
         if self.compute_done is not None:
             self.compute_done()
+        predicted = self.predicted_scales
+        scaled_by: list[float] | None = None  # what the terms carry when a prediction is rejected
+        votes = total[self._votes_at : self._votes_at + _VOTES * len(self._bounds)].view(_VOTES, -1)
         try:
-            dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
-            scales = self._scales(max_abs)
-            self._to_fixed(terms, scales, total[:width])
+            if predicted is None:
+                dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+                scales = self._scales(max_abs)
+                self._to_fixed(terms, scales, total[:width])
+            else:
+                scales = predicted
+                over = self._vote(magnitudes, scales, votes)
+                if over:  # every rank will reject the scales: the terms stay as they are
+                    total[:width].zero_()
+                else:
+                    self._to_fixed(terms, scales, total[:width])
+                    scaled_by = predicted
             stats[_COUNT] = sum(len(indices) for indices in trained)
             stats[_STOP_VOTES] = 1 if stop_requested else 0
             stats[_SWITCH_TO] = vote(switch_to)
             stats[_NONFINITE_VOTES] = 1 if nonfinite else 0
             stats[_METRIC_NAMES] = names_fingerprint(self.metric_names())
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            if predicted is not None and not self._accepted(votes.tolist()):
+                self.scale_fallbacks += 1
+                dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+                scales = self._scales(max_abs)
+                self._to_fixed(terms, scales, total[:width], scaled_by)
+                dist.all_reduce(total[:width], op=dist.ReduceOp.SUM)
+                predicted = None
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self.state_arrived()  # the model's buffers back to vw 0's committed context
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
@@ -273,6 +328,9 @@ class StrictTrainer(Trainer):
             self._point_gradients_at(exact[:g])
             self.optimizer.step()
             self.advance_schedule()
+            if predicted is None and self._margin_bits:  # the MAX all-reduce's scales, loosened
+                margin = 2.0**self._margin_bits
+                self.predicted_scales = [scale / margin for scale in scales]
             if words:
                 self.contexts.copy_(outgoing)
                 self._unpack(self.contexts[0])
@@ -340,18 +398,46 @@ class StrictTrainer(Trainer):
         scales = tensor_scales(max_abs.cpu(), self.virtual_workers, self._int_bits)
         return scales.clamp_(max=largest).tolist()
 
-    def _to_fixed(self, terms: torch.Tensor, scales: list[float], into: torch.Tensor) -> None:
-        """Writes the int64 sum over the hosted vws of each term times its segment's scale,
-        rounded to the nearest integer, into `into`. Multiplying by a power of two is exact in
-        the gradients' own dtype, so no float64 pass is needed."""
-        torch._foreach_mul_(self._segments(terms), scales)  # powers of two: exact; one kernel
-        terms.round_()
+    def _vote(self, magnitudes: list[float], scales: list[float], votes: torch.Tensor) -> bool:
+        """Writes this rank's votes on the predicted `scales` into `votes` (a row each: terms
+        whose scaled magnitude is over the integers' range, terms whose scaled magnitude is
+        within the precision floor, nonzero terms; a column per segment) and returns whether any
+        term is over. `magnitudes` are this rank's (the max over its hosted vws: the vote is the
+        same whichever vws a rank hosts, and so is the SUM of the votes)."""
+        over = [magnitude * scale > self._highest_scaled for magnitude, scale in zip(magnitudes, scales, strict=True)]
+        within = [magnitude * scale > self._lowest_scaled for magnitude, scale in zip(magnitudes, scales, strict=True)]
+        nonzero = [magnitude > 0 for magnitude in magnitudes]
+        votes.copy_(torch.tensor([over, within, nonzero], dtype=votes.dtype))
+        return any(over)
+
+    def _accepted(self, votes: list[list[int]]) -> bool:
+        """Whether the SUM of every rank's votes accepts the predicted scales: no term of any
+        segment over the integers' range, and in every segment that is not all zeros some term
+        within the precision floor (its largest entry keeps at least MIN_SPARE_BITS bits)."""
+        over, within, nonzero = votes
+        return not any(over) and all(w > 0 or n == 0 for w, n in zip(within, nonzero, strict=True))
+
+    def _to_fixed(
+        self, terms: torch.Tensor, scales: list[float], into: torch.Tensor, scaled_by: list[float] | None = None
+    ) -> None:
+        """Writes the sum over the hosted vws of each term times its segment's scale, rounded to
+        the nearest integer, into `into`; `scaled_by`: the scales the terms already carry (a
+        rejected prediction's). Multiplying by a power of two is exact in the gradients' own
+        dtype, so no float64 pass is needed, and the terms are left scaled but not rounded, so
+        that a rejected prediction can scale them again (exactly, but for subnormals, which
+        round to 0 in `into` either way)."""
         if not len(terms):
             into.zero_()
             return
-        into.copy_(terms[0])  # float to int64: exact, the values are whole numbers
-        for row in terms[1:]:
-            into.add_(row.to(self._fixed))
+        factors = scales if scaled_by is None else [new / old for new, old in zip(scales, scaled_by, strict=True)]
+        torch._foreach_mul_(self._segments(terms), factors)  # powers of two: exact; one kernel
+        rounded = self._rounded
+        for row_index, row in enumerate(terms):
+            torch.round(row, out=rounded)
+            if row_index == 0:
+                into.copy_(rounded)  # float to int: exact, the values are whole numbers
+            else:
+                into.add_(rounded.to(self._fixed))
 
     def _point_gradients_at(self, flat: torch.Tensor) -> None:
         """Makes every parameter's gradient a view of its slice of `flat`, so that backward
