@@ -1,17 +1,22 @@
 """What strict mode costs and what it buys, against plain data-parallel averaging and hybrid mode.
 
     python bench/consistency.py            # 13.5 minutes here before it was cut to fit 10 (2 busy cores)
-    python bench/consistency.py --quick    # 2.5 to 3.4 minutes here, with the load of the day
+    python bench/consistency.py --quick    # about 4 minutes here, with the load of the day
+    python bench/consistency.py --quick --step-time-only   # part 1 alone
     python bench/consistency.py --quick --task DIR --entrypoint task:MyTask --hyperparameters '{"batch_size": 32}'
                                            # parts 1 and 2 on a user's task (elastic.tasks)
 
 1. Step time of strict mode against plain DDP-style averaging, same model, same global batch,
-   same world size, interleaved runs of the real worker (elastic.worker.local.LocalJob). "Plain"
+   same world size, pairs of short runs of the real worker (elastic.worker.local.LocalJob), the
+   arm that runs first alternating from pair to pair. "Plain"
    is the runtime's averaging path (a hybrid job whose batch bounds hold it fixed: one float
    all-reduce of the gradient mean); bench/overhead.py relates that path to torch DDP itself.
    Strict adds the MAX all-reduce of per-tensor magnitudes and the fixed-point conversion; its
-   SUM all-reduce is int32 (the bytes of the float one) up to 32 virtual workers. A step's time is the gap between consecutive step
-   ends on rank 0; the overhead is the ratio of the medians.
+   SUM all-reduce is int32 (the bytes of the float one) up to 32 virtual workers. A step's time is
+   the gap between consecutive step ends on rank 0; a pair's overhead is the ratio of its two
+   medians, and the figure is the median over pairs, printed with their min and max and the load
+   average of each pair (on a shared machine the spread of the pairs says what the figure is
+   worth). Then torch.profiler's top operators of strict steps of the same model in this process.
 2. The largest absolute parameter difference between a run resized in place and a fixed run of
    the same number of steps, for strict (must be 0), hybrid and plain averaging. The digits CNN
    (batch norm and dropout), 4 virtual workers.
@@ -146,21 +151,29 @@ def step_times(spec: dict[str, Any], steps: int, workers: int, work: Path) -> li
 
 
 def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    pairs, steps = (2, 30) if args.quick else (4, 60)
+    pairs, steps = (6, 20) if args.quick else (10, 40)
     strict: list[float] = []
     averaged: list[float] = []
     per_pair = []
+    loads = []
     spec = {**(args.task_spec or OVERHEAD_SPEC), "max_workers": args.workers}  # V = the world size: one each
     for pair in range(pairs):
-        ours = step_times(spec, steps, args.workers, work)
-        theirs = step_times(plain(spec), steps, args.workers, work)
+        # Alternate which arm runs first, so that neither always follows the other's load.
+        if pair % 2 == 0:
+            ours = step_times(spec, steps, args.workers, work)
+            theirs = step_times(plain(spec), steps, args.workers, work)
+        else:
+            theirs = step_times(plain(spec), steps, args.workers, work)
+            ours = step_times(spec, steps, args.workers, work)
         strict += ours
         averaged += theirs
         ratio = statistics.median(ours) / statistics.median(theirs)
         per_pair.append((ratio - 1) * 100)
+        loads.append(round(os.getloadavg()[0], 2))
         print(
-            f"  pair {pair + 1}: strict {statistics.median(ours) * 1000:.2f} ms, plain "
-            f"{statistics.median(theirs) * 1000:.2f} ms a step ({per_pair[-1]:+.1f}%)",
+            f"  pair {pair + 1} ({'strict' if pair % 2 == 0 else 'plain'} first, load {loads[-1]}): strict "
+            f"{statistics.median(ours) * 1000:.2f} ms, plain {statistics.median(theirs) * 1000:.2f} ms a step "
+            f"({per_pair[-1]:+.1f}%)",
             flush=True,
         )
     hp = spec["hyperparameters"]
@@ -170,20 +183,26 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             f"\n  where a strict step's time goes (torch.profiler, top 8 by self CPU time of 10 steps of the "
             f"same model in this process, one virtual worker, world size 1):\n{strict_profile(hp)}"
         )
-    pct = (statistics.median(strict) / statistics.median(averaged) - 1) * 100
+    pct = statistics.median(per_pair)
+    pooled = (statistics.median(strict) / statistics.median(averaged) - 1) * 100
     print(
         f"\nstep time: {spec.get('workload') or spec.get('entrypoint')} {parameters / 1e6:.4f}M parameters, "
         f"global batch {hp['batch_size']}, "
         f"{args.workers} workers (strict: V = {args.workers}, one virtual worker each), "
-        f"{pairs} interleaved pairs of {steps}-step runs ({WARMUP_STEPS} warm-up steps left out)"
+        f"{pairs} interleaved pairs of {steps}-step runs ({WARMUP_STEPS} warm-up steps left out), "
+        f"load average {min(loads)} to {max(loads)}"
     )
     print(f"  strict step: {show(strict, 's', 4)}")
     print(f"  plain step:  {show(averaged, 's', 4)}")
     print(
-        f"  strict overhead (ratio of medians): {pct:+.1f}%; per pair {', '.join(f'{p:+.1f}%' for p in per_pair)}"
+        f"  strict overhead, per pair (min / median / max): {min(per_pair):+.1f} / {pct:+.1f} / "
+        f"{max(per_pair):+.1f}%, the pairs agree within {max(per_pair) - min(per_pair):.1f} points; "
+        f"ratio of the pooled medians {pooled:+.1f}%"
     )
     return {
         "strict_overhead_pct": pct,
+        "strict_overhead_pooled_pct": pooled,
+        "overhead_load_average_per_pair": loads,
         "strict_step_median_s": statistics.median(strict),
         "plain_step_median_s": statistics.median(averaged),
         "overhead_per_pair_pct": per_pair,
@@ -345,6 +364,10 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     figures = overhead(args, work)
     trained = f"{TASK[1]} of {TASK[0]}" if TASK is not None else "digits CNN, batch norm, dropout"
     print(f"\n2. parameters after a resize schedule against a fixed run ({trained})", flush=True)
+    if args.step_time_only:
+        result.update(figures)
+        result.update(device=DEVICE, conditions=conditions, wall_s=round(time.monotonic() - began, 1))
+        return result
     result.update(differences(args, work))
     result.update(figures)
     if TASK is not None:
@@ -366,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer and shorter runs (about 3 minutes)")
     parser.add_argument("--workers", type=int, default=2, help="world size of the step-time comparison")
+    parser.add_argument("--step-time-only", action="store_true", help="part 1 alone (the JSON then lacks the differences)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--task", type=Path, help="a user's task directory, trained instead of the digits")
     parser.add_argument("--entrypoint", default="task:Task", help="the task class in --task, module:ClassName")
@@ -385,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     result = report(args)
     ordered = {
-        key: result[key]
+        key: result.get(key)
         for key in (
             "bench",
             "strict_max_abs_diff",

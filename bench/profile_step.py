@@ -63,14 +63,20 @@ def trainer(
     return made
 
 
-def timed_steps(run: StrictTrainer | HybridTrainer, first: int, count: int, device: torch.device) -> list[float]:
+def timed_steps(
+    run: StrictTrainer | HybridTrainer, first: int, count: int, device: torch.device, cpu_times: list[float] | None = None
+) -> list[float]:
+    """Wall-clock times of `count` steps from `first`; appends each step's CPU time of this
+    thread to `cpu_times` if given (what a loaded machine's waiting for a core does not inflate)."""
     times = []
     for step in range(first, first + count):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         run.step(step, False)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
+        if cpu_times is not None:
+            cpu_times.append(time.thread_time() - began_cpu)
     return times
 
 
@@ -125,10 +131,11 @@ def main() -> int:
     for run in arms.values():
         timed_steps(run, 0, 5, device)  # warm-up: allocations, kernels, caches
     times: dict[str, list[float]] = {kind: [] for kind in arms}
+    cpu: dict[str, list[float]] = {kind: [] for kind in arms}
     step = 5
     for _ in range(args.rounds):
         for kind, run in arms.items():
-            times[kind] += timed_steps(run, step, args.steps, device)
+            times[kind] += timed_steps(run, step, args.steps, device, cpu[kind])
         step += args.steps
     strict, plain = statistics.median(times["strict"]), statistics.median(times["plain"])
     parameters = sum(p.numel() for p in arms["strict"].problem.model.parameters())
@@ -137,6 +144,10 @@ def main() -> int:
     print(f"  strict step: {show(times['strict'], 's', 5)}")
     print(f"  plain step:  {show(times['plain'], 's', 5)}")
     print(f"  strict overhead (ratio of medians): {(strict / plain - 1) * 100:+.1f}%")
+    strict_cpu, plain_cpu = statistics.median(cpu["strict"]), statistics.median(cpu["plain"])
+    print(f"  CPU time of this thread a step: strict {show(cpu['strict'], 's', 5)}, plain {show(cpu['plain'], 's', 5)}")
+    print(f"  strict overhead in CPU time (ratio of medians; what the load does not inflate): "
+          f"{(strict_cpu / plain_cpu - 1) * 100:+.1f}%")  # fmt: skip
     for kind, run in arms.items():
         print(f"\ntop operators of 10 {kind} steps (by self {'CUDA' if device.type == 'cuda' else 'CPU'} time):")
         print(top_operators(run, step, device, args.rows))
@@ -144,6 +155,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "bench": "profile_step", "device": args.device, "strict_step_median_s": strict,
         "plain_step_median_s": plain, "strict_overhead_pct": (strict / plain - 1) * 100,
+        "strict_overhead_cpu_time_pct": (strict_cpu / plain_cpu - 1) * 100,
         "model_params": parameters, "conditions": conditions,
     }  # fmt: skip
     print(json.dumps(result))
