@@ -40,6 +40,12 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--code-dir", type=Path, help="the job's own code, for a spec that names code")
     parser.add_argument("--no-stop-flag", action="store_true", help="plain DDP: no per-step stop vote")
+    parser.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="DDP(gradient_as_bucket_view=True) and gradients zeroed in place, not freed: one gradient "
+        "memory for the run, as the elastic runtime's flat buffer",
+    )
     args = parser.parse_args()
     stopping = False
 
@@ -72,13 +78,13 @@ def main() -> int:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=args.bucket_view)
     stream = SampleStream(problem.num_samples, spec.seed)
     flag = torch.zeros(1, device=device)
     timeline = open(args.timeline, "a") if rank == 0 else None
     while step < spec.total_steps():
         indices = stream.local_batch(step, problem.batch_size, world, rank)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not args.bucket_view)
         problem.loss(problem.batch(indices), model=ddp).backward()
         optimizer.step()
         step += 1
