@@ -302,7 +302,9 @@ class StrictTrainer(Trainer):
             stats[_NONFINITE_VOTES] = 1 if nonfinite else 0
             stats[_METRIC_NAMES] = names_fingerprint(self.metric_names())
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            if predicted is not None and not self._accepted(votes.tolist()):
+            agreed_and_votes = total[width : self._votes_at + votes.numel()].tolist()  # one read
+            agreed, voted = agreed_and_votes[:_STATS], agreed_and_votes[_STATS:]
+            if predicted is not None and not self._accepted(voted):
                 self.scale_fallbacks += 1
                 dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
                 scales = self._scales(max_abs)
@@ -312,7 +314,6 @@ class StrictTrainer(Trainer):
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self.state_arrived()  # the model's buffers back to vw 0's committed context
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
-        agreed = stats.tolist()
         try:
             skipped = self.nonfinite_agreed(step, agreed[_NONFINITE_VOTES])
         except NonFiniteLossError:
@@ -404,21 +405,24 @@ class StrictTrainer(Trainer):
         within the precision floor, nonzero terms; a column per segment) and returns whether any
         term is over. `magnitudes` are this rank's (the max over its hosted vws: the vote is the
         same whichever vws a rank hosts, and so is the SUM of the votes)."""
-        over = [magnitude * scale > self._highest_scaled for magnitude, scale in zip(magnitudes, scales, strict=True)]
-        within = [magnitude * scale > self._lowest_scaled for magnitude, scale in zip(magnitudes, scales, strict=True)]
+        scaled = [magnitude * scale for magnitude, scale in zip(magnitudes, scales, strict=True)]
+        over = [value > self._highest_scaled for value in scaled]
+        within = [value > self._lowest_scaled for value in scaled]
         nonzero = [magnitude > 0 for magnitude in magnitudes]
         votes.copy_(torch.tensor([over, within, nonzero], dtype=votes.dtype))
         return any(over)
 
-    def _accepted(self, votes: list[list[int]]) -> bool:
-        """Whether the SUM of every rank's votes accepts the predicted scales: no term of any
-        segment over the integers' range, and in every segment that is not all zeros some term
-        within the precision floor (its largest entry keeps at least MIN_SPARE_BITS bits)."""
-        over, within, nonzero = votes
+    def _accepted(self, votes: list[int]) -> bool:
+        """Whether the SUM of every rank's votes (the rows of _vote, flat) accepts the predicted
+        scales: no term of any segment over the integers' range, and in every segment that is
+        not all zeros some term within the precision floor (its largest entry keeps at least
+        MIN_SPARE_BITS bits)."""
+        segments = len(self._bounds)
+        over, within, nonzero = (votes[row * segments : (row + 1) * segments] for row in range(_VOTES))
         return not any(over) and all(w > 0 or n == 0 for w, n in zip(within, nonzero, strict=True))
 
     def _to_fixed(
-        self, terms: torch.Tensor, scales: list[float], into: torch.Tensor, scaled_by: list[float] | None = None
+        self, terms: torch.Tensor, scales: list[float], into: torch.Tensor, scaled_by: list[float] | None = None,
     ) -> None:
         """Writes the sum over the hosted vws of each term times its segment's scale, rounded to
         the nearest integer, into `into`; `scaled_by`: the scales the terms already carry (a
@@ -429,8 +433,9 @@ class StrictTrainer(Trainer):
         if not len(terms):
             into.zero_()
             return
-        factors = scales if scaled_by is None else [new / old for new, old in zip(scales, scaled_by, strict=True)]
-        torch._foreach_mul_(self._segments(terms), factors)  # powers of two: exact; one kernel
+        if scaled_by is not None:  # a rejected prediction's: scale by the ratio, a power of two
+            scales = [new / old for new, old in zip(scales, scaled_by, strict=True)]
+        torch._foreach_mul_(self._segments(terms), scales)  # powers of two: exact; one kernel
         rounded = self._rounded
         for row_index, row in enumerate(terms):
             torch.round(row, out=rounded)
