@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from elastic.worker import FAILED_EXIT_CODE, LEFT_EXIT_CODE, WORKER_CONFIG_ENV
@@ -18,6 +19,7 @@ from elastic.worker.events import announce_exit
 
 def main() -> int:
     """Run the worker; return its exit code. A failure prints its traceback to stderr."""
+    began = time.monotonic()
     # Installed first, so a stop asked while torch loads is honoured at the first step.
     from elastic.worker.stop import StopRequest
 
@@ -42,7 +44,7 @@ def main() -> int:
 
         board = RedisBoard.connect(config.redis_url, config.coordination_key)
         try:
-            code = WorkerRun(config, settings, EventWriter(config), stop, board).run()
+            code = WorkerRun(config, settings, EventWriter(config), stop, board, began).run()
         finally:
             board.close()
     except Exception:

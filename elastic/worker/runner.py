@@ -24,6 +24,7 @@ This module wires the parts together; the exit code says how it ended (elastic.w
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -75,8 +76,11 @@ class WorkerRun:
         events: EventWriter,
         stop: StopRequest,
         board: Board,
+        began: float | None = None,
     ) -> None:
         self.config = config
+        self.began = time.monotonic() if began is None else began
+        """When the worker's process began to be this worker (time.monotonic): for its start-up line."""
         self.settings = settings
         self.events = events
         self.stop = stop
@@ -170,11 +174,14 @@ class WorkerRun:
 
     def _build(self) -> tuple[StateRestore, TrainingLoop]:
         device = self.rendezvous.device
+        began = time.monotonic()
         task_class, source = self._task_class()
+        loaded = time.monotonic()
         problem = BoundTask(task_class, self.spec.hyperparameters, self.spec.seed, device, source)
         self._problem = problem
         if self.config.initial_model is not None:
             problem.load_initial_model(Path(self.config.initial_model), f"job {self.spec.init_from}")
+        built = time.monotonic()
         optimizer = problem.make_optimizer()
         scheduler = problem.make_scheduler(optimizer)
         recorder = (
@@ -191,7 +198,14 @@ class WorkerRun:
         clock = StepClock(self.events, self.settings.progress_every_s, self.settings.simulated_slowdown)
         trainer = self._make_trainer(problem, optimizer, scheduler, recorder, clock)
         start, stop = share_bounds(problem.batch_size, self.config.world_size, self.config.rank)
+        optimised = time.monotonic()
         trainer.warm_up(stop - start)
+        warm = time.monotonic()
+        self.events.log(
+            f"built in {warm - began:.2f} s, {warm - self.began:.2f} s after the worker began: the task's code {loaded - began:.2f} s, the model and data "
+            f"{built - loaded:.2f} s, the optimiser and trainer {optimised - built:.2f} s, a warm-up pass "
+            f"{warm - optimised:.2f} s"
+        )
         progress = ProgressReporter(
             self.events,
             total_steps=self.total_steps,
