@@ -13,11 +13,11 @@ join), resizes by reason (a fixed set). Access takes a bearer token of role `met
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
 
-from django.db.models import Count, OuterRef, Q, Subquery, Sum
+from django.db.models import Count, DurationField, ExpressionWrapper, F, OuterRef, Q, QuerySet, Subquery, Sum
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -38,12 +38,23 @@ FAILURE_REASONS = ("failed", "node lost", "agent restart: gone")
 for workers it found gone); "completed", "stopped", "left" and "user_error" are not."""
 
 
-def _histogram(name: str, documentation: str, values: Sequence[float], bounds: Sequence[float]) -> Metric:
-    ordered = sorted(values)
-    buckets = [(str(bound), bisect.bisect_right(ordered, bound)) for bound in bounds]
-    return HistogramMetricFamily(
-        name, documentation, buckets=[*buckets, ("+Inf", len(ordered))], sum_value=math.fsum(ordered)
-    )
+def _histogram(
+    name: str,
+    documentation: str,
+    rows: QuerySet[Any],
+    field: str,
+    bounds: Sequence[float],
+    unit: Callable[[float], Any] = lambda seconds: seconds,
+    seconds: Callable[[Any], float] = float,
+) -> Metric:
+    """A histogram of `field` over `rows`, counted and summed by the database in one query: a
+    scrape reads no rows, however long the history. `bounds` are in seconds; `unit` turns one
+    into the field's own unit, `seconds` turns the field's sum back."""
+    by_bound = {f"le_{i}": Count("pk", filter=Q(**{f"{field}__lte": unit(bound)})) for i, bound in enumerate(bounds)}
+    row = rows.aggregate(n=Count("pk"), total=Sum(field), **by_bound)
+    buckets = [(str(bound), row[f"le_{i}"]) for i, bound in enumerate(bounds)]
+    total = 0.0 if row["total"] is None else seconds(row["total"])
+    return HistogramMetricFamily(name, documentation, buckets=[*buckets, ("+Inf", row["n"])], sum_value=total)
 
 
 class PlatformCollector(Collector):
@@ -121,28 +132,25 @@ class PlatformCollector(Collector):
         for reason, n in ResizeEvent.objects.values_list("reason").annotate(n=Count("pk")).order_by("reason"):
             total.add_metric([reason], n)
         yield total
-        done = ResizeEvent.objects.filter(completed_at__isnull=False).values_list("requested_at", "completed_at", "pause_s")
-        rows = list(done)
+        done = ResizeEvent.objects.filter(completed_at__isnull=False)
         yield _histogram(
             "bungee_resize_pause_seconds", "Training paused by a resize (last step before to first after)",
-            [pause for _, _, pause in rows if pause is not None], PAUSE_BUCKETS,
+            done.filter(pause_s__isnull=False), "pause_s", PAUSE_BUCKETS,
         )  # fmt: skip
+        land = ExpressionWrapper(F("completed_at") - F("requested_at"), output_field=DurationField())
         yield _histogram(
             "bungee_resize_land_seconds", "From a resize being asked to its first step on the new workers",
-            [(completed - requested).total_seconds() for requested, completed, _ in rows], LAND_BUCKETS,
+            done.annotate(land=land), "land", LAND_BUCKETS, lambda bound: timedelta(seconds=bound),
+            lambda total: total.total_seconds(),
         )  # fmt: skip
 
     def _scheduler(self) -> Iterator[Metric]:
         # One row a cycle (every few seconds, for as long as history is kept): counted in the
         # database, not read.
-        by_bound = {
-            f"le_{i}": Count("pk", filter=Q(decision_ms__lte=bound * 1000)) for i, bound in enumerate(DECISION_BUCKETS)
-        }
-        row = SchedulerDecision.objects.aggregate(n=Count("pk"), total_ms=Sum("decision_ms"), **by_bound)
-        buckets = [(str(bound), row[f"le_{i}"]) for i, bound in enumerate(DECISION_BUCKETS)]
-        yield HistogramMetricFamily(
+        yield _histogram(
             "bungee_scheduler_decision_seconds", "Time the policy took to plan a cycle",
-            buckets=[*buckets, ("+Inf", row["n"])], sum_value=(row["total_ms"] or 0.0) / 1000,
+            SchedulerDecision.objects.all(), "decision_ms", DECISION_BUCKETS, lambda bound: bound * 1000,
+            lambda total: total / 1000,
         )  # fmt: skip
 
 

@@ -5,15 +5,18 @@ in test_integration_backbone scrapes it from a running platform.)"""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic.wire import AgentReport, DeviceSample
 from portal.accounts.models import ApiToken
 from portal.jobs.agents import ingest_report
+from portal.jobs.models import ResizeEvent
 from portal.scheduling.cycle import run_cycle
 from tests.test_scheduler_cycle import form, submit
 
@@ -89,3 +92,30 @@ def test_a_resize_and_a_sample_move_the_numbers(api: dict, cluster: Any, metrics
     assert not [s for s in ended["bungee_job_workers"].samples if s.labels["job_id"] == str(job.pk)], (
         "a finished job leaves the per-job series: their number stays bounded"
     )
+
+
+def test_resize_histograms_are_counted_over_every_row(api: dict, metrics_token: str) -> None:
+    """Buckets, count and sum of the pause and land histograms, which the database counts (a
+    scrape reads no rows): one resize per bucket edge case, one not landed yet, one with no pause."""
+    job = submit(api, max_workers=2)
+    asked = timezone.now()
+    cases = [(0.3, 0.04), (0.8, 0.2), (1.0, None), (3.0, 1.5), (200.0, 0.1)]  # land s, pause s
+    for generation, (land, pause) in enumerate(cases, start=1):
+        ResizeEvent.objects.create(
+            job=job, generation=generation, reason="manual", workers_before=1, workers_after=2,
+            requested_at=asked, completed_at=asked + timedelta(seconds=land), pause_s=pause,
+        )  # fmt: skip
+    ResizeEvent.objects.create(job=job, generation=99, reason="manual", workers_before=2, workers_after=1)
+    got = scrape(metrics_token)
+
+    def bucket(name: str, le: str) -> float:
+        return value(got, name, f"{name}_bucket", le=le)
+
+    land = "bungee_resize_land_seconds"
+    assert [bucket(land, le) for le in ("0.25", "0.5", "1.0", "2.5", "5.0", "120.0", "+Inf")] == [0, 1, 3, 3, 4, 4, 5]
+    assert value(got, land, f"{land}_count") == 5
+    assert value(got, land, f"{land}_sum") == pytest.approx(205.1)
+    pause = "bungee_resize_pause_seconds"
+    assert [bucket(pause, le) for le in ("0.05", "0.1", "0.25", "1.0", "2.5", "+Inf")] == [1, 2, 3, 3, 4, 4]
+    assert value(got, pause, f"{pause}_count") == 4, "a resize without a pause is not counted as one of 0 s"
+    assert value(got, pause, f"{pause}_sum") == pytest.approx(1.84)
