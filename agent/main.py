@@ -71,6 +71,11 @@ class ExitCode(enum.IntEnum):
     """The device backend asked for cannot run here (e.g. --backend nvml without a GPU)."""
 
 
+DEFAULT_STANDBYS = 8
+"""`--standbys on`: a standby on each free device of a node of up to 8 (a full GPU server); a
+node with more free devices (a simulated one of hundreds) keeps 8, not hundreds of processes."""
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     portal_url: str
@@ -85,7 +90,8 @@ class AgentConfig:
     worker_module: str
     log_level: str
     state_dir: Path
-    standbys: bool = True
+    standbys: int = DEFAULT_STANDBYS
+    """The most warm standby workers the node keeps (0: none)."""
 
 
 def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
@@ -93,6 +99,19 @@ def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
     under the project's var/ (the portal's default data directory)."""
     data_dir = environ.get("BUNGEE_DATA_DIR") or str(PROJECT_ROOT / "var")
     return Path(data_dir).resolve() / "agent" / node_name
+
+
+def _standbys(text: str) -> int:
+    """`on`, `off`, or the most standbys to keep."""
+    if text in ("on", "off"):
+        return DEFAULT_STANDBYS if text == "on" else 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not on, off or a number of standbys") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -192,8 +211,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "BUNGEE_STANDBYS",
         "on",
         "keep a warm standby worker on each free device, so that a joiner starts in well under a "
-        "second (each costs a process with torch imported, a few hundred MB; on a GPU, its context)",
-        choices=["on", "off"],
+        "second (each costs a process with torch imported, a few hundred MB; on a GPU, its context): "
+        f"on (up to {DEFAULT_STANDBYS} a node), off, or the most to keep; they start one at a time",
+        type=_standbys,
     )
     flag(
         "--state-dir",
@@ -243,7 +263,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         stop_grace_s=args.stop_grace,
         worker_module=args.worker_module,
         log_level=args.log_level,
-        standbys=args.standbys == "on",
+        standbys=args.standbys,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else default_state_dir(environ, args.name),
     )
 

@@ -32,7 +32,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,8 +89,10 @@ class Standby:
 class StandbyPool:
     """The node's standbys. Not thread-safe: its owner (the supervisor) calls it under its lock."""
 
-    def __init__(self, directory: Path, python: str, worker_module: str) -> None:
+    def __init__(self, directory: Path, python: str, worker_module: str, limit: int) -> None:
         self.directory = directory
+        self.limit = limit
+        """The most standbys kept at once."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.python = python
         self.worker_module = worker_module
@@ -98,11 +100,13 @@ class StandbyPool:
         self._dying: list[Standby] = []
         self._backoff_until: dict[int, float] = {}
 
-    def keep(self, free: Iterable[int], placements: Mapping[int, WorkerPlacement], env: Mapping[str, str]) -> None:
-        """Makes the standbys match `free`: a standby on each free device (started with its
-        placement in `placements` and the environment `env` plus the placement's), none on any
-        other. Also reaps the standbys that were killed."""
-        free = set(free)
+    def keep(self, free: Mapping[int, WorkerPlacement], env: Mapping[str, str]) -> None:
+        """Makes the standbys match `free`, the free devices and their placements: a standby on
+        each, lowest index first, up to `limit` (started with its placement and the environment
+        `env` plus the placement's), none on any other device. One starts at a time: the next
+        once the last is warm, so that a node never imports torch in many processes at once (a
+        scale-in that frees many devices would otherwise thrash a small node). Also reaps the
+        standbys that were killed."""
         now = time.monotonic()
         for index, standby in list(self._standbys.items()):
             if standby.process.poll() is not None:
@@ -115,9 +119,11 @@ class StandbyPool:
                 standby.output.unlink(missing_ok=True)
             elif index not in free:
                 self._kill(index, "its device is not free")
-        for index in sorted(free - self._standbys.keys()):
-            if index in placements and now >= self._backoff_until.get(index, 0.0):
-                self._start(index, placements[index], env)
+        for index in sorted(free.keys() - self._standbys.keys()):
+            if len(self._standbys) >= self.limit or not all(s.ready() for s in self._standbys.values()):
+                break
+            if now >= self._backoff_until.get(index, 0.0):
+                self._start(index, free[index], env)
         self._reap()
 
     def take(self, index: int, placement: WorkerPlacement, output: Path, env: Mapping[str, str]) -> Standby | None:

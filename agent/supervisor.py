@@ -214,9 +214,10 @@ class SupervisorConfig:
     """Where the workers' output files and records live (agent.records): a supervisor started
     on the directory an earlier one used re-adopts the workers it left. None: a temporary
     directory of this supervisor's own, so nothing outlives it."""
-    standbys: bool = False
-    """Keep a warm standby worker on each free device (agent.standby); `keep_standbys` says
-    which devices are free. The agent turns it on unless told not to (--no-standbys)."""
+    standbys: int = 0
+    """Keep a warm standby worker on each free device (agent.standby), up to this many (0:
+    none); `keep_standbys` says which devices are free. The agent keeps up to 8 unless told
+    otherwise (--standbys)."""
 
 
 @dataclass
@@ -302,8 +303,8 @@ class WorkerSupervisor:
         """Where the agent keeps what outlives it: worker records, jobs' code."""
         self._records = RecordStore(state_dir / "workers")
         self._standbys = (
-            StandbyPool(state_dir / "standby", self.config.python, self.config.worker_module)
-            if self.config.standbys
+            StandbyPool(state_dir / "standby", self.config.python, self.config.worker_module, self.config.standbys)
+            if self.config.standbys > 0
             else None
         )
         self._jobs: dict[int, _Job] = {}
@@ -439,7 +440,7 @@ class WorkerSupervisor:
                     placements[index] = backend.placement(index)
                 except DeviceError as err:
                     log.warning("no standby on device %d: %s", index, err)
-            self._standbys.keep(placements.keys(), placements, self._worker_env())
+            self._standbys.keep(placements, self._worker_env())
 
     def standby_pids(self) -> dict[int, int]:
         """pid -> device index of the standbys waiting: processes of ours, not an owner's."""

@@ -71,7 +71,9 @@ def hosts(names: list[str]) -> Iterator[Network]:
     """Makes a namespace per name (its interface is eth0, its address 10.231.N.2, .3, ...) on a
     fresh bridge at 10.231.N.1, and removes them all on exit."""
     tag = uuid.uuid4().hex[:6]
-    subnet = SUBNET.format(int(tag, 16) % 200 + 20)
+    # A band of 50 subnets per pytest-xdist worker (up to 4), so two workers never pick one.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    subnet = SUBNET.format(20 + (worker % 4) * 50 + int(tag, 16) % 50)
     bridge = f"bgbr{tag}"
     made: list[Host] = []
     try:

@@ -64,7 +64,7 @@ def test_defaults_need_only_a_token() -> None:
         worker_module="elastic.worker",
         log_level="INFO",
         state_dir=ROOT / "var" / "agent" / socket.gethostname(),
-        standbys=True,
+        standbys=8,
     )
 
 
@@ -104,13 +104,18 @@ def test_every_flag_falls_back_to_its_environment_variable() -> None:
         worker_module="my.worker",
         log_level="DEBUG",
         state_dir=Path("/var/lib/agent-state"),
-        standbys=False,
+        standbys=0,
     )
 
 
 def test_flags_win_over_the_environment() -> None:
     config = parse_config(["--token", "flag-token", "--devices", "2", "--name", "n-2"], ENVIRONMENT)
     assert (config.token, config.sim_devices, config.node_name) == ("flag-token", 2, "n-2")
+
+
+@pytest.mark.parametrize(("value", "kept"), [("on", 8), ("off", 0), ("3", 3), ("0", 0)])
+def test_standbys_are_on_off_or_a_number(value: str, kept: int) -> None:
+    assert parse_config(["--token", "t", "--standbys", value], {}).standbys == kept
 
 
 @pytest.mark.parametrize(
@@ -123,6 +128,8 @@ def test_flags_win_over_the_environment() -> None:
         (["--token", "t", "--report-interval", "0"], {}, "argument --report-interval: '0' must be above 0"),
         (["--token", "t", "--backend", "tpu"], {}, "argument --backend: invalid choice: 'tpu'"),
         (["--token", "t", "--name", "bad name"], {}, "invalid node name 'bad name'"),
+        (["--token", "t", "--standbys", "many"], {}, "argument --standbys: 'many' is not on, off or a number"),
+        (["--token", "t"], {"BUNGEE_STANDBYS": "-1"}, "argument --standbys: '-1' must be at least 0"),
     ],
 )
 def test_a_bad_start_exits_2_saying_what_is_wrong(

@@ -44,17 +44,25 @@ def backend() -> SimulatedBackend:
 
 @pytest.fixture
 def supervisor() -> Iterator[WorkerSupervisor]:
-    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=True))
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8))
     yield supervisor
     supervisor.shutdown(grace_s=1.0)
 
 
-def warm(supervisor: WorkerSupervisor, backend: SimulatedBackend, taken: set[int] | None = None) -> dict[int, int]:
-    """Keeps the standbys and waits until each is warm; returns device index -> pid."""
-    supervisor.keep_standbys(backend, taken or set())
+def warm(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend, taken: set[int] | None = None, count: int = 2
+) -> dict[int, int]:
+    """Keeps the standbys, as the agent does after each report, until `count` are warm (they
+    start one at a time); returns device index -> pid."""
     pool = supervisor._standbys
     assert pool is not None
-    wait_until("the standbys to warm up", lambda: all(standby.ready() for standby in pool.standbys()))
+
+    def all_warm() -> bool:
+        supervisor.keep_standbys(backend, taken or set())
+        standbys = pool.standbys()
+        return len(standbys) == count and all(standby.ready() for standby in standbys)
+
+    wait_until(f"{count} warm standbys", all_warm)
     return {index: pid for pid, index in supervisor.standby_pids().items()}
 
 
@@ -99,7 +107,7 @@ def test_a_device_whose_owner_is_back_loses_its_standby(
 
 
 def test_a_device_running_a_cold_worker_has_no_standby(backend: SimulatedBackend) -> None:
-    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, standbys=True))
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, standbys=8))
     try:
         assert supervisor.launch(launch(ranks=1, steps=1000), backend, REDIS_URL)
         supervisor.keep_standbys(backend, set())
@@ -123,9 +131,8 @@ def test_a_standby_started_for_another_placement_is_not_used(
 
 
 def test_shutdown_kills_the_standbys(backend: SimulatedBackend) -> None:
-    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, standbys=True))
-    supervisor.keep_standbys(backend, set())
-    pids = list(supervisor.standby_pids())
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, standbys=8))
+    pids = list(warm(supervisor, backend).values())
     assert len(pids) == 2
     supervisor.shutdown(grace_s=1.0)
     assert all(gone(pid) for pid in pids)
@@ -136,8 +143,8 @@ def test_shutdown_kills_the_standbys(backend: SimulatedBackend) -> None:
 def test_a_standby_whose_agent_is_gone_exits(tmp_path: os.PathLike[str], backend: SimulatedBackend) -> None:
     import sys
 
-    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER)  # type: ignore[arg-type]
-    pool.keep([0], {0: backend.placement(0)}, dict(os.environ))
+    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER, limit=1)  # type: ignore[arg-type]
+    pool.keep({0: backend.placement(0)}, dict(os.environ))
     [standby] = pool.standbys()
     assert standby.process.stdin is not None
     standby.process.stdin.close()  # what the agent's death does to the pipe
@@ -157,10 +164,36 @@ def test_an_assignment_too_large_for_the_pipe_starts_the_worker_cold(
 ) -> None:
     import sys
 
-    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER)  # type: ignore[arg-type]
-    pool.keep([0], {0: backend.placement(0)}, dict(os.environ))
+    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER, limit=1)  # type: ignore[arg-type]
+    pool.keep({0: backend.placement(0)}, dict(os.environ))
     [standby] = pool.standbys()
     huge = {"BUNGEE_WORKER_CONFIG": "x" * (4 << 20)}
     assert pool.take(0, backend.placement(0), tmp_path / "out", huge) is None  # type: ignore[operator]
     assert pool.standbys() == []
     assert standby.process.wait(timeout=10) != 0  # killed, never half-assigned
+
+
+def test_standbys_start_one_at_a_time_up_to_the_limit(tmp_path: os.PathLike[str]) -> None:
+    """A scale-in that frees many devices must not make a node import torch in many processes at
+    once (a 1,024-device simulated node once started hundreds and thrashed): the next standby
+    starts once the last is warm, lowest device first, and no more than the limit are kept."""
+    import sys
+
+    backend = SimulatedBackend(slots=3)
+    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER, limit=2)  # type: ignore[arg-type]
+    free = {index: backend.placement(index) for index in range(3)}
+    try:
+        pool.keep(free, dict(os.environ))
+        [first] = pool.standbys()
+        assert first.device_index == 0
+        if not first.ready():
+            pool.keep(free, dict(os.environ))
+            assert pool.standbys() == [first], "a second started while the first was still warming up"
+        wait_until("the first standby to warm up", first.ready)
+        pool.keep(free, dict(os.environ))
+        assert [s.device_index for s in pool.standbys()] == [0, 1]
+        wait_until("the second standby to warm up", lambda: all(s.ready() for s in pool.standbys()))
+        pool.keep(free, dict(os.environ))
+        assert [s.device_index for s in pool.standbys()] == [0, 1], "the limit is 2"
+    finally:
+        pool.close()

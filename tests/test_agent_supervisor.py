@@ -496,7 +496,7 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path, standbys
     """Started cold, and by a warm standby that takes the launch (agent.standby)."""
     from elastic.membership.redis import RedisBoard
 
-    supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0, node_name="node-t", standbys=standbys))
+    supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0, node_name="node-t", standbys=1 if standbys else 0))
     backend = make_backend("simulated", slots=1)
     supervisor.keep_standbys(backend, set())
     standby_pids = list(supervisor.standby_pids())
