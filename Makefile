@@ -3,9 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# pytest-xdist workers for `make test` (most of the suite waits on real processes, not the CPU);
-# `make test TEST_WORKERS=0` runs it in one process.
-TEST_WORKERS ?= 2
 # Front-end libraries come from the npm registry into static/vendor (served by the portal) and
 # tests/browser (axe-core for the accessibility check); never copied by hand, never a CDN.
 STATIC_LIBS := static/vendor/node_modules/.package-lock.json
@@ -35,7 +32,7 @@ demo: install
 test: install $(TEST_LIBS)
 	$(PY) -m ruff check .
 	$(PY) -m mypy elastic agent
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) var test-output static/vendor/node_modules tests/browser/node_modules

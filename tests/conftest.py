@@ -8,18 +8,6 @@ from typing import Any
 import pytest
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on pytest-xdist workers with `--dist loadgroup`, and a group
-    runs whole on one worker. A test file is a group, so a module-scoped platform starts once;
-    the tests on the shared browser platform (a session fixture) are one group across their
-    files, so that platform starts once too."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            shared = "browser_platform" in getattr(item, "fixturenames", ())
-            item.add_marker(pytest.mark.xdist_group("browser_platform" if shared else item.nodeid.split("::")[0]))
-
-
 @pytest.fixture
 def users(db: Any) -> dict[str, Any]:
     from django.contrib.auth import get_user_model
