@@ -63,7 +63,9 @@ def test_fixed_run_completes_and_learns(fixed_run: tuple[Path, list[WorkerOutput
     assert progress[-1].loss is not None and progress[0].loss is not None
     assert progress[-1].loss < progress[0].loss / 4
     assert all(event.samples_per_s and event.samples_per_s > 0 for event in progress)
-    assert leader.log_messages()[0] == f"starting from step 0 of {TOTAL_STEPS}, world size 2"
+    built, started = leader.log_messages()[:2]
+    assert built.startswith("built in ") and "the model and data" in built, "the start-up line comes first"
+    assert started == f"starting from step 0 of {TOTAL_STEPS}, world size 2"
     state = load_checkpoint(checkpoint_path(run_dir))
     assert state is not None and state.step == TOTAL_STEPS
 
@@ -101,7 +103,8 @@ def test_stop_then_resume_on_fewer_workers_matches_the_fixed_run(
         job.start([0])
         [resumed] = job.wait(180)
     assert resumed.returncode == COMPLETED_EXIT_CODE, _describe([resumed])
-    assert resumed.log_messages()[0] == (
+    assert resumed.log_messages()[0].startswith("built in ")
+    assert resumed.log_messages()[1] == (
         f"resumed from the periodic checkpoint at step {saved.step} of {TOTAL_STEPS}, world size 1: "
         "no running worker held the training state"
     )
