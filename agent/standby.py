@@ -119,11 +119,11 @@ class StandbyPool:
                 standby.output.unlink(missing_ok=True)
             elif index not in free:
                 self._kill(index, "its device is not free")
-        for index in sorted(free.keys() - self._standbys.keys()):
-            if len(self._standbys) >= self.limit or not all(s.ready() for s in self._standbys.values()):
-                break
-            if now >= self._backoff_until.get(index, 0.0):
-                self._start(index, free[index], env)
+        warming = any(not standby.ready() for standby in self._standbys.values())
+        if not warming and len(self._standbys) < self.limit:
+            startable = [i for i in sorted(free.keys() - self._standbys.keys()) if now >= self._backoff_until.get(i, 0.0)]
+            if startable:
+                self._start(startable[0], free[startable[0]], env)
         self._reap()
 
     def take(self, index: int, placement: WorkerPlacement, output: Path, env: Mapping[str, str]) -> Standby | None:
