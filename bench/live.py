@@ -46,17 +46,27 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-async def sockets(platform: Platform, count: int, seconds: float, devices: int) -> list[float]:
-    """Per (socket, sample): arrival time minus the time the agent took the sample."""
+async def sockets(platform: Platform, count: int, seconds: float, devices: int,
+                  ticks: dict[float, list[float]] | None = None,
+                  connecting: list[float] | None = None) -> list[float]:
+    """Per (socket, sample): arrival time minus the time the agent took the sample, over
+    `seconds` from the moment every socket is open and has had its snapshot. The samples that
+    arrive before (50 sockets opening in the same second, each sent the whole cluster) go to
+    `connecting`: a burst of its own, reported on its own. `ticks`, if given, gathers per report
+    (keyed by its taken_at) each socket's delay for it: the first socket's says what the path
+    costs, the spread to the last what the fan-out does."""
     from websockets.asyncio.client import connect
 
     delays: list[float] = []
     url = platform.base_url.replace("http", "ws") + "/ws/live/"
     headers = {"Authorization": f"Bearer {platform.tokens['alice']}"}
-    deadline = time.time() + seconds
+    ready = asyncio.Barrier(count + 1)
+    deadline = time.time() + 3600.0
 
     async def one() -> None:
         async with connect(url, additional_headers=headers, origin="http://127.0.0.1", max_size=2**24) as ws:  # type: ignore[arg-type]
+            json.loads(await asyncio.wait_for(ws.recv(), timeout=60))  # the snapshot
+            waiting = asyncio.ensure_future(ready.wait())
             while time.time() < deadline:
                 try:
                     raw = await asyncio.wait_for(ws.recv(), timeout=max(0.1, deadline - time.time()))
@@ -66,9 +76,21 @@ async def sockets(platform: Platform, count: int, seconds: float, devices: int) 
                 message = json.loads(raw)
                 if message.get("type") == "samples":
                     # A row without taken_at was taken when its message says (portal.live.samples).
-                    delays.extend(arrived - s.get("taken_at", message.get("taken_at")) for s in message["samples"])
+                    taken = [s.get("taken_at", message.get("taken_at")) for s in message["samples"]]
+                    if not waiting.done():
+                        if connecting is not None:
+                            connecting.extend(arrived - t for t in taken)
+                        continue
+                    delays.extend(arrived - t for t in taken)
+                    if ticks is not None and taken:
+                        ticks.setdefault(max(taken), []).append(arrived - max(taken))
 
-    await asyncio.gather(*(one() for _ in range(count)))
+    async def start() -> None:
+        nonlocal deadline
+        await asyncio.wait_for(ready.wait(), timeout=120)
+        deadline = time.time() + seconds
+
+    await asyncio.gather(start(), *(one() for _ in range(count)))
     return delays
 
 
@@ -103,6 +125,20 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
 
 
+def settle(platform: Platform, busy_pct: float = 30.0, timeout_s: float = 60.0) -> float:
+    """Waits until the portal's processes use under `busy_pct` of a core over a second: polling
+    at p50 10 s leaves requests queued in the portal when its clients stop, and they were served
+    during the next push phase. Returns the seconds waited."""
+    processes = portal_processes(platform)
+    started = time.time()
+    while time.time() - started < timeout_s:
+        before = cpu_seconds(processes)
+        time.sleep(1.0)
+        if 100 * (cpu_seconds(processes) - before) < busy_pct:
+            break
+    return time.time() - started
+
+
 def measure(platform: Platform, run: object) -> tuple[list[float], float]:
     """The delays `run` saw, and the CPU the portal's processes used meanwhile, in percent of
     one core (over 100 with several processes)."""
@@ -128,7 +164,10 @@ def main() -> None:
         args.seconds, args.repeats = 10, 1
 
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp, running_platform(Path(tmp), {"bench-node": args.devices}, portal_processes=args.portals) as platform:
+    with tempfile.TemporaryDirectory() as tmp, running_platform(
+            # No warm standbys: no job runs here, and the agent's starting them (torch imported
+            # in each, one after another) took a core during the first half minute of a run.
+            Path(tmp), {"bench-node": args.devices}, {"BUNGEE_STANDBYS": "off"}, portal_processes=args.portals) as platform:
         api = platform.api("alice")
         platform.wait_for("the devices", lambda: sum(len(n["devices"]) for n in api.get("/api/cluster").json()["nodes"]) == args.devices, timeout_s=90)
         platform.wait_for("samples", lambda: all(d["sample"] for n in api.get("/api/cluster").json()["nodes"] for d in n["devices"]), timeout_s=60)
@@ -136,10 +175,12 @@ def main() -> None:
         poll: list[float] = []
         push_cpu: list[float] = []
         push_p95: list[float] = []
+        ticks: dict[float, list[float]] = {}
+        connecting: list[float] = []
         poll_cpu: list[float] = []
         for repeat in range(args.repeats):
             print(f"repeat {repeat + 1}: push", flush=True)
-            delays, cpu = measure(platform, sockets(platform, args.sockets, args.seconds, args.devices))
+            delays, cpu = measure(platform, sockets(platform, args.sockets, args.seconds, args.devices, ticks, connecting))
             push += delays
             push_cpu.append(cpu)
             push_p95.append(percentile(delays, 95) * 1000)
@@ -148,12 +189,13 @@ def main() -> None:
                 delays, cpu = measure(platform, polling(platform, args.sockets, args.seconds))
                 poll += delays
                 poll_cpu.append(cpu)
-                print(f"repeat {repeat + 1}: poll p50 {statistics.median(poll) * 1000:.0f} ms", flush=True)
+                print(f"repeat {repeat + 1}: poll p50 {statistics.median(poll) * 1000:.0f} ms; "
+                      f"the portal settled in {settle(platform):.0f} s", flush=True)
 
     load_after = os.getloadavg()
     conditions = (
         f"{host.node()}: {psutil.cpu_count()} cores, Python {host.python_version()}; {args.devices} simulated "
-        f"devices sampled every 1 s by one agent; {args.sockets} clients; {args.repeats} x {args.seconds:.0f} s per "
+        f"devices sampled every 1 s by one agent (no standbys); {args.sockets} clients; {args.repeats} x {args.seconds:.0f} s per "
         f"approach, interleaved; portal = {'one daphne process' if args.portals == 1 else f'{args.portals} uvicorn worker processes'}; Redis and PostgreSQL on the same machine; "
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     )
@@ -166,10 +208,24 @@ def main() -> None:
         print(f"{name:<34} {s['n']:>8} {s['min_ms']:>6.0f}ms {s['p50_ms']:>6.0f}ms {s['p95_ms']:>6.0f}ms {s['max_ms']:>6.0f}ms"
               f"  {statistics.median(cpu):.0f}% (min {min(cpu):.0f}, max {max(cpu):.0f})")
     print(f"push p95 per repeat: min {min(push_p95):.0f} ms, median {statistics.median(push_p95):.0f} ms, max {max(push_p95):.0f} ms")
+    burst = summary(connecting) if connecting else None
+    if burst:
+        print(f"while the {args.sockets} sockets were opening (before the measured window): n {burst['n']}, "
+              f"p50 {burst['p50_ms']:.0f} ms, p95 {burst['p95_ms']:.0f} ms, max {burst['max_ms']:.0f} ms")
+    # Per report that reached every socket: the first socket's delay (agent, portal ingest, layer)
+    # and how much later the last socket had it (the fan-out and the client's own parsing).
+    whole = [d for d in ticks.values() if len(d) == args.sockets]
+    first = summary([min(d) for d in whole]) if whole else None
+    spread = summary([max(d) - min(d) for d in whole]) if whole else None
+    if first and spread:
+        print(f"per report ({first['n']} that reached all {args.sockets} sockets): first socket p50 {first['p50_ms']:.0f} ms, "
+              f"p95 {first['p95_ms']:.0f} ms, max {first['max_ms']:.0f} ms; last minus first p50 {spread['p50_ms']:.0f} ms, "
+              f"p95 {spread['p95_ms']:.0f} ms, max {spread['max_ms']:.0f} ms")
     print(json.dumps({
         "bench": "live", "devices": args.devices, "sockets": args.sockets, "portals": args.portals,
         "p50_ms": ours["p50_ms"], "p95_ms": ours["p95_ms"], "max_ms": ours["max_ms"], "min_ms": ours["min_ms"],
         "portal_cpu_pct": round(statistics.median(push_cpu), 1),
+        "first_socket_ms": first, "last_minus_first_ms": spread, "while_opening_ms": burst,
         "p95_per_repeat_ms": [round(p, 1) for p in push_p95],
         "baseline_polling": {**baseline, "portal_cpu_pct": round(statistics.median(poll_cpu), 1)} if baseline else None,
         "load_average": [round(load_before[0], 2), round(load_after[0], 2)],

@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from pydantic import TypeAdapter
 
 from elastic.wire import DeviceSample, NodeRegistration, RegistrationReply
 from portal.cluster.models import Device, Node
@@ -99,35 +100,33 @@ def node_seen(node: Node) -> None:
 
 
 def ingest_samples(node: Node, samples: list[DeviceSample]) -> None:
-    """Stores each sample as its device's latest (Redis) and, every SAMPLE_HISTORY_EVERY_S, in
-    the history table; sends the sockets one message for the node with what changed since each
-    device's previous sample (portal.live.samples.changed), read back by the same Redis call
-    that stores the new one."""
+    """Stores each sample as its device's latest (Redis), sends the sockets one message for the
+    node with what changed since each device's previous sample (portal.live.samples.changed),
+    read back by the same Redis call that stores the new one, and only then writes the
+    database: an owner's coming or going, and every SAMPLE_HISTORY_EVERY_S the history table
+    (a history tick wrote 1,024 rows before the sockets heard of the report, and was the live
+    board's slowest second)."""
     now = timezone.now()
-    devices = {d.index: d for d in node.devices.all()}
-    pipe = client().pipeline(transaction=False)
+    # Plain tuples, not model instances: a report of 1,024 devices built 1,024 Devices (45 ms).
+    devices = {index: (pk, owner_present, last_history_at) for index, pk, owner_present, last_history_at
+               in node.devices.values_list("index", "pk", "owner_present", "last_history_at")}
+    kept = [(sample, devices[sample.index]) for sample in samples if sample.index in devices]
+    stored = _SAMPLES.dump_python([sample for sample, _ in kept], mode="json")
+    for payload, (_, device) in zip(stored, kept, strict=True):
+        payload["device_id"] = device[0]
+    previous = _store_latest([latest_key(device[0]) for _, device in kept], [json.dumps(p) for p in stored])
+    outgoing = [changed(json.loads(old) if old else None, payload) for old, payload in zip(previous, stored, strict=True)]
+    broadcast.samples(node.pk, node.name, outgoing)
+
     history_cutoff = now - timedelta(seconds=settings.BUNGEE["SAMPLE_HISTORY_EVERY_S"])
     history: list[DeviceSampleRow] = []
-    stored = []
-    for sample in samples:
-        device = devices.get(sample.index)
-        if device is None:
-            continue
-        payload = sample.model_dump(mode="json")
-        payload["device_id"] = device.pk
-        pipe.set(latest_key(device.pk), json.dumps(payload), ex=LATEST_SAMPLE_TTL_S, get=True)
-        stored.append(payload)
-        if sample.owner_present != device.owner_present:
-            Device.objects.filter(pk=device.pk).update(
-                owner_present=sample.owner_present, owner_since=now if sample.owner_present else None
-            )
-            what = "took back" if sample.owner_present else "released"
-            log.info("device %s: its owner %s it", device, what)
-            request_schedule(f"owner {what} {device}")
-        if device.last_history_at is None or device.last_history_at <= history_cutoff:
+    for sample, (pk, owner_present, last_history_at) in kept:
+        if sample.owner_present != owner_present:
+            _owner_changed(pk, sample.owner_present, now)
+        if last_history_at is None or last_history_at <= history_cutoff:
             history.append(
                 DeviceSampleRow(
-                    device=device,
+                    device_id=pk,
                     taken_at=_at(sample.taken_at),
                     utilization_pct=sample.utilization_pct,
                     memory_used_bytes=sample.memory_used_bytes,
@@ -135,9 +134,32 @@ def ingest_samples(node: Node, samples: list[DeviceSample]) -> None:
                     power_w=sample.power_w,
                 )
             )
-    previous = pipe.execute()
     if history:
         DeviceSampleRow.objects.bulk_create(history)
         Device.objects.filter(pk__in=[row.device_id for row in history]).update(last_history_at=now)
-    outgoing = [changed(json.loads(old) if old else None, payload) for old, payload in zip(previous, stored, strict=True)]
-    broadcast.samples(node.pk, node.name, outgoing)
+
+
+# Every sample of a report stored as its device's latest, each key's previous value returned: one
+# command for the whole report (a pipeline of 1,024 SETs took 20-30 ms of the portal to pack).
+_SET_ALL = """
+local previous = {}
+for i, key in ipairs(KEYS) do
+  previous[i] = redis.call('SET', key, ARGV[i + 1], 'EX', ARGV[1], 'GET')
+end
+return previous
+"""
+_SAMPLES = TypeAdapter(list[DeviceSample])
+
+
+def _store_latest(keys: list[str], values: list[str]) -> list[bytes | None]:
+    if not keys:
+        return []
+    return client().register_script(_SET_ALL)(keys=keys, args=[LATEST_SAMPLE_TTL_S, *values])  # type: ignore[no-any-return]
+
+
+def _owner_changed(device_pk: int, present: bool, now: datetime) -> None:
+    Device.objects.filter(pk=device_pk).update(owner_present=present, owner_since=now if present else None)
+    device = Device.objects.select_related("node").get(pk=device_pk)
+    what = "took back" if present else "released"
+    log.info("device %s: its owner %s it", device, what)
+    request_schedule(f"owner {what} {device}")

@@ -4,13 +4,14 @@ Also the board's view of the cluster, which needs both."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, TypeVar
 
 from django.db import transaction
 from django.http import FileResponse, HttpRequest
 from ninja import Field, Router, Schema
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
 from elastic.wire import (
@@ -98,7 +99,16 @@ class ReportOut(Schema):
     refused: list[RefusedItem] = Field(description="the items not stored, and why")
 
 
+@functools.cache
+def _list_of(model: type[M]) -> TypeAdapter[list[M]]:
+    return TypeAdapter(list[model])  # type: ignore[valid-type]
+
+
 def _checked(kind: str, items: list[dict[str, Any]], model: type[M], refused: list[dict[str, Any]]) -> list[M]:
+    try:  # the usual report, every item valid: checked in one call (1,024 calls took 10-20 ms)
+        return _list_of(model).validate_python(items)
+    except PydanticValidationError:
+        pass
     valid = []
     for index, item in enumerate(items):
         try:

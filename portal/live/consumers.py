@@ -162,7 +162,9 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         wanted = self.subscription.wants(message["node_id"])
         if wanted is True:
             await self.send(text_data=message["text"])
-        elif wanted:
+        elif wanted and "rows" in message:
+            # Without rows: the message for the sockets following every node, which this one
+            # left a moment ago; the node's own message, with its rows, comes too.
             rows = [row for row in message["rows"] if row["device_id"] in wanted]
             if rows:
                 await self.send(text_data=encoded(message["head"] | {"samples": rows}))
