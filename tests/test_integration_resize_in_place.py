@@ -107,7 +107,20 @@ def settled(
         )
         return job if done else None
 
-    return platform.wait_for(f"job {job_id} settled on {workers} workers", check, timeout_s=timeout_s)
+    try:
+        return platform.wait_for(f"job {job_id} settled on {workers} workers", check, timeout_s=timeout_s)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n--- the job when it did not settle\n{job_story(platform, job_id)}") from None
+
+
+def job_story(platform: Platform, job_id: int) -> str:
+    """What the job's record and log say, for a failure's message: its state, its workers, its
+    last resizes and the last lines of its log."""
+    job = detail(platform, job_id)
+    workers = [{k: w.get(k) for k in ("generation", "rank", "node", "device_index", "pid", "state")} for w in job["workers_history"][-8:]]
+    lines = logs(platform, job_id)[-60:]
+    return (f"state {job['state']}, generation {job['generation']}, workers {job['workers']}, steps {job['steps_done']}\n"
+            f"workers: {workers}\nresizes: {job['resizes'][-2:]}\nlog:\n" + "\n".join(lines))
 
 
 def assert_true_allocation(job: dict[str, Any]) -> None:
