@@ -46,6 +46,12 @@ def main() -> int:
         help="DDP(gradient_as_bucket_view=True) and gradients zeroed in place, not freed: one gradient "
         "memory for the run, as the elastic runtime's flat buffer",
     )
+    parser.add_argument(
+        "--one-bucket",
+        action="store_true",
+        help="every gradient in one DDP bucket (bucket_cap_mb past the model's size): the all-reduce "
+        "waits for the whole backward, as the elastic runtime's does, instead of overlapping it",
+    )
     args = parser.parse_args()
     stopping = False
 
@@ -78,7 +84,10 @@ def main() -> int:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=args.bucket_view)
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    ddp = DistributedDataParallel(
+        model, gradient_as_bucket_view=args.bucket_view, **({"bucket_cap_mb": model_mb + 1} if args.one_bucket else {})
+    )
     stream = SampleStream(problem.num_samples, spec.seed)
     flag = torch.zeros(1, device=device)
     timeline = open(args.timeline, "a") if rank == 0 else None
