@@ -124,21 +124,26 @@ def python_path() -> str:
     return os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
 
 
-def exit_reason(exit_code: int, stop_requested: bool = False) -> ExitReason:
+def exit_reason(exit_code: int, stop_requested: bool = False, joined: bool = True) -> ExitReason:
     """Returns what a worker's exit code means: COMPLETED_EXIT_CODE (0) "completed",
     STOPPED_EXIT_CODE (75) "stopped", LEFT_EXIT_CODE (76) "left", USER_ERROR_EXIT_CODE (77)
     "user_error", anything else, a signal (negative) included, "failed".
 
-    One exception: a worker killed by the SIGTERM the supervisor sent it (`stop_requested`)
-    was "stopped". That is a worker still starting, before it could catch SIGTERM; it had
-    trained nothing, so nothing was lost, and calling it a failure would read as a crash."""
+    Two exceptions, for a worker the supervisor asked to stop (`stop_requested`), which was
+    "stopped": one killed by that SIGTERM (still starting, before it could catch it), and one
+    that never `joined` a group and was SIGKILLed when its short grace ran out (still
+    importing torch or building its model on a busy machine). Neither had trained anything, so
+    nothing was lost, and calling it a failure would read as a crash. A worker that joined and
+    was SIGKILLed after its grace did fail: it may not have saved its step."""
     if exit_code == COMPLETED_EXIT_CODE:
         return "completed"
     if exit_code == LEFT_EXIT_CODE:
         return "left"
     if exit_code == USER_ERROR_EXIT_CODE:
         return "user_error"
-    if exit_code == STOPPED_EXIT_CODE or (stop_requested and exit_code == -signal.SIGTERM):
+    if exit_code == STOPPED_EXIT_CODE:
+        return "stopped"
+    if stop_requested and (exit_code == -signal.SIGTERM or (exit_code == -signal.SIGKILL and not joined)):
         return "stopped"
     return "failed"
 
@@ -155,12 +160,16 @@ class ExitOutcome:
 
 
 def settle_exit(
-    exit_code: int | None, announced: int | None, stop_requested: str | None = None, finished: bool = False
+    exit_code: int | None,
+    announced: int | None,
+    stop_requested: str | None = None,
+    finished: bool = False,
+    joined: bool = True,
 ) -> ExitOutcome:
     """Returns how a worker ended from its exit status `exit_code` (None: unknown, as for a
     worker this supervisor re-adopted and so is not the parent of), the code its "exiting" event
-    `announced` (None: it wrote none), why it was asked to stop, if it was, and whether its last
-    reported step was the job's last (`finished`).
+    `announced` (None: it wrote none), why it was asked to stop, if it was, whether its last
+    reported step was the job's last (`finished`), and whether it ever `joined` a group.
 
     The announced code counts where the status says less: the status is unknown, or a signal
     ended the process after it announced (the "finished" stop's SIGTERM landing in the
@@ -183,7 +192,7 @@ def settle_exit(
             "exit code unknown: it ended while its agent was away (a re-adopted worker is not the "
             "agent's child) and announced none",
         )
-    reason = exit_reason(exit_code, stop_requested is not None)
+    reason = exit_reason(exit_code, stop_requested is not None, joined)
     message = _describe_exit(exit_code, stop_requested)
     if finished and reason != "completed":
         return ExitOutcome(exit_code, "completed", f"{message}, after the job's last step")
@@ -793,7 +802,9 @@ class WorkerSupervisor:
         self._report_exit(worker, worker.exit_code)
 
     def _report_exit(self, worker: _Worker, exit_code: int | None) -> None:
-        outcome = settle_exit(exit_code, worker.announced_exit, worker.stop_requested, worker.finished)
+        outcome = settle_exit(
+            exit_code, worker.announced_exit, worker.stop_requested, worker.finished, worker.joined
+        )
         log.info(
             "job %d generation %d rank %d (pid %d) exited: %s",
             worker.job_id,

@@ -63,3 +63,18 @@ def cancel_all(platform: Platform, user: str) -> None:
     for job in client.get("/api/jobs", params={"owner": user}).json():
         if job["state"] in {"queued", "running", "resizing"}:
             client.post(f"/api/jobs/{job['id']}/cancel")
+
+
+def free_the_cluster(platform: Platform) -> None:
+    """Cancels every user's live jobs and waits until no device is held: the state each browser
+    test starts from on the shared platform, whatever the test before it left behind."""
+    users = [name for name in platform.tokens if not name.startswith("agent-")]
+    for user in users:
+        cancel_all(platform, user)
+
+    def free() -> bool:
+        nodes = platform.api(users[0]).get("/api/cluster").json()["nodes"]
+        return all(device["job"] is None for node in nodes for device in node["devices"])
+
+    platform.wait_for("every device free", free, timeout_s=120)
+

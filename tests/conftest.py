@@ -104,6 +104,17 @@ def browser_platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield platform
 
 
+@pytest.fixture(autouse=True)
+def _browser_cluster_freed(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test on the shared browser platform, passed or failed: no job left running,
+    so that one test's failure does not become the next one's (a full cluster)."""
+    yield
+    if "browser_platform" in request.fixturenames:
+        from tests.browser_support import free_the_cluster
+
+        free_the_cluster(request.getfixturevalue("browser_platform"))
+
+
 @pytest.fixture(scope="session")
 def chromium() -> Any:
     from playwright.sync_api import sync_playwright

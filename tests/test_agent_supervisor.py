@@ -188,8 +188,9 @@ def test_a_leaver_that_does_not_leave_is_killed_after_its_grace(backend: Simulat
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, leave_grace_s=0.5))
     recorder = Recorder(supervisor)
     try:
-        supervisor.launch(launch(generation=1, ranks=2), backend, REDIS_URL)
-        recorder.wait_for(lambda _: len(recorder.of("progress", 1)) >= 2)
+        # Members that joined their group (and so may hold the state), as every real one has.
+        supervisor.launch(launch(generation=1, ranks=2, joins_at_step=1, joins_generation=1), backend, REDIS_URL)
+        recorder.wait_for(lambda _: len(recorder.of("joined", 1)) == 2)
         supervisor.launch(launch(generation=2, ranks=1, start=[]), backend, REDIS_URL)
         recorder.wait_for(recorder.exits(1))
         [exited] = recorder.of("exited")
@@ -302,6 +303,7 @@ def test_a_worker_that_never_joined_gets_the_short_grace(backend: SimulatedBacke
         recorder.wait_for(recorder.exits(1))
         [exited] = recorder.of("exited")
         assert (exited.generation, exited.exit_code) == (2, -9), "the warming one goes first"
+        assert exited.reason == "stopped", "it held nothing: a stop, not a crash"
         assert len(supervisor.running()) == 1, "the joined one still has its grace period"
     finally:
         supervisor.shutdown(grace_s=0.5)
@@ -311,8 +313,8 @@ def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(backend:
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=0.5))
     recorder = Recorder(supervisor)
     try:
-        supervisor.launch(launch(sigterm="ignore"), backend, REDIS_URL)
-        recorder.wait_for(lambda _: len(recorder.of("progress")) >= 1)
+        supervisor.launch(launch(sigterm="ignore", joins_at_step=1, joins_generation=1), backend, REDIS_URL)
+        recorder.wait_for(lambda _: len(recorder.of("joined")) >= 1)
         supervisor.stop(StopCommand(job_id=1, before_generation=2))
         recorder.wait_for(recorder.exits(1))
         [exited] = recorder.of("exited")
@@ -393,19 +395,23 @@ def test_shutdown_stops_every_worker_and_refuses_new_launches(backend: Simulated
 
 
 @pytest.mark.parametrize(
-    ("code", "stop_requested", "reason"),
+    ("code", "stop_requested", "joined", "reason"),
     [
-        (0, False, "completed"),
-        (75, False, "stopped"),
-        (1, False, "failed"),
-        (3, True, "failed"),
-        (-15, False, "failed"),
-        (-15, True, "stopped"),
-        (-9, True, "failed"),
+        (0, False, True, "completed"),
+        (75, False, True, "stopped"),
+        (1, False, True, "failed"),
+        (3, True, True, "failed"),
+        (-15, False, True, "failed"),
+        (-15, True, True, "stopped"),
+        (-15, True, False, "stopped"),
+        (-9, True, True, "failed"),  # it held the state and did not save it within its grace
+        (-9, True, False, "stopped"),  # still warming up when its short grace ran out
+        (-9, False, False, "failed"),  # nobody asked it to stop
+        (3, True, False, "failed"),
     ],
 )
-def test_exit_reasons(code: int, stop_requested: bool, reason: str) -> None:
-    assert exit_reason(code, stop_requested) == reason
+def test_exit_reasons(code: int, stop_requested: bool, joined: bool, reason: str) -> None:
+    assert exit_reason(code, stop_requested, joined) == reason
 
 
 @pytest.mark.parametrize(
