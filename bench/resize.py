@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -164,9 +165,12 @@ class OursResult:
         return rates
 
 
-def run_ours(model: BenchModel | TaskModel, rounds: int, crashes: int, device: str, work: Path) -> OursResult:
+def run_ours(
+    model: BenchModel | TaskModel, rounds: int, crashes: int, device: str, work: Path, route: str = "auto"
+) -> OursResult:
     env = {
         **os.environ,
+        "BUNGEE_STATE_ROUTE": route,
         "OMP_NUM_THREADS": "1",
         "BUNGEE_PROGRESS_EVERY_S": "0.001",
         "BUNGEE_CHECKPOINT_EVERY_S": "86400",
@@ -177,7 +181,7 @@ def run_ours(model: BenchModel | TaskModel, rounds: int, crashes: int, device: s
     }
     result = OursResult(model)
     with LocalJob(
-        model.spec(10**7), work / f"run-{model.label}", REDIS_URL, env=env, device=device, task=model.task
+        model.spec(10**7), work / f"run-{model.label}-{route}", REDIS_URL, env=env, device=device, task=model.task
     ) as job:
 
         def formed(generation: int, timeout_s: float = 300) -> None:
@@ -356,6 +360,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         rounds = 1 if args.quick or model is LARGE else 5
         crashes = (1 if args.quick else 2) if model is first else 0
         ours[model.label] = run_ours(model, rounds, crashes, args.device, work)
+    # The baseline for several joiners on one host: the chain relay that pays across hosts
+    # (elastic.worker.transfer), on the same model and resizes, right after ours.
+    relayed = run_ours(first, 1 if args.quick else 5, 0, args.device, work, route="relay")
     # The machine's load drifts over a run this long: the raw bandwidth is measured again after
     # our resizes, and the ratio uses every measurement.
     bandwidth += broadcast_bandwidth(first.state_bytes, args.device)
@@ -411,6 +418,12 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
                 f"  {'crash recovery':18} {show(result.crash_recovery_s)} (SIGKILL to the end of the first step "
                 "after; local coordinator, the platform adds the agent's report and a scheduler cycle)"
             )
+    direct = ours[first.label]
+    print(f"\nstate to two joiners on one host, {first.label} model: pause min / median / max, and over one joiner's")
+    for label, arm in (("sent to each (auto, ours)", direct), ("relayed down a chain", relayed)):
+        one, two_of = arm.pauses(OUT), arm.pauses(TWO)
+        ratio = statistics.median(two_of) / statistics.median(one) if one and two_of else math.nan
+        print(f"  {label:26} one joiner {show(one)}; two joiners {show(two_of)}: {ratio:.2f}x")
     for label, transitions in torchrun.items():
         outs = [t.pause_s for t in transitions if (t.before, t.after) == (2, 3)]
         partial = [t.pause_s for t in transitions if (t.before, t.after) == (1, 2)]
@@ -442,6 +455,10 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_vs_torchrun": spread(fast)["median"] / ours_out if fast and ours_out else None,
         "speedup_vs_torchrun_defaults": spread(slow)["median"] / ours_out if slow and ours_out else None,
         "two_joiners_vs_one": two / ours_out if two is not None and ours_out else None,
+        "two_joiners_vs_one_relayed": (
+            spread(relayed.pauses(TWO))["median"] / spread(relayed.pauses(OUT))["median"]
+            if relayed.pauses(TWO) and relayed.pauses(OUT) else None
+        ),
         "bandwidth_fraction": out_bandwidth / raw if out_bandwidth and raw else None,
         "raw_broadcast_gbps": raw,
         "crash_recovery_s": spread(main.crash_recovery_s)["median"],

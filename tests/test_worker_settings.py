@@ -33,9 +33,10 @@ def test_values_are_read() -> None:
             "BUNGEE_MEMBERSHIP_POLL_S": "0.1",
             "BUNGEE_SIM_SLOWDOWN": "2.5",
             "BUNGEE_SHARED_GPU": "1",
+            "BUNGEE_STATE_ROUTE": "direct",
         }
     )
-    assert settings == WorkerSettings(4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"), 3.0, 0.1, 2.5, True)
+    assert settings == WorkerSettings(4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"), 3.0, 0.1, 2.5, True, "direct")
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,7 @@ def test_values_are_read() -> None:
         ("BUNGEE_PG_TIMEOUT_S", "-1"),
         ("BUNGEE_SIM_SLOWDOWN", "0.5"),
         ("BUNGEE_SHARED_GPU", "yes"),
+        ("BUNGEE_STATE_ROUTE", "chain"),
     ],
 )
 def test_bad_values_are_refused_with_name_and_value(name: str, value: str) -> None:

@@ -15,10 +15,12 @@ from elastic.worker.transfer import (
     TensorSlot,
     apply_outline,
     assign_sources,
+    chunk_chains,
     move_state,
     outline,
     plan_chunks,
     relay_routes,
+    spans_hosts,
     state_tensors,
 )
 
@@ -92,7 +94,14 @@ def test_each_chunk_reaches_every_receiver_once_down_a_rotating_chain() -> None:
     assert relay_routes(3, []) == []
 
 
-def _move(rank: int, world: int, init: str, sources: list[int], receivers: list[int], out: str) -> None:
+def test_on_one_host_each_chunk_goes_straight_to_every_receiver() -> None:
+    assert chunk_chains(2, [3, 5], relay=False) == [[[3], [5]], [[3], [5]]]
+    assert chunk_chains(2, [3, 5], relay=True) == [[[3, 5]], [[5, 3]]]
+    assert chunk_chains(2, [], relay=False) == [] == chunk_chains(2, [], relay=True)
+    assert not spans_hosts(["127.0.0.1", "127.0.0.1"]) and spans_hosts(["10.0.0.1", "10.0.0.2"])
+
+
+def _move(rank: int, world: int, init: str, sources: list[int], receivers: list[int], out: str, relay: bool) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -108,7 +117,7 @@ def _move(rank: int, world: int, init: str, sources: list[int], receivers: list[
             torch.randn(10, generator=generator).to(torch.float16),
         ]
         tensors = [t.clone() if rank in sources else torch.zeros_like(t) for t in expected]
-        moved = move_state(tensors, sources, receivers, rank, chunk_bytes=512)
+        moved = move_state(tensors, sources, receivers, rank, chunk_bytes=512, relay=relay)
         assert moved.state_bytes == sum(t.numel() * t.element_size() for t in expected)
         if rank in receivers:
             torch.save(tensors, f"{out}/{rank}.pt")
@@ -117,16 +126,19 @@ def _move(rank: int, world: int, init: str, sources: list[int], receivers: list[
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("relay", [True, False], ids=["relayed", "direct"])
 @pytest.mark.parametrize(("sources", "receivers"), [([0, 1], [2, 3, 4]), ([0], [1, 2])])
-def test_the_state_arrives_whole_at_every_receiver(tmp_path: Path, sources: list[int], receivers: list[int]) -> None:
-    """Real processes over gloo (forked: torch is imported already): three receivers down a
-    chain from two sources, and one source feeding two."""
+def test_the_state_arrives_whole_at_every_receiver(
+    tmp_path: Path, sources: list[int], receivers: list[int], relay: bool
+) -> None:
+    """Real processes over gloo (forked: torch is imported already): three receivers from two
+    sources, and one source feeding two; down a chain, and straight to each."""
     import torch.multiprocessing as mp
 
     world = len(sources) + len(receivers)
     init = f"file://{tmp_path / 'store'}"
     mp.start_processes(
-        _move, args=(world, init, sources, receivers, str(tmp_path)), nprocs=world, start_method="fork"
+        _move, args=(world, init, sources, receivers, str(tmp_path), relay), nprocs=world, start_method="fork"
     )
     generator = torch.Generator().manual_seed(7)
     expected = [

@@ -26,7 +26,14 @@ from elastic.worker.position import WorkerPosition
 from elastic.worker.rendezvous import GroupInfo, Rendezvous, RendezvousError
 from elastic.worker.settings import WorkerSettings
 from elastic.worker.trainer import SampleRecorder, Trainer
-from elastic.worker.transfer import StateOutline, apply_outline, move_state, outline, state_tensors
+from elastic.worker.transfer import (
+    StateOutline,
+    apply_outline,
+    move_state,
+    outline,
+    spans_hosts,
+    state_tensors,
+)
 
 
 def newest_holders(infos: list[GroupInfo]) -> list[int]:
@@ -110,7 +117,7 @@ class StateRestore:
                 self.receive_outline(source_outline)
             tensors = state_tensors(self.model, self.optimizer, self.device) + self.trainer.bulk_state()
             try:
-                moved = move_state(tensors, sources, receivers, rank)
+                moved = move_state(tensors, sources, receivers, rank, relay=self._relay(record))
             except RuntimeError as err:
                 raise RendezvousError(f"the state transfer failed: {err}") from err
             bytes_moved = moved.bytes_moved
@@ -150,6 +157,16 @@ class StateRestore:
             last_step_end=last_end,
             sources=len(sources) if receivers else 0,
         )
+
+    def _relay(self, record: Membership) -> bool:
+        """Whether the state goes down a chain of the joiners (across hosts, or when the
+        settings say so) rather than to each of them from the sources (elastic.worker.transfer).
+        The same on every rank: it depends on the record and the job's settings only."""
+        route = self.settings.state_route
+        if route != "auto":
+            return route == "relay"
+        members = [*record.members, *([record.donor] if record.donor is not None else [])]
+        return spans_hosts([member.address for member in members])
 
     def _info(self) -> GroupInfo:
         position = self.position

@@ -16,6 +16,8 @@ PROGRESS_EVERY_ENV = "BUNGEE_PROGRESS_EVERY_S"
 RECORD_SAMPLES_ENV = "BUNGEE_RECORD_SAMPLES"
 SIM_SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
 SHARED_GPU_ENV = "BUNGEE_SHARED_GPU"
+STATE_ROUTE_ENV = "BUNGEE_STATE_ROUTE"
+STATE_ROUTES = ("auto", "relay", "direct")
 
 
 class WorkerSettingsError(ValueError):
@@ -55,6 +57,13 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     return raw == "1"
 
 
+def _state_route(env: Mapping[str, str]) -> str:
+    raw = env.get(STATE_ROUTE_ENV) or "auto"
+    if raw not in STATE_ROUTES:
+        raise WorkerSettingsError(f"{STATE_ROUTE_ENV}={raw!r} must be one of {', '.join(STATE_ROUTES)}")
+    return raw
+
+
 def _slowdown(env: Mapping[str, str]) -> float:
     value = _positive_float(env, SIM_SLOWDOWN_ENV, 1.0)
     if value < 1.0:
@@ -88,6 +97,9 @@ class WorkerSettings:
     """Several workers of a job share one GPU (a machine with a single GPU, for tests and
     benchmarks). NCCL refuses two ranks on one GPU, so the group runs on gloo, which reduces
     and broadcasts CUDA tensors through host memory; state transfers are staged through it."""
+    state_route: str = "auto"
+    """How the state reaches several joiners (elastic.worker.transfer): "relay" down a chain of
+    them, "direct" from the sources to each, "auto" relays only when the transfer spans hosts."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
@@ -103,4 +115,5 @@ class WorkerSettings:
             record_samples=Path(record) if record else None,
             simulated_slowdown=_slowdown(env),
             shared_gpu=_flag(env, SHARED_GPU_ENV),
+            state_route=_state_route(env),
         )

@@ -9,11 +9,15 @@ sources send with the group's first collective. Everything else, the bulk, goes 
   `chunk_bytes`: a large tensor becomes several slices, small tensors are packed together.
 - Chunks are dealt to the sources so that each sends about the same number of bytes, and the
   sources send concurrently (asynchronous sends and receives, every receive posted at once).
-- A source sends a chunk once, whatever the number of receivers: the chunk goes down a chain of
-  the receivers, each forwarding it to the next as soon as it has it (while it receives the next
-  chunks), as Elan's replication relays the state along the devices. The chain starts at a
-  different receiver for each chunk, so every receiver forwards an equal share. With two joiners
-  the sources send the state once, not twice.
+- Across hosts (`relay`), a source sends a chunk once, whatever the number of receivers: the
+  chunk goes down a chain of the receivers, each forwarding it to the next as soon as it has it
+  (while it receives the next chunks), as Elan's replication relays the state along the
+  devices. The chain starts at a different receiver for each chunk, so every receiver forwards
+  an equal share. With two joiners the sources' links carry the state once, not twice.
+- On one host there is no link to spare: every copy goes through the same memory, and a hop
+  only adds a wait (two joiners took 1.24x one joiner's time down the chain, 0.91-0.94x sent
+  directly; bench/results/resize-relay-vs-direct-cpu-2core.txt). There each source sends its
+  chunks straight to every receiver.
 - A receiver receives a slice straight into its own, already built tensor; only packed small
   tensors pass through a temporary buffer. Memory therefore does not double on either side.
 
@@ -176,6 +180,21 @@ def relay_routes(chunk_count: int, receivers: list[int]) -> list[list[int]]:
     return [receivers[k % count :] + receivers[: k % count] for k in range(chunk_count)] if count else []
 
 
+def chunk_chains(chunk_count: int, receivers: list[int], relay: bool) -> list[list[list[int]]]:
+    """Returns, for each chunk, the chains it travels: its source sends it to the head of each
+    chain, and each receiver passes it to the next in its chain. Relayed, one chain through
+    every receiver (relay_routes); direct, a chain of one for each receiver."""
+    if relay:
+        return [[route] for route in relay_routes(chunk_count, receivers)]
+    return [[[receiver] for receiver in receivers] for _ in range(chunk_count)] if receivers else []
+
+
+def spans_hosts(addresses: list[str]) -> bool:
+    """Whether the ranks of a transfer, at these host addresses, are on more than one host: the
+    case for relaying the state rather than sending it to each receiver."""
+    return len(set(addresses)) > 1
+
+
 # --- moving ----------------------------------------------------------------------------------
 
 
@@ -199,11 +218,13 @@ def move_state(
     receivers: list[int],
     rank: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    relay: bool = True,
 ) -> TransferResult:
     """Copies `tensors` from the ranks in `sources` (which hold them) into the same tensors on
-    the ranks in `receivers`, over the default process group. Every rank in either list calls it
-    with the same list layout; others need not call it. Raises what torch.distributed raises if
-    a peer fails."""
+    the ranks in `receivers`, over the default process group, each chunk relayed down a chain of
+    the receivers or (`relay` False) sent to each of them. Every rank in either list calls it
+    with the same list layout and the same `relay`; others need not call it. Raises what
+    torch.distributed raises if a peer fails."""
     views = [_bytes_of(tensor) for tensor in tensors]
     chunks = plan_chunks([view.numel() for view in views], chunk_bytes)
     state_bytes = sum(chunk.size for chunk in chunks)
@@ -211,14 +232,14 @@ def move_state(
     if not receivers or not chunks or (rank not in sources and rank not in receivers):
         return result
     owners = assign_sources(chunks, sources)
-    routes = relay_routes(len(chunks), sorted(receivers))
+    chains = chunk_chains(len(chunks), sorted(receivers), relay)
     sends: list[tuple[Any, torch.Tensor]] = []  # each send's buffer lives until it is done
     receives: list[tuple[Any, torch.Tensor, int | None, int]] = []
     unpack: list[tuple[torch.Tensor, Chunk]] = []
     # gloo sends no CUDA tensor point to point (workers sharing a GPU): stage through the host.
     staged = views[0].device.type == "cuda" and dist.get_backend() == "gloo"
     device = torch.device("cpu") if staged else views[0].device
-    for tag, (chunk, owner, route) in enumerate(zip(chunks, owners, routes, strict=True)):
+    for tag, (chunk, owner, routes) in enumerate(zip(chunks, owners, chains, strict=True)):
         if rank == owner:
             if len(chunk.pieces) == 1:
                 piece = chunk.pieces[0]
@@ -226,8 +247,12 @@ def move_state(
             else:
                 buffer = torch.cat([views[p.tensor][p.start : p.stop] for p in chunk.pieces])
             buffer = buffer.to(device)
-            sends.append((dist.isend(buffer, route[0], tag=tag), buffer))
-        elif rank in route:
+            for route in routes:
+                sends.append((dist.isend(buffer, route[0], tag=tag), buffer))
+            continue
+        mine = [route for route in routes if rank in route]
+        if mine:
+            route = mine[0]
             hop = route.index(rank)
             if len(chunk.pieces) == 1 and not staged:
                 piece = chunk.pieces[0]
