@@ -146,6 +146,10 @@ class OursResult:
     crash_recovery_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
 
+    def transfers(self, scenario: str) -> list[float]:
+        """The transfer phase of each resize of `scenario` (rank 0's), in seconds."""
+        return [r.transfer_s for r in self.resizes if r.scenario == scenario and r.transfer_s is not None]
+
     def pauses(self, scenario: str | None = None) -> list[float]:
         return [
             r.event.pause_s
@@ -166,7 +170,7 @@ class OursResult:
 
 
 def run_ours(
-    model: BenchModel | TaskModel, rounds: int, crashes: int, device: str, work: Path, route: str = "auto"
+    model: BenchModel | TaskModel, rounds: int, crashes: int, device: str, work: Path, route: str = "relay"
 ) -> OursResult:
     env = {
         **os.environ,
@@ -357,12 +361,12 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     ours = {}
     for model in models:
         # Five of each resize on the 25.6M model (one round in --quick), one round on the 100M one.
-        rounds = 1 if args.quick or model is LARGE else 5
+        rounds = args.rounds or (1 if args.quick or model is LARGE else 5)
         crashes = (1 if args.quick else 2) if model is first else 0
         ours[model.label] = run_ours(model, rounds, crashes, args.device, work)
-    # The baseline for several joiners on one host: the chain relay that pays across hosts
-    # (elastic.worker.transfer), on the same model and resizes, right after ours.
-    relayed = run_ours(first, 1 if args.quick else 5, 0, args.device, work, route="relay")
+    # The baseline for several joiners: the sources send the state to each of them, rather than
+    # down our chain (elastic.worker.transfer); the same model and resizes, right after ours.
+    direct = run_ours(first, args.rounds or (1 if args.quick else 5), 0, args.device, work, route="direct")
     # The machine's load drifts over a run this long: the raw bandwidth is measured again after
     # our resizes, and the ratio uses every measurement.
     bandwidth += broadcast_bandwidth(first.state_bytes, args.device)
@@ -418,12 +422,18 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
                 f"  {'crash recovery':18} {show(result.crash_recovery_s)} (SIGKILL to the end of the first step "
                 "after; local coordinator, the platform adds the agent's report and a scheduler cycle)"
             )
-    direct = ours[first.label]
-    print(f"\nstate to two joiners on one host, {first.label} model: pause min / median / max, and over one joiner's")
-    for label, arm in (("sent to each (auto, ours)", direct), ("relayed down a chain", relayed)):
-        one, two_of = arm.pauses(OUT), arm.pauses(TWO)
-        ratio = statistics.median(two_of) / statistics.median(one) if one and two_of else math.nan
-        print(f"  {label:26} one joiner {show(one)}; two joiners {show(two_of)}: {ratio:.2f}x")
+    relayed = ours[first.label]
+    print(
+        f"\nstate to two joiners on one host, {first.label} model: min / median / max, and two over one "
+        "(medians); the transfer phase is what the route changes, the pause adds the step-time noise"
+    )
+    for label, arm in (("relayed down a chain (ours)", relayed), ("sent to each (baseline)", direct)):
+        for what, one, two_of in (
+            ("transfer", arm.transfers(OUT), arm.transfers(TWO)),
+            ("pause", arm.pauses(OUT), arm.pauses(TWO)),
+        ):
+            ratio = statistics.median(two_of) / statistics.median(one) if one and two_of else math.nan
+            print(f"  {label:26} {what:8} one joiner {show(one)}; two joiners {show(two_of)}: {ratio:.2f}x")
     for label, transitions in torchrun.items():
         outs = [t.pause_s for t in transitions if (t.before, t.after) == (2, 3)]
         partial = [t.pause_s for t in transitions if (t.before, t.after) == (1, 2)]
@@ -455,10 +465,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_vs_torchrun": spread(fast)["median"] / ours_out if fast and ours_out else None,
         "speedup_vs_torchrun_defaults": spread(slow)["median"] / ours_out if slow and ours_out else None,
         "two_joiners_vs_one": two / ours_out if two is not None and ours_out else None,
-        "two_joiners_vs_one_relayed": (
-            spread(relayed.pauses(TWO))["median"] / spread(relayed.pauses(OUT))["median"]
-            if relayed.pauses(TWO) and relayed.pauses(OUT) else None
-        ),
+        "two_joiners_transfer_vs_one": _ratio(main.transfers(TWO), main.transfers(OUT)),
+        "two_joiners_transfer_vs_one_direct": _ratio(direct.transfers(TWO), direct.transfers(OUT)),
+        "two_joiners_vs_one_direct": _ratio(direct.pauses(TWO), direct.pauses(OUT)),
         "bandwidth_fraction": out_bandwidth / raw if out_bandwidth and raw else None,
         "raw_broadcast_gbps": raw,
         "crash_recovery_s": spread(main.crash_recovery_s)["median"],
@@ -479,12 +488,18 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def _ratio(numerator: list[float], denominator: list[float]) -> float | None:
+    """The ratio of the two lists' medians, None if either is empty."""
+    return statistics.median(numerator) / statistics.median(denominator) if numerator and denominator else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="the 25.6M model only, 1 round (about 3 minutes)"
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rounds", type=int, help="rounds of every resize on each model (default 5, 1 with --quick)")
     parser.add_argument("--skip-torchrun", action="store_true", help="leave the torchrun baseline out")
     parser.add_argument(
         "--skip-land", action="store_true", help="leave out the land time on the platform (bench/land.py)"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from portal.launcher import RESTARTED, ROOT, ProcessGroup, platform_commands
+from portal.launcher import ROOT, ProcessGroup, platform_commands
 from portal.secrets_check import secret_key_file
 
 DEMO_USER = "demo"
@@ -108,7 +108,7 @@ def main() -> None:
         user_token = group.run("manage.py", "create_token", DEMO_USER, "--label", "demo script").strip()
         commands = platform_commands(args.port, os.environ.get("BUNGEE_CELERY_QUEUE", "bungee"), data_dir)
         for name, command in commands.items():
-            group.python(name, *command, restart=name in RESTARTED)
+            group.platform_process(name, command)
         base = f"http://127.0.0.1:{args.port}"
         _wait_http(base + "/login/", 60, group)
         token_file = data_dir / "agent.token"

@@ -66,6 +66,11 @@ class ProcessGroup:
     ) -> ManagedProcess:
         return self.start(name, [sys.executable, *args], extra_env, restart)
 
+    def platform_process(self, name: str, command: list[str]) -> ManagedProcess:
+        """Starts the platform's process `name` with its `command` (platform_commands), to be
+        started again when it exits if it is one of RESTARTED."""
+        return self.python(name, *command, restart=name in RESTARTED)
+
     def run(self, *args: str, timeout: float = 300) -> str:
         """Run a Python command to completion in the group's environment; returns its output.
         Raises subprocess.CalledProcessError if it fails."""

@@ -23,7 +23,7 @@ import httpx
 import psycopg
 import redis
 
-from portal.launcher import RESTARTED, ProcessGroup, platform_commands
+from portal.launcher import ProcessGroup, platform_commands
 from tests.netns import Network
 
 POSTGRES_URL = os.environ.get("TEST_POSTGRES_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -98,7 +98,7 @@ class Platform:
     def start(self, name: str) -> None:
         """Starts the platform's process `name` ("portal", "worker" or "beat") again, as at the
         start."""
-        self.group.python(name, *self.commands[name], restart=name in RESTARTED)
+        self.group.platform_process(name, self.commands[name])
 
     def restart_agent(self, name: str, devices: int) -> None:
         """SIGKILLs the agent `name` (its workers, in sessions of their own, are not signalled)
@@ -242,7 +242,7 @@ def running_platform(
         host = network.gateway if network is not None else "127.0.0.1"
         commands = platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp, host, portal_processes)
         for name, command in commands.items():
-            group.python(name, *command, restart=name in RESTARTED)
+            group.platform_process(name, command)
         platform = Platform(f"http://{host}:{port}", group, tokens, env, commands, network)
         platform.wait_for("the portal", platform.portal_answers, timeout_s=60)
         for name, devices in agents.items():

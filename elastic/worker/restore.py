@@ -31,8 +31,7 @@ from elastic.worker.transfer import (
     apply_outline,
     move_state,
     outline,
-    spans_hosts,
-    state_tensors,
+        state_tensors,
 )
 
 
@@ -117,7 +116,7 @@ class StateRestore:
                 self.receive_outline(source_outline)
             tensors = state_tensors(self.model, self.optimizer, self.device) + self.trainer.bulk_state()
             try:
-                moved = move_state(tensors, sources, receivers, rank, relay=self._relay(record))
+                moved = move_state(tensors, sources, receivers, rank, relay=self.settings.state_route == "relay")
             except RuntimeError as err:
                 raise RendezvousError(f"the state transfer failed: {err}") from err
             bytes_moved = moved.bytes_moved
@@ -157,16 +156,6 @@ class StateRestore:
             last_step_end=last_end,
             sources=len(sources) if receivers else 0,
         )
-
-    def _relay(self, record: Membership) -> bool:
-        """Whether the state goes down a chain of the joiners (across hosts, or when the
-        settings say so) rather than to each of them from the sources (elastic.worker.transfer).
-        The same on every rank: it depends on the record and the job's settings only."""
-        route = self.settings.state_route
-        if route != "auto":
-            return route == "relay"
-        members = [*record.members, *([record.donor] if record.donor is not None else [])]
-        return spans_hosts([member.address for member in members])
 
     def _info(self) -> GroupInfo:
         position = self.position

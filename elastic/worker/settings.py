@@ -17,7 +17,7 @@ RECORD_SAMPLES_ENV = "BUNGEE_RECORD_SAMPLES"
 SIM_SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
 SHARED_GPU_ENV = "BUNGEE_SHARED_GPU"
 STATE_ROUTE_ENV = "BUNGEE_STATE_ROUTE"
-STATE_ROUTES = ("auto", "relay", "direct")
+STATE_ROUTES = ("relay", "direct")
 
 
 class WorkerSettingsError(ValueError):
@@ -58,7 +58,7 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 
 
 def _state_route(env: Mapping[str, str]) -> str:
-    raw = env.get(STATE_ROUTE_ENV) or "auto"
+    raw = env.get(STATE_ROUTE_ENV) or "relay"
     if raw not in STATE_ROUTES:
         raise WorkerSettingsError(f"{STATE_ROUTE_ENV}={raw!r} must be one of {', '.join(STATE_ROUTES)}")
     return raw
@@ -97,9 +97,9 @@ class WorkerSettings:
     """Several workers of a job share one GPU (a machine with a single GPU, for tests and
     benchmarks). NCCL refuses two ranks on one GPU, so the group runs on gloo, which reduces
     and broadcasts CUDA tensors through host memory; state transfers are staged through it."""
-    state_route: str = "auto"
+    state_route: str = "relay"
     """How the state reaches several joiners (elastic.worker.transfer): "relay" down a chain of
-    them, "direct" from the sources to each, "auto" relays only when the transfer spans hosts."""
+    them, or "direct" from the sources to each (slower: the benchmark's baseline)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:

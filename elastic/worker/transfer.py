@@ -9,15 +9,15 @@ sources send with the group's first collective. Everything else, the bulk, goes 
   `chunk_bytes`: a large tensor becomes several slices, small tensors are packed together.
 - Chunks are dealt to the sources so that each sends about the same number of bytes, and the
   sources send concurrently (asynchronous sends and receives, every receive posted at once).
-- Across hosts (`relay`), a source sends a chunk once, whatever the number of receivers: the
+- A source sends a chunk once, whatever the number of receivers (`relay`, the default): the
   chunk goes down a chain of the receivers, each forwarding it to the next as soon as it has it
   (while it receives the next chunks), as Elan's replication relays the state along the
   devices. The chain starts at a different receiver for each chunk, so every receiver forwards
-  an equal share. With two joiners the sources' links carry the state once, not twice.
-- On one host there is no link to spare: every copy goes through the same memory, and a hop
-  only adds a wait (two joiners took 1.24x one joiner's time down the chain, 0.91-0.94x sent
-  directly; bench/results/resize-relay-vs-direct-cpu-2core.txt). There each source sends its
-  chunks straight to every receiver.
+  an equal share. With two joiners the sources send the state once, not twice; the receivers'
+  forwarding shares the sending. Even on one host, over loopback, that pays: two joiners' transfer
+  took 1.09x one joiner's relayed, 1.72x sent by the sources to each receiver
+  (bench/results/resize-routes-cpu-2core-quiet.txt). Without `relay` (the benchmark's baseline),
+  each source sends its chunks to every receiver.
 - A receiver receives a slice straight into its own, already built tensor; only packed small
   tensors pass through a temporary buffer. Memory therefore does not double on either side.
 
@@ -187,12 +187,6 @@ def chunk_chains(chunk_count: int, receivers: list[int], relay: bool) -> list[li
     if relay:
         return [[route] for route in relay_routes(chunk_count, receivers)]
     return [[[receiver] for receiver in receivers] for _ in range(chunk_count)] if receivers else []
-
-
-def spans_hosts(addresses: list[str]) -> bool:
-    """Whether the ranks of a transfer, at these host addresses, are on more than one host: the
-    case for relaying the state rather than sending it to each receiver."""
-    return len(set(addresses)) > 1
 
 
 # --- moving ----------------------------------------------------------------------------------
