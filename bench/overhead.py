@@ -2,7 +2,7 @@
 against plain DDP on the same model, data and world size.
 
     python bench/overhead.py            # 25.6M model, 2 workers, 10 rounds of 30-step runs
-    python bench/overhead.py --quick    # 6 rounds of 20-step runs, no unpolled arm (about 7 minutes)
+    python bench/overhead.py --quick    # 6 rounds of 20-step runs, no unpolled arm (about 9 minutes)
     python bench/overhead.py --device cuda
 
 The elastic arm is the real worker (elastic.worker.local.LocalJob, membership board in Redis,
@@ -43,6 +43,10 @@ buckets each step in the two-process run (bucket view is the fastest). The elast
 no copy (its gradients live in one flat buffer, as bucket view's do) but does not overlap: it
 beats DDP's defaults by 4% and trails DDP with bucket view by 7.5% (rounds -1.0 to +12.8%).
 Reaching the 1% target against the best DDP needs the all-reduce overlapped with backward.
+The worker now does that (elastic.worker.trainer.GradientBuckets), and a fifth arm runs it
+without (BUNGEE_BUCKET_MB=0). On these 2 cores it brought nothing measurable (per round -14.6 /
++1.7 / +11.6%, bench/results/overhead-quick-overlap-cpu-2core-quiet.txt): the two workers'
+backward passes already take both cores, so the all-reduce finds none idle.
 Single pairs of long runs then read as -13% or +25% depending on the hour: that figure
 said nothing. The method above (rotated order, per-round ratios, their spread) is what makes a
 figure readable; on the loaded machine of issue 14 (load 7 to 10 from other work) the rounds
@@ -81,12 +85,14 @@ def _gaps(ends: list[float]) -> list[float]:
 
 
 def elastic_steps(
-    model: BenchModel, steps: int, workers: int, device: str, work: Path, poll_s: float = 0.05
+    model: BenchModel, steps: int, workers: int, device: str, work: Path, poll_s: float = 0.05, overlap: bool = True
 ) -> list[float]:
-    """Step times of the elastic runtime; rank 0 reads the membership board every `poll_s`."""
+    """Step times of the elastic runtime; rank 0 reads the membership board every `poll_s`;
+    without `overlap`, the gradient's all-reduce waits for the whole backward (one bucket)."""
     env = {
         **os.environ,
         **THREADS,
+        **({} if overlap else {"BUNGEE_BUCKET_MB": "0"}),
         "BUNGEE_PROGRESS_EVERY_S": "0.001",
         "BUNGEE_CHECKPOINT_EVERY_S": "86400",
         "BUNGEE_MEMBERSHIP_POLL_S": str(poll_s),
@@ -162,6 +168,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         # The all-reduce after the whole backward, as ours: tells whether DDP's overlap is what
         # makes it slower than the elastic arm on a machine with fewer cores than threads.
         "ddp_one_bucket": lambda: ddp_steps(model, steps, args.workers, args.device, work, one_bucket=True),
+        # Ours without the overlap: what the buckets bring.
+        "elastic_one_bucket": lambda: elastic_steps(model, steps, args.workers, args.device, work, overlap=False),
     }
     if not args.quick:
         runs["elastic_unpolled"] = lambda: elastic_steps(model, steps, args.workers, args.device, work, 3600)
@@ -169,6 +177,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     against_ddp: list[float] = []
     against_view: list[float] = []
     against_one: list[float] = []
+    overlap_gain: list[float] = []
     loads: list[float] = []
     for index in range(rounds):
         this_round = {}
@@ -180,6 +189,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         against_ddp.append(ratio_pct(this_round["elastic"], this_round["ddp"]))
         against_view.append(ratio_pct(this_round["elastic"], this_round["ddp_bucket_view"]))
         against_one.append(ratio_pct(this_round["elastic"], this_round["ddp_one_bucket"]))
+        overlap_gain.append(ratio_pct(this_round["elastic"], this_round["elastic_one_bucket"]))
         print(
             f"  round {index + 1} (order {', '.join(rotated(list(runs), index))}; load {loads[-1]}): "
             + ", ".join(f"{arm} {statistics.median(gaps) * 1000:.1f} ms" for arm, gaps in this_round.items())
@@ -209,6 +219,10 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         f"  elastic vs DDP one bucket, per round: {min(against_one):+.2f} / {over_one:+.2f} / "
         f"{max(against_one):+.2f}%; within {max(against_one) - min(against_one):.1f} points"
     )
+    print(
+        f"  elastic vs elastic without the overlap, per round: {min(overlap_gain):+.2f} / "
+        f"{statistics.median(overlap_gain):+.2f} / {max(overlap_gain):+.2f}%"
+    )
     result: dict[str, Any] = {
         "bench": "overhead",
         "overhead_pct": overhead,
@@ -218,6 +232,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "overhead_vs_one_bucket_pct": over_one,
         "overhead_vs_one_bucket_per_round_pct": against_one,
         "rounds_agree_within_points": max(against_ddp) - min(against_ddp),
+        "overlap_gain_pct": statistics.median(overlap_gain),
+        "overlap_gain_per_round_pct": overlap_gain,
         "ratio_of_pooled_medians_pct": ratio_pct(times["elastic"], times["ddp"]),
         "step_median_s": {arm: statistics.median(gaps) for arm, gaps in times.items()},
     }
@@ -240,7 +256,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 rounds of shorter runs, 4 arms (about 7 minutes)")
+    parser.add_argument("--quick", action="store_true", help="6 rounds of shorter runs, 5 arms (about 9 minutes)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(

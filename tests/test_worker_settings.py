@@ -34,9 +34,13 @@ def test_values_are_read() -> None:
             "BUNGEE_SIM_SLOWDOWN": "2.5",
             "BUNGEE_SHARED_GPU": "1",
             "BUNGEE_STATE_ROUTE": "direct",
+            "BUNGEE_BUCKET_MB": "0",
         }
     )
-    assert settings == WorkerSettings(4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"), 3.0, 0.1, 2.5, True, "direct")
+    assert settings == WorkerSettings(
+        4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"), 3.0, 0.1, 2.5, True, 0, "direct"
+    )
+    assert WorkerSettings.from_env({"BUNGEE_BUCKET_MB": "1.5"}).bucket_bytes == 1572864
 
 
 @pytest.mark.parametrize(
@@ -48,6 +52,8 @@ def test_values_are_read() -> None:
         ("BUNGEE_SIM_SLOWDOWN", "0.5"),
         ("BUNGEE_SHARED_GPU", "yes"),
         ("BUNGEE_STATE_ROUTE", "chain"),
+        ("BUNGEE_BUCKET_MB", "-1"),
+        ("BUNGEE_BUCKET_MB", "lots"),
     ],
 )
 def test_bad_values_are_refused_with_name_and_value(name: str, value: str) -> None:

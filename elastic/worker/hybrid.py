@@ -37,7 +37,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream
-from elastic.worker.trainer import SampleRecorder, StepOutcome, SwitchVote, Trainer
+from elastic.worker.trainer import BUCKET_BYTES, SampleRecorder, StepOutcome, SwitchVote, Trainer
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ class HybridTrainer(Trainer):
         compute_done: Callable[[], None] | None = None,
         scheduler: LRScheduler | None = None,
         skip_nonfinite: bool = False,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         super().__init__(
             problem,
@@ -113,6 +114,7 @@ class HybridTrainer(Trainer):
             compute_done=compute_done,
             scheduler=scheduler,
             skip_nonfinite=skip_nonfinite,
+            bucket_bytes=bucket_bytes,
         )
         self.schedule = schedule
         self.position = 0

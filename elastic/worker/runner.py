@@ -319,4 +319,5 @@ class WorkerRun:
             compute_done=clock.compute_done,
             scheduler=scheduler,
             skip_nonfinite=self.spec.nan_loss == "skip",
+            bucket_bytes=self.settings.bucket_bytes,
         )

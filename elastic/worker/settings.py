@@ -17,6 +17,7 @@ RECORD_SAMPLES_ENV = "BUNGEE_RECORD_SAMPLES"
 SIM_SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
 SHARED_GPU_ENV = "BUNGEE_SHARED_GPU"
 STATE_ROUTE_ENV = "BUNGEE_STATE_ROUTE"
+BUCKET_MB_ENV = "BUNGEE_BUCKET_MB"
 STATE_ROUTES = ("relay", "direct")
 
 
@@ -64,6 +65,19 @@ def _state_route(env: Mapping[str, str]) -> str:
     return raw
 
 
+def _bucket_bytes(env: Mapping[str, str], default: int) -> int:
+    raw = env.get(BUCKET_MB_ENV)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise WorkerSettingsError(f"{BUCKET_MB_ENV}={raw!r} is not a number") from None
+    if not 0 <= value <= 4096:
+        raise WorkerSettingsError(f"{BUCKET_MB_ENV}={raw!r} must be from 0 to 4096")
+    return round(value * 2**20)
+
+
 def _slowdown(env: Mapping[str, str]) -> float:
     value = _positive_float(env, SIM_SLOWDOWN_ENV, 1.0)
     if value < 1.0:
@@ -97,6 +111,9 @@ class WorkerSettings:
     """Several workers of a job share one GPU (a machine with a single GPU, for tests and
     benchmarks). NCCL refuses two ranks on one GPU, so the group runs on gloo, which reduces
     and broadcasts CUDA tensors through host memory; state transfers are staged through it."""
+    bucket_bytes: int = 25 * 2**20
+    """The gradient's all-reduce goes in buckets of this size, overlapped with backward
+    (elastic.worker.trainer.GradientBuckets); 0: one all-reduce after the whole backward."""
     state_route: str = "relay"
     """How the state reaches several joiners (elastic.worker.transfer): "relay" down a chain of
     them, or "direct" from the sources to each (slower: the benchmark's baseline)."""
@@ -115,5 +132,6 @@ class WorkerSettings:
             record_samples=Path(record) if record else None,
             simulated_slowdown=_slowdown(env),
             shared_gpu=_flag(env, SHARED_GPU_ENV),
+            bucket_bytes=_bucket_bytes(env, cls.bucket_bytes),
             state_route=_state_route(env),
         )

@@ -1,11 +1,12 @@
 """One data-parallel training step over a process group.
 
 Every rank holds the whole model. At step s each rank trains on its share of the global batch
-(elastic.worker.data), scales its gradient by its share of the batch, and one all-reduce (SUM)
-yields on every rank the gradient of the mean loss over the global batch. The same all-reduce
-carries the step's loss sum, sample count, stop flag and the generation to switch to (only rank
-0 sets it, see elastic.membership.redis), so these decisions cost nothing extra and all ranks
-reach them after the same step.
+(elastic.worker.data), scales its gradient by its share of the batch, and an all-reduce (SUM)
+yields on every rank the gradient of the mean loss over the global batch. The gradient goes in
+buckets sent while backward computes the rest (GradientBuckets, as DDP's); the step's last
+all-reduce, a few values long, carries the step's loss sum, sample count, stop flag and the
+generation to switch to (only rank 0 sets it, see elastic.membership.redis), so these decisions
+cost nothing extra and all ranks reach them after the same step.
 
 The optimiser steps only after the all-reduce succeeded: when a peer dies mid-step the step
 raises CollectiveError and every survivor still holds the state of the last completed step.
@@ -17,7 +18,7 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,88 @@ class CollectiveError(RuntimeError):
 def all_reduce_sum(buffer: torch.Tensor) -> None:
     """Sum `buffer` in place over the ranks of the default process group."""
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+
+
+BUCKET_BYTES = 25 * 2**20
+"""The gradient's all-reduce goes in buckets of about this size (DDP's default), so that the
+first ones travel while backward computes the rest."""
+
+
+class GradientBuckets:
+    """Overlaps the sum of the gradients over the ranks with backward, as DDP's buckets do.
+
+    The parameters are cut, from the last (whose gradients backward computes first), into
+    buckets of consecutive parameters, so that each bucket is one contiguous slice of the step's
+    buffer. A hook on each parameter counts the gradients that arrived; a bucket whose count is
+    complete is scaled and sent (an asynchronous all-reduce) while backward goes on. Buckets are
+    sent strictly in their order, whatever order the gradients arrive in, so that every rank
+    issues the same collectives in the same order; `finish` sends the ones a batch left
+    incomplete (a parameter it did not use). Between `arm` and `finish` only."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
+        offsets = [0]
+        for parameter in parameters:
+            offsets.append(offsets[-1] + parameter.numel())
+        self.slices: list[tuple[int, int]] = []
+        self._bucket_of = [0] * len(parameters)
+        self._sizes: list[int] = []
+        stop = len(parameters)
+        while stop > 0:
+            start, size = stop - 1, parameters[stop - 1].numel() * parameters[stop - 1].element_size()
+            while start > 0 and size + parameters[start - 1].numel() * parameters[start - 1].element_size() <= bucket_bytes:
+                start -= 1
+                size += parameters[start].numel() * parameters[start].element_size()
+            for index in range(start, stop):
+                self._bucket_of[index] = len(self.slices)
+            self.slices.append((offsets[start], offsets[stop]))
+            self._sizes.append(stop - start)
+            stop = start
+        self._buffer: torch.Tensor | None = None
+        self._scale = 1.0
+        self._pending: list[int] = []
+        self._next = 0
+        self._handles: list[Any] = []
+        self._hooks = [
+            parameter.register_post_accumulate_grad_hook(self._hook(index)) for index, parameter in enumerate(parameters)
+        ]
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def arrived(_: torch.Tensor) -> None:
+            if self._buffer is None:
+                return  # a backward outside a step (a warm-up pass)
+            self._pending[self._bucket_of[index]] -= 1
+            while self._next < len(self.slices) and self._pending[self._next] <= 0:
+                self._send()
+
+        return arrived
+
+    def arm(self, buffer: torch.Tensor, scale: float) -> None:
+        """Before a step's backward: its gradients go to `buffer`, times `scale` when sent."""
+        self._buffer, self._scale = buffer, scale
+        self._pending, self._next, self._handles = list(self._sizes), 0, []
+
+    def _send(self) -> None:
+        assert self._buffer is not None
+        start, stop = self.slices[self._next]
+        part = self._buffer[start:stop]
+        part.mul_(self._scale)
+        self._handles.append(dist.all_reduce(part, op=dist.ReduceOp.SUM, async_op=True))
+        self._next += 1
+
+    def finish(self) -> list[Any]:
+        """After backward (or instead of it, for a rank without samples): sends the buckets not
+        sent yet, in order, disarms, and returns the requests to wait for."""
+        if self._buffer is not None:
+            while self._next < len(self.slices):
+                self._send()
+        self._buffer = None
+        handles, self._handles = self._handles, []
+        return handles
+
+    def disarm(self) -> None:
+        """After a failed backward: nothing more is sent (the step is given up)."""
+        self._buffer = None
+        self._handles = []
 
 
 SwitchVote = int | Callable[[], int]
@@ -161,9 +244,12 @@ class Trainer:
         compute_done: Callable[[], None] | None = None,
         scheduler: LRScheduler | None = None,
         skip_nonfinite: bool = False,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         self.problem = problem
         self.optimizer = optimizer
+        self.bucket_bytes = bucket_bytes
+        """Size of the gradient's buckets overlapped with backward; 0: one all-reduce after it."""
         self.scheduler = scheduler
         self.skip_nonfinite = skip_nonfinite
         """What a step whose loss is not finite does: skipped if true, else NonFiniteLossError."""
@@ -185,6 +271,17 @@ class Trainer:
         self._dtype = first.dtype
         self._device = first.device
         self._buffer: torch.Tensor | None = None
+        self._buckets: GradientBuckets | None = None
+
+    def _overlapped(self) -> GradientBuckets | None:
+        """The buckets that overlap the gradient's all-reduce with backward: with the default
+        all-reduce over more than one rank and buckets on (a test's own `reduce` gets the whole
+        buffer)."""
+        if self.reduce is not all_reduce_sum or self.world_size < 2 or not self.bucket_bytes:
+            return None
+        if self._buckets is None:
+            self._buckets = GradientBuckets(self._parameters, self.bucket_bytes)
+        return self._buckets
 
     def rebind(self, rank: int, world_size: int) -> None:
         """Train later steps as `rank` of `world_size` (after a resize)."""
@@ -203,15 +300,21 @@ class Trainer:
         buffer = self._gradients_in_buffer()
         count = len(indices)
         saved_buffers = self._copy_model_buffers()  # what a step that is not applied gives back
+        buckets = self._overlapped()
+        if buckets is not None:
+            buckets.arm(buffer, count / self.batch_size)
         if count:
             try:
                 batch = self.problem.batch(indices, self.item_seeds(first + start, count))
                 loss = self.problem.loss(batch)
                 loss.backward()  # accumulates into the zeroed views, that is into the buffer
             except BaseException:  # the task's own error: nothing of the step stays
+                if buckets is not None:
+                    buckets.disarm()
                 self._restore_model_buffers(saved_buffers)
                 raise
-            buffer[: self._gradient_size].mul_(count / self.batch_size)
+            if buckets is None:
+                buffer[: self._gradient_size].mul_(count / self.batch_size)
             buffer[_LOSS_SUM] = loss.detach() * count
             buffer[_NONFINITE_VOTES] = (~torch.isfinite(loss.detach())).to(buffer.dtype)
             names = self.metric_names()
@@ -225,7 +328,13 @@ class Trainer:
         if self.compute_done is not None:
             self.compute_done()
         try:
-            self.reduce(buffer)
+            if buckets is None:
+                self.reduce(buffer)
+            else:  # the gradients' buckets are on their way; the statistics go last
+                sent = buckets.finish()
+                self.reduce(buffer[self._gradient_size :])
+                for request in sent:
+                    request.wait()
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self._restore_model_buffers(saved_buffers)
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
