@@ -25,16 +25,23 @@ class WorkerSettingsError(ValueError):
     """An environment variable holds a value the worker cannot use."""
 
 
-def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+def _float(env: Mapping[str, str], name: str) -> float | None:
+    """The number in `name`, None if unset or empty. Raises WorkerSettingsError."""
     raw = env.get(name)
     if raw is None or raw == "":
-        return default
+        return None
     try:
-        value = float(raw)
+        return float(raw)
     except ValueError:
         raise WorkerSettingsError(f"{name}={raw!r} is not a number") from None
+
+
+def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+    value = _float(env, name)
+    if value is None:
+        return default
     if not value > 0:
-        raise WorkerSettingsError(f"{name}={raw!r} must be above 0")
+        raise WorkerSettingsError(f"{name}={env[name]!r} must be above 0")
     return value
 
 
@@ -66,15 +73,11 @@ def _state_route(env: Mapping[str, str]) -> str:
 
 
 def _bucket_bytes(env: Mapping[str, str], default: int) -> int:
-    raw = env.get(BUCKET_MB_ENV)
-    if raw is None or raw == "":
+    value = _float(env, BUCKET_MB_ENV)
+    if value is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise WorkerSettingsError(f"{BUCKET_MB_ENV}={raw!r} is not a number") from None
     if not 0 <= value <= 4096:
-        raise WorkerSettingsError(f"{BUCKET_MB_ENV}={raw!r} must be from 0 to 4096")
+        raise WorkerSettingsError(f"{BUCKET_MB_ENV}={env[BUCKET_MB_ENV]!r} must be from 0 to 4096")
     return round(value * 2**20)
 
 
