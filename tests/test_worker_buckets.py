@@ -38,6 +38,7 @@ def _overlapped(rank: int, init: str, out: str) -> None:
 
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
     try:
         torch.manual_seed(3)  # the same model on both ranks
@@ -73,8 +74,10 @@ def _overlapped(rank: int, init: str, out: str) -> None:
 def test_overlapped_sums_equal_one_all_reduce_after_backward(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
+    # Spawned, not forked: these ranks compute, and a fork of a process whose OpenMP threads
+    # ran (as the suite's have by now) hangs in its first parallel region.
     mp.start_processes(
-        _overlapped, args=(f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2, start_method="fork"
+        _overlapped, args=(f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2, start_method="spawn"
     )
     for rank in (0, 1):
         saved = torch.load(tmp_path / f"{rank}.pt")
