@@ -26,13 +26,7 @@ from elastic.worker.position import WorkerPosition
 from elastic.worker.rendezvous import GroupInfo, Rendezvous, RendezvousError
 from elastic.worker.settings import WorkerSettings
 from elastic.worker.trainer import SampleRecorder, Trainer
-from elastic.worker.transfer import (
-    StateOutline,
-    apply_outline,
-    move_state,
-    outline,
-        state_tensors,
-)
+from elastic.worker.transfer import StateOutline, apply_outline, move_state, outline, state_tensors
 
 
 def newest_holders(infos: list[GroupInfo]) -> list[int]:
