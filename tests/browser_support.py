@@ -77,4 +77,3 @@ def free_the_cluster(platform: Platform) -> None:
         return all(device["job"] is None for node in nodes for device in node["devices"])
 
     platform.wait_for("every device free", free, timeout_s=120)
-
