@@ -37,7 +37,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream
-from elastic.worker.trainer import BUCKET_BYTES, SampleRecorder, StepOutcome, SwitchVote, Trainer
+from elastic.worker.settings import BUCKET_BYTES
+from elastic.worker.trainer import SampleRecorder, StepOutcome, SwitchVote, Trainer
 
 
 @dataclass(frozen=True)

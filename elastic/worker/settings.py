@@ -16,6 +16,9 @@ PROGRESS_EVERY_ENV = "BUNGEE_PROGRESS_EVERY_S"
 RECORD_SAMPLES_ENV = "BUNGEE_RECORD_SAMPLES"
 SIM_SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
 SHARED_GPU_ENV = "BUNGEE_SHARED_GPU"
+BUCKET_BYTES = 25 * 2**20
+"""The default size of the gradient's buckets, overlapped with backward (DDP's default), so that
+the first ones travel while backward computes the rest."""
 STATE_ROUTE_ENV = "BUNGEE_STATE_ROUTE"
 BUCKET_MB_ENV = "BUNGEE_BUCKET_MB"
 STATE_ROUTES = ("relay", "direct")
@@ -114,7 +117,7 @@ class WorkerSettings:
     """Several workers of a job share one GPU (a machine with a single GPU, for tests and
     benchmarks). NCCL refuses two ranks on one GPU, so the group runs on gloo, which reduces
     and broadcasts CUDA tensors through host memory; state transfers are staged through it."""
-    bucket_bytes: int = 25 * 2**20
+    bucket_bytes: int = BUCKET_BYTES
     """The gradient's all-reduce goes in buckets of this size, overlapped with backward
     (elastic.worker.trainer.GradientBuckets); 0: one all-reduce after the whole backward."""
     state_route: str = "relay"

@@ -31,6 +31,7 @@ from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
 from elastic.wording import counted
 from elastic.worker.data import SampleStream, derive_seed, share_bounds
+from elastic.worker.settings import BUCKET_BYTES
 
 METRIC_SLOTS = 8
 """The task's named training metrics averaged over the global batch, as the loss is: the first
@@ -73,11 +74,6 @@ def all_reduce_sum(buffer: torch.Tensor) -> None:
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
 
 
-BUCKET_BYTES = 25 * 2**20
-"""The gradient's all-reduce goes in buckets of about this size (DDP's default), so that the
-first ones travel while backward computes the rest."""
-
-
 class GradientBuckets:
     """Overlaps the sum of the gradients over the ranks with backward, as DDP's buckets do.
 
@@ -93,15 +89,16 @@ class GradientBuckets:
         offsets = [0]
         for parameter in parameters:
             offsets.append(offsets[-1] + parameter.numel())
+        nbytes = [parameter.numel() * parameter.element_size() for parameter in parameters]
         self.slices: list[tuple[int, int]] = []
         self._bucket_of = [0] * len(parameters)
         self._sizes: list[int] = []
         stop = len(parameters)
         while stop > 0:
-            start, size = stop - 1, parameters[stop - 1].numel() * parameters[stop - 1].element_size()
-            while start > 0 and size + parameters[start - 1].numel() * parameters[start - 1].element_size() <= bucket_bytes:
+            start, size = stop - 1, nbytes[stop - 1]
+            while start > 0 and size + nbytes[start - 1] <= bucket_bytes:
                 start -= 1
-                size += parameters[start].numel() * parameters[start].element_size()
+                size += nbytes[start]
             for index in range(start, stop):
                 self._bucket_of[index] = len(self.slices)
             self.slices.append((offsets[start], offsets[stop]))
