@@ -75,6 +75,10 @@ DEFAULT_STANDBYS = 8
 """`--standbys on`: a standby on each free device of a node of up to 8 (a full GPU server); a
 node with more free devices (a simulated one of hundreds) keeps 8, not hundreds of processes."""
 
+DEFAULT_PREPARED = 2
+"""Standbys prepared a job: its next two workers here skip their build (a standby holds a model
+built for the job, on its free device, until the job takes it or stops growing here)."""
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -92,6 +96,8 @@ class AgentConfig:
     state_dir: Path
     standbys: int = DEFAULT_STANDBYS
     """The most warm standby workers the node keeps (0: none)."""
+    prepared_standbys: int = DEFAULT_PREPARED
+    """The most of them prepared for one job that may grow here (0: none)."""
 
 
 def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
@@ -101,17 +107,24 @@ def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
     return Path(data_dir).resolve() / "agent" / node_name
 
 
+def _count(text: str) -> int:
+    """A whole number, at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
+    return value
+
+
 def _standbys(text: str) -> int:
     """`on`, `off`, or the most standbys to keep."""
     if text in ("on", "off"):
         return DEFAULT_STANDBYS if text == "on" else 0
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not on, off or a number of standbys") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
-    return value
+    if not text.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not on, off or a number of standbys")
+    return _count(text)
 
 
 def _positive_int(text: str) -> int:
@@ -216,6 +229,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=_standbys,
     )
     flag(
+        "--prepared-standbys",
+        "BUNGEE_PREPARED_STANDBYS",
+        str(DEFAULT_PREPARED),
+        "of those standbys, prepare up to this many for each job that may grow on this node: they "
+        "build its model before a worker is asked for, so that a joiner taken from one also skips its "
+        "build (each holds one model on its free device); 0: none",
+        type=_count,
+    )
+    flag(
         "--state-dir",
         "BUNGEE_AGENT_STATE_DIR",
         None,
@@ -264,6 +286,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         worker_module=args.worker_module,
         log_level=args.log_level,
         standbys=args.standbys,
+        prepared_standbys=args.prepared_standbys,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else default_state_dir(environ, args.name),
     )
 
@@ -555,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             node_address=config.address,
             state_dir=config.state_dir,
             standbys=config.standbys,
+            prepared_per_job=config.prepared_standbys,
         ),
         on_exit=report_now.set,
     )

@@ -19,6 +19,15 @@ CPU that nothing else wants, so training on the node (CPU slots share the cores)
 down while a standby warms up. Handing it a worker gives its threads the normal policy back; where
 the agent may not do that (no CAP_SYS_NICE), the standby is killed and the worker starts cold.
 
+A standby may also be prepared for a job (elastic.worker.build): the supervisor names the jobs
+that may grow on this node, and the pool sends the warm, unprepared standbys of the lowest free
+devices (where the scheduler grows a job first) the environment of a worker of theirs, up to
+`prepared_per_job` a job, one preparation at a time. The standby builds that job's model at idle
+priority, so a joiner taken from it skips its build too. A standby prepared for a job is handed
+only that job's worker: a launch of another job on its device kills it and starts cold, and so
+does a job that stops growing here (no worker of it left on the node, or its last generation
+at its most workers).
+
 A standby that dies while waiting is logged with its output's tail; its device gets no new one
 for RESTART_BACKOFF_S, so a standby that cannot start does not burn a core in a loop.
 """
@@ -32,12 +41,13 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.devices import WorkerPlacement
-from elastic.worker.standby import READY_LINE, Assignment
+from elastic.worker.standby import PREPARATION_FAILED_LINE, PREPARED_LINE, READY_LINE, Assignment, Preparation
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +77,8 @@ class Standby:
     process: subprocess.Popen[bytes]
     output: Path
     """Its own output until it is assigned (then the worker's file takes over)."""
+    job: int | None = None
+    """The job it was prepared for, if any: it serves no other."""
 
     @property
     def pid(self) -> int:
@@ -79,6 +91,16 @@ class Standby:
         except OSError:
             return False
 
+    def preparing(self) -> bool:
+        """Whether it was prepared for a job and has not said how that went yet."""
+        if self.job is None:
+            return False
+        try:
+            said = self.output.read_bytes()
+        except OSError:
+            return False
+        return PREPARED_LINE.encode() not in said and PREPARATION_FAILED_LINE.encode() not in said
+
     def output_tail(self) -> str:
         try:
             return self.output.read_bytes()[-_TAIL_BYTES:].decode(errors="replace")
@@ -89,10 +111,12 @@ class Standby:
 class StandbyPool:
     """The node's standbys. Not thread-safe: its owner (the supervisor) calls it under its lock."""
 
-    def __init__(self, directory: Path, python: str, worker_module: str, limit: int) -> None:
+    def __init__(self, directory: Path, python: str, worker_module: str, limit: int, prepared_per_job: int = 0) -> None:
         self.directory = directory
         self.limit = limit
         """The most standbys kept at once."""
+        self.prepared_per_job = prepared_per_job
+        """The most standbys prepared for one job (0: none are)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.python = python
         self.worker_module = worker_module
@@ -100,13 +124,24 @@ class StandbyPool:
         self._dying: list[Standby] = []
         self._backoff_until: dict[int, float] = {}
 
-    def keep(self, free: Mapping[int, WorkerPlacement], env: Mapping[str, str]) -> None:
+    def keep(
+        self,
+        free: Mapping[int, WorkerPlacement],
+        env: Mapping[str, str],
+        growing: Sequence[int] = (),
+        prepare_env: Callable[[int, int, WorkerPlacement], dict[str, str]] | None = None,
+        quiet: bool = True,
+    ) -> None:
         """Makes the standbys match `free`, the free devices and their placements: a standby on
         each, lowest index first, up to `limit` (started with its placement and the environment
         `env` plus the placement's), none on any other device. One starts at a time: the next
         once the last is warm, so that a node never imports torch in many processes at once (a
-        scale-in that frees many devices would otherwise thrash a small node). Also reaps the
-        standbys that were killed."""
+        scale-in that frees many devices would otherwise thrash a small node). Then prepares
+        standbys for the jobs in `growing` (most wanted first), a worker of job J on device D
+        having the environment `prepare_env(J, D, placement)`, and kills those prepared for a
+        job not in it. Unless the node is `quiet` (no resize under way here), nothing is
+        prepared: a build, even at idle priority, competes for memory bandwidth with the resize's
+        transfer and first step. Also reaps the standbys that were killed."""
         now = time.monotonic()
         for index, standby in list(self._standbys.items()):
             if standby.process.poll() is not None:
@@ -119,36 +154,77 @@ class StandbyPool:
                 standby.output.unlink(missing_ok=True)
             elif index not in free:
                 self._kill(index, "its device is not free")
+            elif standby.job is not None and standby.job not in growing:
+                self._kill(index, f"job {standby.job}, which it was prepared for, does not grow here any more")
         warming = any(not standby.ready() for standby in self._standbys.values())
         if not warming and len(self._standbys) < self.limit:
             startable = [i for i in sorted(free.keys() - self._standbys.keys()) if now >= self._backoff_until.get(i, 0.0)]
             if startable:
                 self._start(startable[0], free[startable[0]], env)
+        if quiet and prepare_env is not None:
+            self._prepare(growing, prepare_env)
         self._reap()
 
-    def take(self, index: int, placement: WorkerPlacement, output: Path, env: Mapping[str, str]) -> Standby | None:
-        """Hands device `index`'s standby the worker whose output file is `output` and whose
-        environment is `env`; returns it, or None (the worker then starts cold) if the device
-        has no live standby started with `placement`."""
+    def _prepare(self, growing: Sequence[int], prepare_env: Callable[[int, int, WorkerPlacement], dict[str, str]]) -> None:
+        """Prepares the warm, unprepared standby of the lowest free device for the job in
+        `growing` with the fewest prepared standbys (the first such on a tie), if some job has
+        fewer than prepared_per_job and no other standby is preparing."""
+        standbys = self._standbys.values()
+        if not growing or not self.prepared_per_job or any(standby.preparing() for standby in standbys):
+            return
+        counts = Counter(standby.job for standby in standbys if standby.job is not None)
+        wanting = [job for job in growing if counts[job] < self.prepared_per_job]
+        candidates = [i for i in sorted(self._standbys) if self._standbys[i].job is None and self._standbys[i].ready()]
+        if not wanting or not candidates:
+            return
+        job = min(wanting, key=lambda j: (counts[j], growing.index(j)))
+        index = candidates[0]
+        standby = self._standbys[index]
+        line = Preparation(env=prepare_env(job, index, standby.placement)).model_dump_json().encode() + b"\n"
+        try:
+            self._send(standby, line)
+        except OSError as err:
+            log.warning("could not prepare device %d's standby (pid %d) for job %d: %s", index, standby.pid, job, err)
+            self._kill(index, "it could not be prepared")
+            return
+        standby.job = job
+        log.info("preparing the standby on device %d (pid %d) for job %d", index, standby.pid, job)
+
+    @staticmethod
+    def _send(standby: Standby, line: bytes) -> None:
+        """Writes `line` to the standby's stdin, whole, without blocking. Raises OSError.
+        Through the pipe, never a file: the environment holds what the job may read and the disk
+        may not keep. Into an empty pipe that can hold it all, the write neither blocks (the
+        standby may still be importing) nor is cut short."""
+        assert standby.process.stdin is not None
+        pipe = standby.process.stdin.fileno()
+        if len(line) > fcntl.fcntl(pipe, fcntl.F_GETPIPE_SZ):
+            raise OSError(f"the message ({len(line)} bytes) is larger than the pipe")
+        written = os.write(pipe, line)
+        if written != len(line):
+            raise OSError(f"only {written} of {len(line)} bytes went through")
+
+    def take(
+        self, index: int, placement: WorkerPlacement, output: Path, env: Mapping[str, str], job: int
+    ) -> Standby | None:
+        """Hands device `index`'s standby the worker of job `job` whose output file is `output`
+        and whose environment is `env`; returns it, or None (the worker then starts cold) if
+        the device has no live standby started with `placement` and unprepared or prepared for
+        that job."""
         standby = self._standbys.get(index)
         if standby is None:
             return None
         if standby.placement != placement or standby.process.poll() is not None:
             self._kill(index, "it was started for another placement" if standby.placement != placement else "it died")
             return None
+        if standby.job is not None and standby.job != job:
+            self._kill(index, f"it was prepared for job {standby.job}, not job {job}")
+            return None
         line = Assignment(output=str(output), env=dict(env)).model_dump_json().encode() + b"\n"
         assert standby.process.stdin is not None
-        pipe = standby.process.stdin.fileno()
         try:
             normal_priority(standby.pid)
-            # Through the pipe, never a file: the environment holds what the job may read and
-            # the disk may not keep. Into an empty pipe that can hold it all, the write neither
-            # blocks (the standby may still be importing) nor is cut short.
-            if len(line) > fcntl.fcntl(pipe, fcntl.F_GETPIPE_SZ):
-                raise OSError(f"the assignment ({len(line)} bytes) is larger than the pipe")
-            written = os.write(pipe, line)
-            if written != len(line):
-                raise OSError(f"only {written} of {len(line)} bytes went through")
+            self._send(standby, line)
             standby.process.stdin.close()
         except OSError as err:
             log.warning("could not hand device %d's standby (pid %d) a worker: %s", index, standby.pid, err)

@@ -54,7 +54,7 @@ from typing import Any
 import psutil
 
 import elastic
-from agent.devices import DeviceBackend, DeviceError
+from agent.devices import DeviceBackend, DeviceError, WorkerPlacement
 from agent.events import EventBuffer
 from agent.records import RecordStore, WorkerRecord, open_process, process_start_time
 from agent.standby import StandbyPool
@@ -227,6 +227,10 @@ class SupervisorConfig:
     """Keep a warm standby worker on each free device (agent.standby), up to this many (0:
     none); `keep_standbys` says which devices are free. The agent keeps up to 8 unless told
     otherwise (--standbys)."""
+    prepared_per_job: int = 0
+    """Prepare up to this many of those standbys for each job that may grow on this node (its
+    model built before a worker is asked for: agent.standby); 0: none. The agent prepares up to
+    2 unless told otherwise (--prepared-standbys)."""
 
 
 @dataclass
@@ -288,10 +292,25 @@ class _Worker:
         )
 
 
+RESIZE_QUIET_S = 2.0
+"""Standbys are prepared only this long after a worker here joined a generation (and never while
+one has not yet): the resize's transfer and first step have the node's memory to themselves."""
+
+
 @dataclass
 class _Job:
     launched_generation: int = 0
     stop_before_generation: int = 0
+    launch: _Launch | None = None
+    """The newest generation launched here: what a standby prepared for the job is given."""
+
+
+@dataclass(frozen=True)
+class _Launch:
+    command: LaunchCommand
+    redis_url: str
+    code_dir: Path | None
+    initial_model: Path | None
 
 
 class WorkerSupervisor:
@@ -312,11 +331,19 @@ class WorkerSupervisor:
         """Where the agent keeps what outlives it: worker records, jobs' code."""
         self._records = RecordStore(state_dir / "workers")
         self._standbys = (
-            StandbyPool(state_dir / "standby", self.config.python, self.config.worker_module, self.config.standbys)
+            StandbyPool(
+                state_dir / "standby",
+                self.config.python,
+                self.config.worker_module,
+                self.config.standbys,
+                self.config.prepared_per_job,
+            )
             if self.config.standbys > 0
             else None
         )
         self._jobs: dict[int, _Job] = {}
+        self._last_join = -RESIZE_QUIET_S
+        """When a worker here last said "joined" (time.monotonic)."""
         self._workers: list[_Worker] = []
         self._threads: set[threading.Thread] = set()
         self._events = EventBuffer(self.config.event_capacity)
@@ -367,6 +394,7 @@ class WorkerSupervisor:
                 )
                 return False
             job.launched_generation = command.generation
+            job.launch = _Launch(command, redis_url, code_dir, initial_model)
             mine = [w for w in self._workers if w.job_id == command.job_id and not w.done.is_set()]
             for worker in mine:
                 if worker.device_index in command.members:
@@ -449,7 +477,44 @@ class WorkerSupervisor:
                     placements[index] = backend.placement(index)
                 except DeviceError as err:
                     log.warning("no standby on device %d: %s", index, err)
-            self._standbys.keep(placements, self._worker_env())
+            self._standbys.keep(placements, self._worker_env(), self._growing(), self._prepared_env, self._quiet())
+
+    def _quiet(self) -> bool:
+        """Whether no resize is under way on this node: every worker here has joined its
+        generation, the last of them at least RESIZE_QUIET_S ago (its first step is done)."""
+        live = [worker for worker in self._workers if not worker.done.is_set()]
+        return all(worker.joined for worker in live) and time.monotonic() - self._last_join >= RESIZE_QUIET_S
+
+    def _growing(self) -> list[int]:
+        """The jobs a standby may be prepared for, by id: those with a worker here whose newest
+        generation launched here has fewer workers than the job's most."""
+        live = {worker.job_id for worker in self._workers if not worker.done.is_set()}
+        return [
+            job_id
+            for job_id, job in sorted(self._jobs.items())
+            if job_id in live
+            and job.launch is not None
+            and job.launch.command.world_size < int(job.launch.command.spec.get("max_workers", 0))
+        ]
+
+    def _prepared_env(self, job_id: int, device_index: int, placement: WorkerPlacement) -> dict[str, str]:
+        """The environment of the worker job `job_id` would start on `device_index` if it grew
+        by one: its newest launch here, one rank more (provisional: a worker takes its rank and
+        generation when it enters one)."""
+        launch = self._jobs[job_id].launch
+        assert launch is not None
+        command = launch.command
+        config = self._worker_config(
+            command,
+            WorkerAssignment(rank=command.world_size, device_index=device_index),
+            placement,
+            launch.redis_url,
+            launch.code_dir,
+            launch.initial_model,
+            generation=command.generation + 1,
+            world_size=command.world_size + 1,
+        )
+        return {**self._worker_env(), **placement.env, WORKER_CONFIG_ENV: config.model_dump_json()}
 
     def standby_pids(self) -> dict[int, int]:
         """pid -> device index of the standbys waiting: processes of ours, not an owner's."""
@@ -590,24 +655,7 @@ class WorkerSupervisor:
         except DeviceError as err:
             failed(f"cannot place the worker: {err}")
             return
-        config = WorkerConfig(
-            job_id=command.job_id,
-            generation=command.generation,
-            rank=assignment.rank,
-            world_size=command.world_size,
-            master_addr=command.master_addr,
-            master_port=command.master_port,
-            device=placement.device,
-            spec=command.spec,
-            run_dir=command.run_dir,
-            node=self.config.node_name,
-            device_index=assignment.device_index,
-            redis_url=redis_url,
-            coordination_key=command.coordination_key,
-            code_dir=str(code_dir) if code_dir is not None else None,
-            entrypoint=command.spec.get("entrypoint") if code_dir is not None else None,
-            initial_model=str(initial_model) if initial_model is not None else None,
-        )
+        config = self._worker_config(command, assignment, placement, redis_url, code_dir, initial_model)
         env = {**self._worker_env(), **placement.env, WORKER_CONFIG_ENV: config.model_dump_json()}
         argv = [self.config.python, "-m", self.config.worker_module]
         stem = f"job{command.job_id}-gen{command.generation}-rank{assignment.rank}-{uuid.uuid4().hex[:8]}"
@@ -617,7 +665,7 @@ class WorkerSupervisor:
             # of the agent's process group and away from the agent's terminal.
             with output_path.open("ab") as output:
                 standby = (
-                    self._standbys.take(assignment.device_index, placement, output_path, env)
+                    self._standbys.take(assignment.device_index, placement, output_path, env, command.job_id)
                     if self._standbys is not None
                     else None
                 )
@@ -664,6 +712,38 @@ class WorkerSupervisor:
         self._events.add(worker.event("started", pid=worker.pid, device_index=worker.device_index))
         reader = self._start_thread(f"read-{worker.pid}", lambda: self._tail(worker))
         self._start_thread(f"watch-{worker.pid}", lambda: self._watch_child(worker, reader))
+
+    def _worker_config(
+        self,
+        command: LaunchCommand,
+        assignment: WorkerAssignment,
+        placement: WorkerPlacement,
+        redis_url: str,
+        code_dir: Path | None,
+        initial_model: Path | None,
+        generation: int | None = None,
+        world_size: int | None = None,
+    ) -> WorkerConfig:
+        """The config of `command`'s worker `assignment` (in another `generation` or
+        `world_size`, if given)."""
+        return WorkerConfig(
+            job_id=command.job_id,
+            generation=command.generation if generation is None else generation,
+            rank=assignment.rank,
+            world_size=command.world_size if world_size is None else world_size,
+            master_addr=command.master_addr,
+            master_port=command.master_port,
+            device=placement.device,
+            spec=command.spec,
+            run_dir=command.run_dir,
+            node=self.config.node_name,
+            device_index=assignment.device_index,
+            redis_url=redis_url,
+            coordination_key=command.coordination_key,
+            code_dir=str(code_dir) if code_dir is not None else None,
+            entrypoint=command.spec.get("entrypoint") if code_dir is not None else None,
+            initial_model=str(initial_model) if initial_model is not None else None,
+        )
 
     def _worker_env(self) -> dict[str, str]:
         """The environment every worker of this node starts with, before its device's and its
@@ -761,6 +841,7 @@ class WorkerSupervisor:
                 worker.total_steps = event.total_steps or worker.total_steps
             elif event.kind == "joined":
                 worker.generation, worker.rank, worker.joined = event.generation, event.rank, True
+                self._last_join = time.monotonic()
                 event = event.model_copy(update={"pid": worker.pid, "device_index": worker.device_index})
                 changed = True
             if event.kind != "exiting":

@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -39,14 +41,18 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agent.main import DEFAULT_PREPARED  # noqa: E402
 from bench.conditions import RESNET50_SIZED, BenchModel, machine, show, spread  # noqa: E402
-from elastic.worker.standby import READY_LINE  # noqa: E402
+from elastic.worker.standby import PREPARED_LINE, READY_LINE  # noqa: E402
 
 SCALE_OUT_1_2, SCALE_OUT_2_3, MIGRATION = "scale out 1->2", "scale out 2->3", "migration"
 LAND_SCENARIOS = (SCALE_OUT_1_2, SCALE_OUT_2_3, MIGRATION)
 DEVICES = 4
 ENDLESS = 10_000_000
 SETTLE_S = 300.0
+BUILT = re.compile(r"built in [0-9.]+ s, ([0-9.]+) s after the worker began")
+"""The worker's start-up line (elastic.worker.runner): how long after its process began to be
+the worker it was built."""
 
 
 def job_spec(model: BenchModel) -> dict[str, Any]:
@@ -63,41 +69,64 @@ def job_spec(model: BenchModel) -> dict[str, Any]:
     }
 
 
-def waiting_standbys(state_dir: Path) -> list[psutil.Process]:
+def waiting_standbys(state_dir: Path) -> list[tuple[psutil.Process, bool]]:
     """The standbys that wait, as their own output files name them (a standby that became a
-    worker has its command line still, but its own output file is gone)."""
+    worker has its command line still, but its own output file is gone), each with whether it
+    was prepared for a job."""
     found = []
     for output in (state_dir / "standby").glob("device*.out"):
-        for line in output.read_text(errors="replace").splitlines():
+        said = output.read_text(errors="replace")
+        for line in said.splitlines():
             if READY_LINE in line:
                 try:
-                    found.append(psutil.Process(json.loads(line)["pid"]))
+                    found.append((psutil.Process(json.loads(line)["pid"]), PREPARED_LINE in said))
                 except (ValueError, KeyError, psutil.NoSuchProcess):
                     pass
     return found
 
 
 def standby_cost(state_dir: Path, seconds: float = 5.0) -> dict[str, Any]:
-    """Resident memory and CPU of the waiting standbys over `seconds`."""
+    """Resident memory and CPU of the waiting standbys over `seconds`, unprepared and prepared
+    apart (a prepared one holds the job's model, optimiser and trainer buffers)."""
     processes = waiting_standbys(state_dir)
-    before = {p.pid: p.cpu_times() for p in processes}
+    before = {p.pid: p.cpu_times() for p, _ in processes}
     time.sleep(seconds)
-    rss, uss, pss, cpu = [], [], [], []
-    for process in processes:
+    kinds: dict[str, dict[str, list[float]]] = {}
+    for process, prepared in processes:
         try:
             after = process.cpu_times()
             memory = process.memory_full_info()
         except psutil.NoSuchProcess:
             continue
-        rss.append(memory.rss / 2**20)
-        uss.append(memory.uss / 2**20)  # its own pages: what killing it frees
-        pss.append(memory.pss / 2**20)  # shared pages (torch's libraries) split among their users
+        kind = kinds.setdefault("prepared" if prepared else "unprepared", {"rss": [], "uss": [], "pss": [], "cpu": []})
+        kind["rss"].append(memory.rss / 2**20)
+        kind["uss"].append(memory.uss / 2**20)  # its own pages: what killing it frees
+        kind["pss"].append(memory.pss / 2**20)  # shared pages (torch's libraries) split among their users
         start = before[process.pid]
-        cpu.append(100 * ((after.user + after.system) - (start.user + start.system)) / seconds)
+        kind["cpu"].append(100 * ((after.user + after.system) - (start.user + start.system)) / seconds)
     return {
-        "standbys": len(rss), "rss_mib": spread(rss), "uss_mib": spread(uss), "pss_mib": spread(pss),
-        "cpu_pct": spread(cpu), "seconds": seconds,
-    }
+        name: {
+            "standbys": len(values["rss"]),
+            "rss_mib": spread(values["rss"]),
+            "uss_mib": spread(values["uss"]),
+            "pss_mib": spread(values["pss"]),
+            "cpu_pct": spread(values["cpu"]),
+        }
+        for name, values in sorted(kinds.items())
+    } | {"seconds": seconds}
+
+
+@dataclass
+class LandTimes:
+    """What one arm measured, per scenario."""
+
+    standbys: bool
+    land_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in LAND_SCENARIOS})
+    """Request to the end of the new generation's first step."""
+    start_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in LAND_SCENARIOS})
+    """Request to the start of that step."""
+    phases_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """Phase (launch, build, switch, first_step) -> seconds, one per resize."""
 
 
 class LandRun:
@@ -108,8 +137,8 @@ class LandRun:
         self.alice = platform.api("alice")
         self.model = model
         self.standbys = standbys
-        self.land_s: dict[str, list[float]] = {s: [] for s in LAND_SCENARIOS}
-        self.start_s: dict[str, list[float]] = {s: [] for s in LAND_SCENARIOS}
+        self.times = LandTimes(standbys)
+        """scenario -> phase (launch, build, switch, first_step) -> seconds, one per resize."""
         self.seen_log = 0
         self.state_dir = Path(platform.env["BUNGEE_DATA_DIR"]) / "agent" / "node-a"
 
@@ -153,15 +182,17 @@ class LandRun:
         return self.platform.wait_for(f"job {self.job_id} on {workers} workers", check, SETTLE_S, 0.5)
 
     def warm(self, free: int) -> None:
-        """Waits until `free` devices have a warm standby (with standbys on)."""
+        """Waits until `free` devices have a warm standby, and up to DEFAULT_PREPARED of them are
+        prepared for the job (with standbys on)."""
         if not self.standbys:
             return
+        prepared = min(free, DEFAULT_PREPARED)
 
         def ready() -> bool:
-            files = list((self.state_dir / "standby").glob("device*.out"))
-            return sum(READY_LINE in f.read_text(errors="replace") for f in files) >= free
+            said = [f.read_text(errors="replace") for f in (self.state_dir / "standby").glob("device*.out")]
+            return sum(READY_LINE in s for s in said) >= free and sum(PREPARED_LINE in s for s in said) >= prepared
 
-        self.platform.wait_for(f"{free} warm standbys", ready, SETTLE_S, 0.1)
+        self.platform.wait_for(f"{free} warm standbys, {prepared} prepared", ready, SETTLE_S, 0.1)
 
     def measured(self, scenario: str, act: Any, workers: int) -> None:
         before = self.job()["generation"]
@@ -173,24 +204,46 @@ class LandRun:
         # The new generation's first step began this long before it ended (the resize's own
         # phases: last step end to first step end, less rendezvous, exchange, transfer, leave).
         first_step = resize["phases"].get("first_step", 0.0)
-        self.land_s[scenario].append(landed - asked)
-        self.start_s[scenario].append(landed - first_step - asked)
+        self.times.land_s[scenario].append(landed - asked)
+        self.times.start_s[scenario].append(landed - first_step - asked)
         built = self.joiner_built(resize["generation"])
+        where = ""
+        if built:
+            # The last joiner to be built decides when the switch can happen.
+            began, ready = max(built, key=lambda b: b[2])[1:]
+            where = (
+                f"\n    where it went: request to the joiner's process {began - asked:.3f} s, its build "
+                f"{ready - began:.3f} s, built to the first step's start {landed - first_step - ready:.3f} s, "
+                f"the first step {first_step:.3f} s; the switch's phases: "
+                + ", ".join(f"{name} {seconds:.3f}" for name, seconds in resize["phases"].items())
+            )
+            for name, seconds in (
+                ("launch", began - asked), ("build", ready - began), ("switch", landed - first_step - ready),
+                ("first_step", first_step),
+            ):
+                self.times.phases_s.setdefault(scenario, {}).setdefault(name, []).append(seconds)
         print(
             f"  {'standbys' if self.standbys else 'cold'}: {scenario}: landed in {landed - asked:.3f} s "
             f"(its first step began at {landed - first_step - asked:.3f} s; pause {resize['pause_s']:.3f} s)"
-            + "".join(f"\n    joiner: {line}" for line in built),
+            + "".join(f"\n    joiner: {line}" for line, _, _ in built) + where,
             flush=True,
         )
 
-    def joiner_built(self, generation: int) -> list[str]:
-        """What the joiners of `generation` said of their start-up (the worker's "built in" line)."""
+    def joiner_built(self, generation: int) -> list[tuple[str, float, float]]:
+        """What the joiners of `generation` said of their start-up (the worker's "built in"
+        line), with when its process began to be the worker and when it was built (epoch s)."""
         reply = self.alice.get(f"/api/jobs/{self.job_id}/logs", params={"after": self.seen_log})
         reply.raise_for_status()
         lines = reply.json()
         if lines:
             self.seen_log = lines[-1]["id"]
-        return [f"rank {g['rank']}: {g['line']}" for g in lines if g["generation"] == generation and "built in" in g["line"]]
+        found = []
+        for g in lines:
+            match = BUILT.search(g["line"]) if g["generation"] == generation else None
+            if match:
+                ready = datetime.fromisoformat(g["at"]).timestamp()
+                found.append((f"rank {g['rank']}: {g['line']}", ready - float(match.group(1)), ready))
+        return found
 
     def owner(self, device_index: int, present: bool) -> None:
         from agent.simulate import main as simulate
@@ -215,7 +268,7 @@ class LandRun:
         self.settled(1, generation)
 
 
-def run_land(model: BenchModel, standbys: bool, rounds: int, work: Path) -> tuple[LandRun, dict[str, Any]]:
+def run_land(model: BenchModel, standbys: bool, rounds: int, work: Path) -> tuple[LandTimes, dict[str, Any]]:
     """The run (land times per scenario), and what the standbys cost at idle (empty without them)."""
     from tests.platform import running_platform
 
@@ -235,13 +288,14 @@ def run_land(model: BenchModel, standbys: bool, rounds: int, work: Path) -> tupl
             print(f"  a waiting standby: {cost}", flush=True)
         for _ in range(rounds):
             run.round()
-        return run, cost
+        return run.times, cost
 
 
-def land_report(model: BenchModel, rounds: int, work: Path) -> dict[str, Any]:
-    """Both arms, one after the other on fresh platforms; returns the JSON fields and prints a table."""
+def land_report(model: BenchModel, rounds: int, work: Path, with_cold: bool = True) -> dict[str, Any]:
+    """Both arms (or only the standbys' without `with_cold`), one after the other on fresh
+    platforms; returns the JSON fields and prints a table."""
     warm_run, cost = run_land(model, True, rounds, work)
-    cold_run, _ = run_land(model, False, rounds, work)
+    cold_run = run_land(model, False, rounds, work)[0] if with_cold else LandTimes(standbys=False)
     warm, cold = warm_run.land_s, cold_run.land_s
     print(f"\nLand time, request to the end of the first step of the new generation ({model.label} model, "
           "platform, one agent, 4 simulated devices); min / median / max")
@@ -250,6 +304,11 @@ def land_report(model: BenchModel, rounds: int, work: Path) -> dict[str, Any]:
     print("Request to the start of that first step (the new generation is training):")
     for scenario in LAND_SCENARIOS:
         print(f"  {scenario:16} standbys {show(warm_run.start_s[scenario])}; cold {show(cold_run.start_s[scenario])}")
+    print("Where it went (request to the joiner's process, its build, built to the first step's start, the first step):")
+    for run in (warm_run, cold_run):
+        for scenario, phases in run.phases_s.items():
+            print(f"  {'standbys' if run.standbys else 'cold':8} {scenario:16} "
+                  + "; ".join(f"{name} {show(values)}" for name, values in phases.items()))
     every_warm = [v for s in LAND_SCENARIOS for v in warm[s]]
     every_cold = [v for s in LAND_SCENARIOS for v in cold[s]]
     scale_out = [v for s in (SCALE_OUT_1_2, SCALE_OUT_2_3) for v in warm[s]]
@@ -263,6 +322,10 @@ def land_report(model: BenchModel, rounds: int, work: Path) -> dict[str, Any]:
         "land_to_first_step_start_by_scenario_s": {
             s: {"standbys": spread(warm_run.start_s[s]), "cold": spread(cold_run.start_s[s])} for s in LAND_SCENARIOS
         },
+        "land_phases_s": {
+            "standbys": {s: {k: spread(v) for k, v in p.items()} for s, p in warm_run.phases_s.items()},
+            "cold": {s: {k: spread(v) for k, v in p.items()} for s, p in cold_run.phases_s.items()},
+        },
         "standby_idle_cost": cost,
     }
 
@@ -271,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds each way")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--skip-cold", action="store_true", help="only the arm with standbys (no baseline: for profiling)")
     args = parser.parse_args(argv)
     began = time.monotonic()
     conditions = machine()
@@ -279,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "bench": "land",
         "model": RESNET50_SIZED.label,
-        **land_report(RESNET50_SIZED, rounds, Path(tempfile.mkdtemp(prefix="bungee-bench-land-"))),
+        **land_report(RESNET50_SIZED, rounds, Path(tempfile.mkdtemp(prefix="bungee-bench-land-")), not args.skip_cold),
         "conditions": conditions,
         "load_average_1m_end": round(os.getloadavg()[0], 2),
         "wall_s": round(time.monotonic() - began, 1),

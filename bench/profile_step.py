@@ -32,9 +32,9 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from bench.conditions import machine, show  # noqa: E402
 from elastic.tasks.loader import load_task_class  # noqa: E402
 from elastic.tasks.runtime import BoundTask  # noqa: E402
+from elastic.worker.build import deterministic_cuda  # noqa: E402
 from elastic.worker.data import SampleStream  # noqa: E402
 from elastic.worker.hybrid import HybridSchedule, HybridTrainer  # noqa: E402
-from elastic.worker.runner import deterministic_cuda  # noqa: E402
 from elastic.worker.strict import StrictTrainer  # noqa: E402
 from elastic.workloads import CATALOGUE  # noqa: E402
 

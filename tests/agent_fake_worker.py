@@ -27,6 +27,9 @@ from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
 from elastic.worker import STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
 from elastic.worker.events import announce_exit
 
+JOINS_ENV = "FAKE_WORKER_JOINS"
+"""Set: the worker says "joined" (its own generation) after its first step, whatever its spec."""
+
 
 def main() -> int:
     config = WorkerConfig.model_validate_json(os.environ[WORKER_CONFIG_ENV])
@@ -83,6 +86,8 @@ def main() -> int:
         emit("progress", step=step, total_steps=steps, loss=1.0 / step)
         if spec.get("joins_at_step") == step:
             generation = int(spec["joins_generation"])
+            emit("joined", pid=os.getpid())
+        elif step == 1 and os.environ.get(JOINS_ENV):  # as a real worker entering its generation
             emit("joined", pid=os.getpid())
         if stop_requested:
             emit("log", message=f"stopping after step {step}")

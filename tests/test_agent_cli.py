@@ -37,6 +37,7 @@ def test_the_flags() -> None:
         "--state-dir",
         "--log-level",
         "--standbys",
+        "--prepared-standbys",
     }
 
 
@@ -65,6 +66,7 @@ def test_defaults_need_only_a_token() -> None:
         log_level="INFO",
         state_dir=ROOT / "var" / "agent" / socket.gethostname(),
         standbys=8,
+        prepared_standbys=2,
     )
 
 
@@ -87,6 +89,7 @@ ENVIRONMENT = {
     "BUNGEE_LOG_LEVEL": "DEBUG",
     "BUNGEE_AGENT_STATE_DIR": "/var/lib/agent-state",
     "BUNGEE_STANDBYS": "off",
+    "BUNGEE_PREPARED_STANDBYS": "0",
 }
 
 
@@ -105,6 +108,7 @@ def test_every_flag_falls_back_to_its_environment_variable() -> None:
         log_level="DEBUG",
         state_dir=Path("/var/lib/agent-state"),
         standbys=0,
+        prepared_standbys=0,
     )
 
 
@@ -130,6 +134,7 @@ def test_standbys_are_on_off_or_a_number(value: str, kept: int) -> None:
         (["--token", "t", "--name", "bad name"], {}, "invalid node name 'bad name'"),
         (["--token", "t", "--standbys", "many"], {}, "argument --standbys: 'many' is not on, off or a number"),
         (["--token", "t"], {"BUNGEE_STANDBYS": "-1"}, "argument --standbys: '-1' must be at least 0"),
+        (["--token", "t", "--prepared-standbys", "two"], {}, "argument --prepared-standbys: 'two' is not a whole number"),
     ],
 )
 def test_a_bad_start_exits_2_saying_what_is_wrong(

@@ -16,6 +16,9 @@ from agent.devices.nvml import GpuProcess, classify_processes
 from agent.devices.simulated import SimulatedBackend
 from agent.standby import StandbyPool
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from elastic.wire import StopCommand
+from elastic.worker.standby import PREPARED_LINE
+from tests.agent_fake_worker import JOINS_ENV
 from tests.test_agent_supervisor import FAKE_WORKER, REDIS_URL, Recorder, launch
 
 WARM_S = 120.0
@@ -168,7 +171,7 @@ def test_an_assignment_too_large_for_the_pipe_starts_the_worker_cold(
     pool.keep({0: backend.placement(0)}, dict(os.environ))
     [standby] = pool.standbys()
     huge = {"BUNGEE_WORKER_CONFIG": "x" * (4 << 20)}
-    assert pool.take(0, backend.placement(0), tmp_path / "out", huge) is None  # type: ignore[operator]
+    assert pool.take(0, backend.placement(0), tmp_path / "out", huge, 1) is None  # type: ignore[operator]
     assert pool.standbys() == []
     assert standby.process.wait(timeout=10) != 0  # killed, never half-assigned
 
@@ -197,3 +200,89 @@ def test_standbys_start_one_at_a_time_up_to_the_limit(tmp_path: os.PathLike[str]
         assert [s.device_index for s in pool.standbys()] == [0, 1], "the limit is 2"
     finally:
         pool.close()
+
+
+GROWING = {
+    "name": "grows",
+    "workload": "digits-mlp",
+    "min_workers": 1,
+    "max_workers": 3,
+    "steps": 1000,
+    "hyperparameters": {"hidden": 16, "layers": 2, "batch_size": 16},
+}
+"""A real job spec (a standby prepared for it builds it) that the fake worker runs for 20 s."""
+
+
+def test_a_standby_prepared_for_a_growing_job_serves_that_job_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(JOINS_ENV, "1")  # no standby is prepared while a worker here is joining
+    backend = SimulatedBackend(slots=3)
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8, prepared_per_job=1)
+    )
+    pool = supervisor._standbys
+    assert pool is not None
+
+    def settled(prepared_for: dict[int, int | None]) -> Callable[[], bool]:
+        def check() -> bool:
+            supervisor.keep_standbys(backend, set())
+            standbys = pool.standbys()
+            return (
+                {s.device_index: s.job for s in standbys} == prepared_for
+                and all(s.ready() and not s.preparing() for s in standbys)
+            )
+
+        return check
+
+    try:
+        recorder = Recorder(supervisor)
+        assert supervisor.launch(launch(ranks=1, **GROWING), backend, REDIS_URL)  # job 1 on device 0
+        # One standby a job here (prepared_per_job=1): the lowest free device's, where the
+        # scheduler grows a job first; the other stays for any job.
+        wait_until("device 1's standby prepared for job 1", settled({1: 1, 2: None}))
+        [prepared] = [s for s in pool.standbys() if s.job == 1]
+        assert PREPARED_LINE in prepared.output.read_text()
+        # Job 1 grows onto device 1: the worker is the standby prepared for it.
+        assert supervisor.launch(launch(generation=2, ranks=2, start=[1], **GROWING), backend, REDIS_URL)
+        recorder.wait_for(lambda events: len(recorder.of("started")) == 2)
+        assert recorder.of("started", generation=2)[0].pid == prepared.pid
+        # Still below its most (2 of 3): device 2's standby is prepared for it next.
+        wait_until("device 2's standby prepared for job 1", settled({2: 1}))
+        [second] = pool.standbys()
+        # Another job asking for device 2 does not get job 1's modules: that standby is killed
+        # and the worker starts cold.
+        other = launch(job_id=2, ranks=3, start=[2], **{**GROWING, "name": "other"})
+        assert supervisor.launch(other, backend, REDIS_URL)
+        recorder.wait_for(lambda events: len(recorder.of("started")) == 3)
+        [started] = [e for e in recorder.of("started") if e.job_id == 2]
+        assert started.pid != second.pid
+        wait_until("job 1's standby killed", lambda: gone(second.pid), 10)
+    finally:
+        supervisor.shutdown(grace_s=1.0)
+
+
+def test_a_job_that_stops_growing_here_loses_its_prepared_standbys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(JOINS_ENV, "1")
+    backend = SimulatedBackend(slots=2)
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8, prepared_per_job=2)
+    )
+    pool = supervisor._standbys
+    assert pool is not None
+    try:
+        recorder = Recorder(supervisor)
+        assert supervisor.launch(launch(ranks=1, **GROWING), backend, REDIS_URL)
+
+        def prepared() -> bool:
+            supervisor.keep_standbys(backend, set())
+            return [(s.job, s.preparing()) for s in pool.standbys()] == [(1, False)]
+
+        wait_until("a standby prepared for job 1", prepared)
+        [standby] = pool.standbys()
+        # Its last worker here ends: the standby holds a model nobody here will ask for.
+        supervisor.stop(StopCommand(job_id=1, before_generation=2, reason="cancel"))
+        recorder.wait_for(recorder.exits(1))
+        supervisor.keep_standbys(backend, set())
+        assert standby.pid not in supervisor.standby_pids()
+        wait_until("the prepared standby killed", lambda: gone(standby.pid), 10)
+    finally:
+        supervisor.shutdown(grace_s=1.0)

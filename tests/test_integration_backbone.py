@@ -12,6 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic.worker.standby import PREPARED_LINE
 from tests.platform import Platform, SocketRecorder, running_platform
 
 pytestmark = pytest.mark.slow
@@ -72,8 +73,13 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
 
     metrics_token = platform.group.run("manage.py", "create_token", "alice", "--role", "metrics").strip()
     scraped_before = scrape(platform, metrics_token)
+    standbys = Path(platform.env["BUNGEE_DATA_DIR"]) / "agent" / "node-a" / "standby"
     for workers in (1, 2):
         before = job_detail(platform, job_id)
+        if workers == 2:
+            # The freed device's standby is prepared for the job, which may grow there again.
+            platform.wait_for("a standby prepared for the job", lambda: any(
+                PREPARED_LINE in f.read_text(errors="replace") for f in standbys.glob("device*.out")), timeout_s=90)
         resized = alice.post(f"/api/jobs/{job_id}/resize", json={"workers": workers})
         assert resized.status_code == 200, resized.text
         job = wait_running_on(platform, job_id, workers, after_step=before["steps_done"])
@@ -104,6 +110,8 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
     leader = {w["pid"] for w in done["workers_history"] if w["rank"] == 0}
     assert len(leader) == 1, done["workers_history"]
     logs = [entry["line"] for entry in alice.get(f"/api/jobs/{job_id}/logs").json()]
+    # The joiner of the grow took the build its standby had made (and trained on with it, below).
+    assert [line for line in logs if "its standby had prepared it for this job" in line], logs
     switched = [line for line in logs if line.startswith("generation ") and " -> " in line]
     assert len(switched) >= 2 and not [line for line in logs if "resumed" in line], logs
     metrics = alice.get(f"/api/jobs/{job_id}/metrics").json()["points"]

@@ -23,26 +23,19 @@ This module wires the parts together; the exit code says how it ended (elastic.w
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
-
-import torch
-from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.membership.api import Board
 from elastic.membership.codec import MAX_LOG_CHARS
 from elastic.spec import JobSpec
-from elastic.tasks.api import TaskDefinitionError, UserCodeError
-from elastic.tasks.loader import load_task_class
+from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
 from elastic.wire import WorkerConfig
-from elastic.worker import USER_ERROR_EXIT_CODE, WorkerExit
+from elastic.worker import USER_ERROR_EXIT_CODE, WorkerExit, build
 from elastic.worker.artifacts import ArtifactExporter
+from elastic.worker.build import set_up_device
 from elastic.worker.checkpoint import checkpoint_path
-from elastic.worker.data import SampleStream, share_bounds
 from elastic.worker.events import EventWriter, ProgressReporter
-from elastic.worker.hybrid import HybridSchedule, HybridTrainer
 from elastic.worker.loop import CheckpointSaver, ResizeMeter, SwitchAgreed, TrainingLoop
 from elastic.worker.position import WorkerPosition
 from elastic.worker.rendezvous import Rendezvous, RendezvousError
@@ -50,19 +43,7 @@ from elastic.worker.restore import StateRestore
 from elastic.worker.settings import WorkerSettings
 from elastic.worker.step_clock import StepClock
 from elastic.worker.stop import StopRequest
-from elastic.worker.strict import StrictTrainer
-from elastic.worker.trainer import CollectiveError, SampleRecorder, Trainer
-from elastic.workloads import CATALOGUE
-
-
-def deterministic_cuda() -> None:
-    """Makes this process's CUDA kernels deterministic, as strict mode's bitwise promise needs:
-    cuDNN's autotuner and its atomic-accumulating backward convolutions, cuBLAS's split-K
-    workspaces and scatter-adds otherwise vary from run to run. Call before the first kernel."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
+from elastic.worker.trainer import CollectiveError, SampleRecorder
 
 
 class WorkerRun:
@@ -98,12 +79,7 @@ class WorkerRun:
     def run(self) -> int:
         """Live until the job is done, a stop is agreed, or this worker leaves; return the exit
         code. Raises on any failure that is not a peer's."""
-        torch.set_num_threads(self.settings.threads)
-        device = self.rendezvous.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            if self.spec.consistency == "strict":
-                deterministic_cuda()
+        set_up_device(self.spec, self.settings, self.rendezvous.device)
         try:
             restore, loop = self._build()
             return self._live(restore, loop)
@@ -173,17 +149,12 @@ class WorkerRun:
             record = rendezvous.switch(ended.generation)
 
     def _build(self) -> tuple[StateRestore, TrainingLoop]:
-        device = self.rendezvous.device
         began = time.monotonic()
-        task_class, source = self._task_class()
-        loaded = time.monotonic()
-        problem = BoundTask(task_class, self.spec.hyperparameters, self.spec.seed, device, source)
-        self._problem = problem
-        if self.config.initial_model is not None:
-            problem.load_initial_model(Path(self.config.initial_model), f"job {self.spec.init_from}")
-        built = time.monotonic()
-        optimizer = problem.make_optimizer()
-        scheduler = problem.make_scheduler(optimizer)
+        made = build.take(self.config, self.settings)
+        if made is None:
+            made = build.build(self.config, self.settings)
+        self._problem = problem = made.problem
+        optimizer, trainer = made.optimizer, made.trainer
         recorder = (
             SampleRecorder(
                 self.settings.record_samples,
@@ -196,16 +167,15 @@ class WorkerRun:
             else None
         )
         clock = StepClock(self.events, self.settings.progress_every_s, self.settings.simulated_slowdown)
-        trainer = self._make_trainer(problem, optimizer, scheduler, recorder, clock)
-        start, stop = share_bounds(problem.batch_size, self.config.world_size, self.config.rank)
-        optimised = time.monotonic()
-        trainer.warm_up(stop - start)
-        warm = time.monotonic()
-        self.events.log(
-            f"built in {warm - began:.2f} s, {warm - self.began:.2f} s after the worker began: the task's code {loaded - began:.2f} s, the model and data "
-            f"{built - loaded:.2f} s, the optimiser and trainer {optimised - built:.2f} s, a warm-up pass "
-            f"{warm - optimised:.2f} s"
-        )
+        trainer.recorder, trainer.compute_done = recorder, clock.compute_done
+        done = time.monotonic()
+        if made.prepared:
+            self.events.log(
+                f"built in {done - began:.2f} s, {done - self.began:.2f} s after the worker began: its standby had "
+                f"prepared it for this job ({made.describe()})"
+            )
+        else:
+            self.events.log(f"built in {done - began:.2f} s, {done - self.began:.2f} s after the worker began: {made.describe()}")
         progress = ProgressReporter(
             self.events,
             total_steps=self.total_steps,
@@ -257,67 +227,3 @@ class WorkerRun:
         )
         self._loop = loop
         return restore, loop
-
-    def _task_class(self) -> tuple[type, tuple[Path, str]]:
-        """The job's own code, as the agent unpacked it, or the shipped task of its workload,
-        with its directory and entrypoint. Raises TaskDefinitionError."""
-        config = self.config
-        if config.code_dir is not None and config.entrypoint is not None:
-            source = (Path(config.code_dir), config.entrypoint)
-        elif self.spec.workload is None:
-            raise TaskDefinitionError("the job names code of its own, but the agent gave this worker none")
-        else:
-            info = CATALOGUE[self.spec.workload]
-            source = (info.path, info.entrypoint)
-        return load_task_class(*source), source
-
-    def _make_trainer(
-        self,
-        problem: BoundTask,
-        optimizer: torch.optim.Optimizer,
-        scheduler: LRScheduler | None,
-        recorder: SampleRecorder | None,
-        clock: StepClock,
-    ) -> Trainer:
-        """The trainer of the job's consistency mode (elastic.worker.strict, .hybrid)."""
-        stream = SampleStream(problem.num_samples, self.spec.seed)
-        batch_size = problem.batch_size
-        if self.spec.consistency == "strict":
-            return StrictTrainer(
-                problem,
-                optimizer,
-                stream,
-                batch_size=batch_size,
-                seed=self.spec.seed,
-                rank=self.config.rank,
-                world_size=self.config.world_size,
-                virtual_workers=self.spec.virtual_worker_count(),
-                recorder=recorder,
-                compute_done=clock.compute_done,
-                scheduler=scheduler,
-                skip_nonfinite=self.spec.nan_loss == "skip",
-            )
-        per_worker, low, high = self.spec.hybrid_batch_bounds(batch_size)
-        schedule = HybridSchedule(
-            base_lr=problem.lr,
-            base_batch=batch_size,
-            batch_per_worker=per_worker,
-            min_batch=low,
-            max_batch=high,
-            lr_scaling=self.spec.lr_scaling,
-            warmup_steps=self.spec.warmup_steps,
-        )
-        return HybridTrainer(
-            problem,
-            optimizer,
-            stream,
-            schedule,
-            seed=self.spec.seed,
-            rank=self.config.rank,
-            world_size=self.config.world_size,
-            recorder=recorder,
-            compute_done=clock.compute_done,
-            scheduler=scheduler,
-            skip_nonfinite=self.spec.nan_loss == "skip",
-            bucket_bytes=self.settings.bucket_bytes,
-        )

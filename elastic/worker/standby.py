@@ -3,9 +3,15 @@
 The agent keeps one on each free device (agent.standby). It does the part of a worker's start-up
 that is the same for every job, and slow: the interpreter starts, torch, torch.distributed and the
 worker runtime are imported (seconds on a busy CPU), and on a GPU the device's context is made.
-Then it waits on stdin for one line: its Assignment, as JSON. The assignment holds the worker's
+Then it waits on stdin for its Assignment, one line of JSON. The assignment holds the worker's
 environment, secrets the job's processes may read included, so it goes through the pipe and never
-to disk. With it, the standby
+to disk. Before it, the agent may send one Preparation (also one line): the environment of a
+worker the job may ask for on this device next, rank and generation still provisional. The
+standby takes that environment and makes the job's build (elastic.worker.build: the task's code,
+model, optimiser, trainer and a warm-up pass), still at idle priority, and prints PREPARED_LINE
+(or PREPARATION_FAILED_LINE with the error: the worker will build, and fail, on its own). A standby
+prepared for a job is handed that job's worker or killed, never another's. With the assignment,
+the standby
 
 1. opens the worker's output file (append) and makes it its stdout and stderr, so that from here
    on it is that worker to the agent: same file, same tailing, same records;
@@ -13,8 +19,11 @@ to disk. With it, the standby
 3. runs the worker module as `python -m` would (runpy), and exits with its exit code.
 
 A standby serves one worker and ends with it: it never returns to waiting, so no job's modules
-(issue 8's user code) are ever imported into a process that serves another job. It imports no
-job code, reads no job's data, and holds no job's state while it waits.
+(issue 8's user code) are ever imported into a process that serves another job. Unprepared, it
+imports no job code, reads no job's data, and holds no job's state while it waits; prepared,
+it holds one job's freshly built model (never its training state, which reaches the worker from
+the others' memory once it joins). What the job's code prints while it is prepared goes to the
+standby's own output, which the agent deletes when it hands the standby a worker.
 
 End of stdin without a line (the agent died or dropped it) ends it with exit code 0; SIGTERM
 while it waits ends it at once (the default action: it holds nothing). A bad assignment ends it
@@ -29,13 +38,29 @@ import json
 import os
 import runpy
 import sys
+import time
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from elastic.worker import FAILED_EXIT_CODE
 
 READY_LINE = "standby ready"
 """What the standby prints (to its own output, before any assignment) once it is warm."""
+PREPARED_LINE = "standby prepared"
+"""What it prints once it has made the build of the job it was prepared for."""
+PREPARATION_FAILED_LINE = "standby preparation failed"
+"""What it prints, with the error, when the job's build failed while it was prepared."""
+
+
+class Preparation(BaseModel):
+    """What the agent may send a standby before its assignment: the environment of the worker a
+    job may ask for on its device (elastic.worker.build says what is made of it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["prepare"] = "prepare"
+    env: dict[str, str]
 
 
 class Assignment(BaseModel):
@@ -43,16 +68,23 @@ class Assignment(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    kind: Literal["assign"] = "assign"
     output: str
     """The worker's output file (the agent's records name it); opened for append."""
     env: dict[str, str]
     """The worker's whole environment; it replaces the standby's."""
 
 
+MESSAGE: TypeAdapter[Preparation | Assignment] = TypeAdapter(
+    Annotated[Preparation | Assignment, Field(discriminator="kind")]
+)
+"""One line on a standby's stdin."""
+
 WARM_MODULES = (
     "torch.distributed",
     "torch._dynamo",
     "elastic.worker.runner",
+    "elastic.worker.build",
     "elastic.worker.transfer",
     "sklearn.datasets",
 )
@@ -97,6 +129,30 @@ def take(assignment: Assignment) -> None:
     os.environ.update(assignment.env)
 
 
+def prepare(preparation: Preparation) -> None:
+    """Takes the preparation's environment and makes the build of its worker's job, held for the
+    worker this process becomes; says how it went on stdout (PREPARED_LINE or
+    PREPARATION_FAILED_LINE). The job's code failing is not the standby's failure."""
+    from elastic.wire import WorkerConfig
+    from elastic.worker import WORKER_CONFIG_ENV, build
+    from elastic.worker.settings import WorkerSettings
+
+    began = time.monotonic()
+    os.environ.clear()
+    os.environ.update(preparation.env)
+    job = None
+    try:
+        config = WorkerConfig.model_validate_json(os.environ[WORKER_CONFIG_ENV])
+        job = config.job_id
+        made = build.prepare(config, WorkerSettings.from_env(os.environ))
+    except Exception as err:  # the job's code, or a config the worker would refuse as well
+        report = {"standby": PREPARATION_FAILED_LINE, "job": job, "error": f"{type(err).__name__}: {err}"[:2000]}
+        print(json.dumps(report), flush=True)
+        return
+    seconds = round(time.monotonic() - began, 3)
+    print(json.dumps({"standby": PREPARED_LINE, "job": job, "seconds": seconds, "parts": made.seconds}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--module", default="elastic.worker", help="the worker module it runs, once assigned")
@@ -104,14 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warm_up(args.device)
     print(json.dumps({"standby": READY_LINE, "pid": os.getpid()}), flush=True)
-    line = sys.stdin.buffer.readline().strip()
-    if not line:
-        return 0
-    try:
-        assignment = Assignment.model_validate_json(line)
-    except ValueError as err:
-        print(f"standby {os.getpid()}: a bad assignment ({len(line)} bytes): {err}", file=sys.stderr, flush=True)
-        return FAILED_EXIT_CODE
+    prepared = False
+    assignment = None
+    while assignment is None:
+        line = sys.stdin.buffer.readline().strip()
+        if not line:
+            return 0
+        try:
+            message = MESSAGE.validate_json(line)
+        except ValueError as err:
+            print(f"standby {os.getpid()}: a bad message ({len(line)} bytes): {err}", file=sys.stderr, flush=True)
+            return FAILED_EXIT_CODE
+        if isinstance(message, Assignment):
+            assignment = message
+            continue
+        if prepared:  # one job's modules are in this process: it may not be prepared again
+            print(f"standby {os.getpid()}: prepared twice", file=sys.stderr, flush=True)
+            return FAILED_EXIT_CODE
+        prepare(message)
+        prepared = True
     take(assignment)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # as a worker started by the agent: stdin is /dev/null

@@ -353,13 +353,26 @@ class StrictTrainer(Trainer):
     def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's buffers, kept between steps so that a step faults in no memory: one row of
         gradients and loss per hosted vw (zeroed: backward accumulates), and the int64 buffer of
-        the SUM all-reduce (fixed-point sums, then the step's votes, then every vw's context)."""
+        the SUM all-reduce (fixed-point sums, then the step's votes, then every vw's context).
+        The rows are the first of the most this worker ever hosted: a resize that leaves it
+        fewer vws allocates nothing (the first step after it would fault in hundreds of MB)."""
         rows, width = len(self.hosted), self._row_width
-        if self._terms is None or self._terms.shape[0] != rows:
+        if self._terms is None or self._terms.shape[0] < rows:
             self._terms = torch.zeros(rows, width, dtype=self._dtype, device=self._device)
-        else:
-            self._terms.zero_()
-        return self._terms, self._total
+        terms = self._terms[:rows]
+        terms.zero_()
+        return terms, self._total
+
+    def warm_up(self, rows: int) -> None:
+        """Runs one forward and backward pass on `rows` samples into the step's own buffers (the
+        rows of the vws hosted now), in eval mode and without an optimiser step, then zeroes
+        them: a joiner (or a prepared standby) pays for their first touch before the resize's
+        pause rather than in it."""
+        terms, _ = self._step_buffers()
+        if len(terms):
+            self._point_gradients_at(terms[0, : self._gradient_size])
+            self._warm_pass(rows)
+        terms.zero_()
 
     def _segment_max_abs(self, terms: torch.Tensor) -> torch.Tensor:
         """Each segment's (parameter's, and the loss's) largest magnitude over the hosted vws,

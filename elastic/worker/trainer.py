@@ -480,15 +480,21 @@ class Trainer:
         a joiner does this while it warms up, so that its first real step, inside the resize's
         pause, does not also pay for first-touch memory and kernel set-up."""
         self._gradients_in_buffer()
-        if rows:
-            model = self.problem.model
-            training = model.training
-            model.eval()
-            try:
-                self.problem.loss(self.problem.batch(range(min(rows, self.problem.num_samples)))).backward()
-            finally:
-                model.train(training)
+        self._warm_pass(rows)
         self._gradients_in_buffer()
+
+    def _warm_pass(self, rows: int) -> None:
+        """One forward and backward pass on `rows` samples in eval mode, its gradients going
+        where the parameters' gradients point now."""
+        if not rows:
+            return
+        model = self.problem.model
+        training = model.training
+        model.eval()
+        try:
+            self.problem.loss(self.problem.batch(range(min(rows, self.problem.num_samples)))).backward()
+        finally:
+            model.train(training)
 
     def _gradients_in_buffer(self) -> torch.Tensor:
         """Returns the step's all-reduce buffer, zeroed, with every parameter's gradient a view of

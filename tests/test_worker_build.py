@@ -1,0 +1,154 @@
+"""A worker's build (elastic.worker.build): one a standby prepared for a job is taken only by a
+worker of that job on that device with the same settings; strict mode's warm-up pays for its step
+buffers, and a resize that leaves a worker fewer virtual workers allocates none; and a real
+standby process, prepared and then assigned, hands its worker the build it made."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic.wire import WorkerConfig
+from elastic.worker import WORKER_CONFIG_ENV, build
+from elastic.worker.settings import WorkerSettings
+from elastic.worker.standby import PREPARED_LINE, READY_LINE, Assignment, Preparation
+from elastic.worker.strict import StrictTrainer
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC: dict[str, Any] = {
+    "name": "prepared",
+    "workload": "digits-mlp",
+    "min_workers": 1,
+    "max_workers": 4,
+    "steps": 10,
+    "seed": 3,
+    "hyperparameters": {"hidden": 16, "layers": 2, "batch_size": 16},
+}
+
+
+def config(**changes: Any) -> WorkerConfig:
+    fields: dict[str, Any] = {
+        "job_id": 7,
+        "generation": 2,
+        "rank": 1,
+        "world_size": 2,
+        "master_addr": "127.0.0.1",
+        "master_port": 29500,
+        "device": "cpu",
+        "spec": SPEC,
+        "run_dir": "/tmp/bungee-build-test",
+        "node": "node-a",
+        "device_index": 1,
+        "redis_url": "redis://127.0.0.1:6379/13",
+        "coordination_key": "bungee-build-test:job:7",
+    }
+    return WorkerConfig(**{**fields, **changes})
+
+
+@pytest.fixture(autouse=True)
+def nothing_held() -> Iterator[None]:
+    build.discard()
+    yield
+    build.discard()
+
+
+def test_a_prepared_build_goes_to_a_worker_of_its_job_on_its_device_in_any_rank() -> None:
+    settings = WorkerSettings()
+    made = build.prepare(config(), settings)
+    assert made.prepared
+    # Rank, world size and generation are provisional: the trainer takes them on as it enters.
+    taken = build.take(config(rank=2, world_size=3, generation=5), settings)
+    assert taken is made
+    assert build.take(config(), settings) is None, "a build is taken once"
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"job_id": 8},
+        {"device_index": 2},
+        {"spec": {**SPEC, "seed": 4}},
+        {"code_dir": "/srv/code", "entrypoint": "task:Task"},
+    ],
+)
+def test_a_worker_of_anything_else_builds_its_own(other: dict[str, Any]) -> None:
+    build.prepare(config(), WorkerSettings())
+    assert build.take(config(**other), WorkerSettings()) is None
+    assert build.take(config(), WorkerSettings()) is None, "what did not match is discarded"
+
+
+def test_other_settings_build_their_own() -> None:
+    build.prepare(config(), WorkerSettings())
+    assert build.take(config(), WorkerSettings(bucket_bytes=0)) is None
+
+
+def test_strict_warm_up_touches_the_step_buffers_and_a_smaller_share_reuses_them() -> None:
+    made = build.build(config(rank=0, world_size=1), WorkerSettings())
+    trainer = made.trainer
+    assert isinstance(trainer, StrictTrainer)
+    terms, _ = trainer._step_buffers()
+    assert terms.shape[0] == 4  # every vw of 4, at one worker
+    assert trainer._buffer is None, "strict mode has no use for the plain mode's gradient buffer"
+    storage = terms.untyped_storage().data_ptr()
+    trainer.rebind(0, 2)  # a scale-out: this worker now hosts 2 vws
+    fewer, _ = trainer._step_buffers()
+    assert fewer.shape[0] == 2 and fewer.untyped_storage().data_ptr() == storage
+    assert torch.count_nonzero(fewer) == 0
+
+
+def test_a_prepared_standby_process_hands_its_worker_the_build(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        WORKER_CONFIG_ENV: config().model_dump_json(),
+    }
+    standby = subprocess.Popen(
+        [sys.executable, "-m", "elastic.worker.standby", "--module", "tests.standby_build_probe"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
+    assert standby.stdin is not None and standby.stdout is not None
+    try:
+        assert READY_LINE in standby.stdout.readline().decode()
+        standby.stdin.write(Preparation(env=env).model_dump_json().encode() + b"\n")
+        standby.stdin.flush()
+        said = json.loads(standby.stdout.readline())
+        assert said["standby"] == PREPARED_LINE and said["job"] == 7, said
+        output = tmp_path / "worker.out"
+        worker_env = {**env, WORKER_CONFIG_ENV: config(rank=3, world_size=4).model_dump_json(), "PROBE_SECRET": "s"}
+        standby.stdin.write(Assignment(output=str(output), env=worker_env).model_dump_json().encode() + b"\n")
+        standby.stdin.close()
+        assert standby.wait(timeout=60) == 0
+    finally:
+        standby.kill()
+        standby.wait()
+    found = json.loads(output.read_text().strip().splitlines()[-1])
+    # 64 inputs -> 16 -> 16 -> 10 outputs: the digits MLP of two layers.
+    assert found == {"prepared": True, "rank": 3, "parameters": 64 * 16 + 16 + 16 * 16 + 16 + 16 * 10 + 10, "secret": "s"}
+
+
+def test_a_standby_is_prepared_once() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", WORKER_CONFIG_ENV: config().model_dump_json()}
+    line = Preparation(env=env).model_dump_json().encode() + b"\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic.worker.standby", "--module", "tests.standby_build_probe"],
+        env=env,
+        input=line + line,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert b"prepared twice" in done.stderr
