@@ -1,20 +1,23 @@
 """Land time: from asking for a resize to the first step of the new generation, on the whole
 platform (tests.platform: PostgreSQL, Redis, daphne, the Celery scheduler, one agent with four
-simulated devices, real torch workers), with warm standby workers and without.
+simulated devices, real torch workers), in three arms: warm standby workers, some prepared for
+the job (ours, the agent's default), warm standbys none of which is prepared (the agent with
+--prepared-standbys 0: the baseline for the prepared build), and none at all (cold starts).
 
-    python bench/land.py              # 5 rounds each way on the 25.6M model
-    python bench/land.py --quick      # 2 rounds each way
+    python bench/land.py              # 5 rounds each arm on the 25.6M model
+    python bench/land.py --quick      # 2 rounds each arm
+    python bench/land.py --arms standbys   # one arm (for profiling: no baseline)
 
-`bench/resize.py` runs it too and puts `land_median_s` (standbys) and `land_median_s_cold` in its
-JSON line. A job (the 25.6M digits MLP, strict, 1 to 4 workers, pinned through the API) goes,
+`bench/resize.py` runs it too and puts `land_median_s` (standbys), `land_median_s_unprepared`
+and `land_median_s_cold` in its JSON line. A job (the 25.6M digits MLP, strict, 1 to 4 workers, pinned through the API) goes,
 each round: scale out 1 -> 2 and 2 -> 3 (`POST /api/jobs/N/resize`), a migration (the owner of
 one of its devices comes back, played through the agent's command stream as `python -m
 agent.simulate owner` does; the pin keeps it at 3, so a worker moves to the free device), the
 owner leaves, and back to 1. The clock starts just before the request is sent and stops at the
 end of the first step of the new generation (the resize's `completed_at`, rank 0's report; same
 machine, same clock). Before each scale-out and migration the bench waits until the free devices'
-standbys are warm (with standbys) or the device is free (without): the steady state of a
-cluster, where a device has been free for more than a few seconds.
+standbys are warm (and, in the first arm, up to two prepared) or the device is free (without):
+the steady state of a cluster, where a device has been free for more than a few seconds.
 
 Beside each land time it prints when that first step began (the end less the step, from the
 resize's own phases: the new generation is training from then) and the joiner's own start-up line
@@ -116,11 +119,15 @@ def standby_cost(state_dir: Path, seconds: float = 5.0) -> dict[str, Any]:
     } | {"seconds": seconds}
 
 
+ARMS = ("standbys", "unprepared", "cold")
+"""Standbys prepared for the job (ours), standbys none of which is prepared, no standbys."""
+
+
 @dataclass
 class LandTimes:
     """What one arm measured, per scenario."""
 
-    standbys: bool
+    arm: str
     land_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in LAND_SCENARIOS})
     """Request to the end of the new generation's first step."""
     start_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in LAND_SCENARIOS})
@@ -130,15 +137,17 @@ class LandTimes:
 
 
 class LandRun:
-    """One platform, one job, standbys on or off."""
+    """One platform, one job, one arm (ARMS)."""
 
-    def __init__(self, platform: Any, model: BenchModel, standbys: bool) -> None:
+    def __init__(self, platform: Any, model: BenchModel, arm: str) -> None:
         self.platform = platform
         self.alice = platform.api("alice")
         self.model = model
-        self.standbys = standbys
-        self.times = LandTimes(standbys)
-        """scenario -> phase (launch, build, switch, first_step) -> seconds, one per resize."""
+        self.arm = arm
+        self.standbys = arm != "cold"
+        self.prepared = DEFAULT_PREPARED if arm == "standbys" else 0
+        """Standbys the agent prepares for the job."""
+        self.times = LandTimes(arm)
         self.seen_log = 0
         self.state_dir = Path(platform.env["BUNGEE_DATA_DIR"]) / "agent" / "node-a"
 
@@ -182,11 +191,11 @@ class LandRun:
         return self.platform.wait_for(f"job {self.job_id} on {workers} workers", check, SETTLE_S, 0.5)
 
     def warm(self, free: int) -> None:
-        """Waits until `free` devices have a warm standby, and up to DEFAULT_PREPARED of them are
+        """Waits until `free` devices have a warm standby, and up to `self.prepared` of them are
         prepared for the job (with standbys on)."""
         if not self.standbys:
             return
-        prepared = min(free, DEFAULT_PREPARED)
+        prepared = min(free, self.prepared)
 
         def ready() -> bool:
             said = [f.read_text(errors="replace") for f in (self.state_dir / "standby").glob("device*.out")]
@@ -223,7 +232,7 @@ class LandRun:
             ):
                 self.times.phases_s.setdefault(scenario, {}).setdefault(name, []).append(seconds)
         print(
-            f"  {'standbys' if self.standbys else 'cold'}: {scenario}: landed in {landed - asked:.3f} s "
+            f"  {self.arm}: {scenario}: landed in {landed - asked:.3f} s "
             f"(its first step began at {landed - first_step - asked:.3f} s; pause {resize['pause_s']:.3f} s)"
             + "".join(f"\n    joiner: {line}" for line, _, _ in built) + where,
             flush=True,
@@ -268,73 +277,84 @@ class LandRun:
         self.settled(1, generation)
 
 
-def run_land(model: BenchModel, standbys: bool, rounds: int, work: Path) -> tuple[LandTimes, dict[str, Any]]:
-    """The run (land times per scenario), and what the standbys cost at idle (empty without them)."""
+def run_land(model: BenchModel, arm: str, rounds: int, work: Path) -> tuple[LandTimes, dict[str, Any]]:
+    """The arm's run (land times per scenario), and what its standbys cost at idle (empty without
+    them)."""
     from tests.platform import running_platform
 
     env = {
-        "BUNGEE_STANDBYS": "on" if standbys else "off",
+        "BUNGEE_STANDBYS": "off" if arm == "cold" else "on",
+        "BUNGEE_PREPARED_STANDBYS": str(DEFAULT_PREPARED if arm == "standbys" else 0),
         "BUNGEE_PROGRESS_EVERY_S": "0.2",
         "BUNGEE_CHECKPOINT_EVERY_S": "86400",
         "BUNGEE_PG_TIMEOUT_S": "60",
     }
-    with running_platform(work / ("standbys" if standbys else "cold"), {"node-a": DEVICES}, env) as platform:
-        run = LandRun(platform, model, standbys)
+    with running_platform(work / arm, {"node-a": DEVICES}, env) as platform:
+        run = LandRun(platform, model, arm)
         run.start()
         cost: dict[str, Any] = {}
-        if standbys:
+        if run.standbys:
             run.warm(DEVICES - 1)
             cost = standby_cost(run.state_dir)
-            print(f"  a waiting standby: {cost}", flush=True)
+            print(f"  a waiting standby ({arm}): {cost}", flush=True)
         for _ in range(rounds):
             run.round()
         return run.times, cost
 
 
-def land_report(model: BenchModel, rounds: int, work: Path, with_cold: bool = True) -> dict[str, Any]:
-    """Both arms (or only the standbys' without `with_cold`), one after the other on fresh
-    platforms; returns the JSON fields and prints a table."""
-    warm_run, cost = run_land(model, True, rounds, work)
-    cold_run = run_land(model, False, rounds, work)[0] if with_cold else LandTimes(standbys=False)
-    warm, cold = warm_run.land_s, cold_run.land_s
+def land_report(model: BenchModel, rounds: int, work: Path, arms: tuple[str, ...] = ARMS) -> dict[str, Any]:
+    """The `arms`, one after the other on fresh platforms; returns the JSON fields and prints a
+    table."""
+    times: dict[str, LandTimes] = {}
+    costs: dict[str, dict[str, Any]] = {}
+    for arm in ARMS:
+        times[arm], costs[arm] = run_land(model, arm, rounds, work) if arm in arms else (LandTimes(arm), {})
+
+    def row(field_name: str, scenario: str) -> str:
+        return "; ".join(f"{arm} {show(getattr(times[arm], field_name)[scenario])}" for arm in arms)
+
     print(f"\nLand time, request to the end of the first step of the new generation ({model.label} model, "
           "platform, one agent, 4 simulated devices); min / median / max")
     for scenario in LAND_SCENARIOS:
-        print(f"  {scenario:16} standbys {show(warm[scenario])}; cold {show(cold[scenario])}")
+        print(f"  {scenario:16} {row('land_s', scenario)}")
     print("Request to the start of that first step (the new generation is training):")
     for scenario in LAND_SCENARIOS:
-        print(f"  {scenario:16} standbys {show(warm_run.start_s[scenario])}; cold {show(cold_run.start_s[scenario])}")
+        print(f"  {scenario:16} {row('start_s', scenario)}")
     print("Where it went (request to the joiner's process, its build, built to the first step's start, the first step):")
-    for run in (warm_run, cold_run):
-        for scenario, phases in run.phases_s.items():
-            print(f"  {'standbys' if run.standbys else 'cold':8} {scenario:16} "
-                  + "; ".join(f"{name} {show(values)}" for name, values in phases.items()))
-    every_warm = [v for s in LAND_SCENARIOS for v in warm[s]]
-    every_cold = [v for s in LAND_SCENARIOS for v in cold[s]]
-    scale_out = [v for s in (SCALE_OUT_1_2, SCALE_OUT_2_3) for v in warm[s]]
-    scale_out_start = [v for s in (SCALE_OUT_1_2, SCALE_OUT_2_3) for v in warm_run.start_s[s]]
+    for arm in arms:
+        for scenario, phases in times[arm].phases_s.items():
+            print(f"  {arm:10} {scenario:16} " + "; ".join(f"{name} {show(values)}" for name, values in phases.items()))
+
+    def median(arm: str, field_name: str, scenarios: tuple[str, ...] = LAND_SCENARIOS) -> float | None:
+        values = getattr(times[arm], field_name)
+        return spread([v for s in scenarios for v in values[s]])["median"]
+
+    scale_out = (SCALE_OUT_1_2, SCALE_OUT_2_3)
     return {
-        "land_median_s": spread(every_warm)["median"],
-        "land_median_s_cold": spread(every_cold)["median"],
-        "land_scale_out_median_s": spread(scale_out)["median"],
-        "land_to_first_step_start_scale_out_median_s": spread(scale_out_start)["median"],
-        "land_by_scenario_s": {s: {"standbys": spread(warm[s]), "cold": spread(cold[s])} for s in LAND_SCENARIOS},
+        "land_median_s": median("standbys", "land_s"),
+        "land_median_s_unprepared": median("unprepared", "land_s"),
+        "land_median_s_cold": median("cold", "land_s"),
+        "land_scale_out_median_s": median("standbys", "land_s", scale_out),
+        "land_scale_out_median_s_unprepared": median("unprepared", "land_s", scale_out),
+        "land_to_first_step_start_scale_out_median_s": median("standbys", "start_s", scale_out),
+        "land_by_scenario_s": {s: {arm: spread(times[arm].land_s[s]) for arm in ARMS} for s in LAND_SCENARIOS},
         "land_to_first_step_start_by_scenario_s": {
-            s: {"standbys": spread(warm_run.start_s[s]), "cold": spread(cold_run.start_s[s])} for s in LAND_SCENARIOS
+            s: {arm: spread(times[arm].start_s[s]) for arm in ARMS} for s in LAND_SCENARIOS
         },
         "land_phases_s": {
-            "standbys": {s: {k: spread(v) for k, v in p.items()} for s, p in warm_run.phases_s.items()},
-            "cold": {s: {k: spread(v) for k, v in p.items()} for s, p in cold_run.phases_s.items()},
+            arm: {s: {k: spread(v) for k, v in p.items()} for s, p in times[arm].phases_s.items()} for arm in ARMS
         },
-        "standby_idle_cost": cost,
+        "standby_idle_cost": costs["standbys"] or costs["unprepared"],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds each way")
+    parser.add_argument("--quick", action="store_true", help="2 rounds each arm")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--skip-cold", action="store_true", help="only the arm with standbys (no baseline: for profiling)")
+    parser.add_argument(
+        "--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run (default: all three)"
+    )
     args = parser.parse_args(argv)
     began = time.monotonic()
     conditions = machine()
@@ -343,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "bench": "land",
         "model": RESNET50_SIZED.label,
-        **land_report(RESNET50_SIZED, rounds, Path(tempfile.mkdtemp(prefix="bungee-bench-land-")), not args.skip_cold),
+        **land_report(RESNET50_SIZED, rounds, Path(tempfile.mkdtemp(prefix="bungee-bench-land-")), tuple(args.arms)),
         "conditions": conditions,
         "load_average_1m_end": round(os.getloadavg()[0], 2),
         "wall_s": round(time.monotonic() - began, 1),

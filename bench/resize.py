@@ -26,12 +26,14 @@ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch#135712) lets it recover at all.
 
 Land time (bench/land.py) is what a user waits for: from the API call that asks for a resize to
 the end of the first step of the new generation, on the whole platform (scheduler, agent, real
-workers), for scale-out 1 -> 2 and 2 -> 3 and a migration, with warm standby workers (agent.standby)
-and without (every joiner starts Python and imports torch): 5 rounds each, 2 in --quick.
+workers), for scale-out 1 -> 2 and 2 -> 3 and a migration, with warm standby workers some of which
+are prepared for the job (agent.standby), with standbys none of which is, and without (every
+joiner starts Python and imports torch): 5 rounds each, 2 in --quick.
 
 The last line is one JSON object: {"bench": "resize", "model_params", "pause_median_s",
 "torchrun_pause_median_s", "speedup_vs_torchrun", "two_joiners_vs_one", "bandwidth_fraction",
-"crash_recovery_s", "land_median_s", "land_median_s_cold", ...} for the 25.6M model.
+"crash_recovery_s", "land_median_s", "land_median_s_unprepared", "land_median_s_cold", ...} for the
+25.6M model.
 """
 
 from __future__ import annotations
