@@ -303,11 +303,16 @@ class _Job:
     stop_before_generation: int = 0
     launch: _Launch | None = None
     """The newest generation launched here: what a standby prepared for the job is given."""
+    deferred: dict[int, WorkerAssignment] = field(default_factory=dict)
+    """Device index -> the joiner of the newest launch not started there because an older
+    worker of the job still ran on the device (the portal had given it up: its node was lost).
+    That worker joins the generation if it can; if it exits instead, the joiner starts then."""
 
 
 @dataclass(frozen=True)
 class _Launch:
     command: LaunchCommand
+    backend: DeviceBackend
     redis_url: str
     code_dir: Path | None
     initial_model: Path | None
@@ -394,7 +399,8 @@ class WorkerSupervisor:
                 )
                 return False
             job.launched_generation = command.generation
-            job.launch = _Launch(command, redis_url, code_dir, initial_model)
+            job.launch = _Launch(command, backend, redis_url, code_dir, initial_model)
+            job.deferred = {}
             mine = [w for w in self._workers if w.job_id == command.job_id and not w.done.is_set()]
             for worker in mine:
                 if worker.device_index in command.members:
@@ -407,11 +413,13 @@ class WorkerSupervisor:
             for assignment in command.workers:
                 if assignment.device_index in busy:
                     log.info(
-                        "job %d generation %d: device %d already runs a worker of the job; it joins",
+                        "job %d generation %d: device %d already runs a worker of the job; it joins (or, "
+                        "if it exits first, a new one starts)",
                         command.job_id,
                         command.generation,
                         assignment.device_index,
                     )
+                    job.deferred[assignment.device_index] = assignment
                     continue
                 self._spawn(command, assignment, backend, redis_url, code_dir, initial_model)
         return True
@@ -911,9 +919,32 @@ class WorkerSupervisor:
             )
             self._workers.remove(worker)
             self._ended.append(worker)
+            self._start_deferred(worker)
         worker.done.set()
         if self._on_exit is not None:
             self._on_exit()
+
+    def _start_deferred(self, exited: _Worker) -> None:
+        """Starts the joiner a launch left to `exited` (see _Job.deferred), if `exited` never
+        joined that generation and it is still the job's newest here. Call under the lock."""
+        job = self._jobs.get(exited.job_id)
+        if job is None or job.launch is None or self._closed:
+            return
+        assignment = job.deferred.pop(exited.device_index, None)
+        launch = job.launch
+        if (
+            assignment is None
+            or exited.generation >= launch.command.generation
+            or launch.command.generation < job.stop_before_generation
+        ):
+            return
+        log.info(
+            "job %d generation %d: the worker on device %d exited instead of joining; starting its joiner",
+            exited.job_id,
+            launch.command.generation,
+            exited.device_index,
+        )
+        self._spawn(launch.command, assignment, launch.backend, launch.redis_url, launch.code_dir, launch.initial_model)
 
     # --- stopping ----------------------------------------------------------------------------
 

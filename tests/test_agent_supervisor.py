@@ -184,6 +184,45 @@ def test_a_device_a_newer_generation_keeps_gets_no_second_worker(
     assert len(recorder.of("started")) == 1 and len(supervisor.running()) == 1
 
 
+def test_a_worker_counted_on_to_join_that_exits_instead_gets_its_joiner_started(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend, tmp_path: Path
+) -> None:
+    """A node that was cut off comes back with its old worker still running; the portal, which
+    gave that worker up, asks for a joiner on its device. The agent leaves the device to the old
+    worker, which may join; but if it leaves the job instead (it read the generation before),
+    the joiner starts then rather than never (the generation would wait out its deadline)."""
+    recorder = Recorder(supervisor)
+    leave = tmp_path / "leave"
+    supervisor.launch(launch(generation=1, exit_file=str(leave), exit_code=76), backend, REDIS_URL)
+    recorder.wait_for(lambda _: len(recorder.of("started")) == 1)
+    assert supervisor.launch(launch(generation=3), backend, REDIS_URL)  # a joiner on device 0
+    time.sleep(0.3)
+    recorder.wait_for(lambda _: True)
+    assert len(recorder.of("started")) == 1, "the worker already there may join"
+    leave.touch()
+    recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
+    [old, new] = recorder.of("started")
+    assert (old.generation, new.generation, new.device_index) == (1, 3, 0)
+    assert [e.exit_code for e in recorder.of("exited")] == [76]
+
+
+def test_a_worker_that_joins_the_newer_generation_is_not_doubled(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend, tmp_path: Path
+) -> None:
+    recorder = Recorder(supervisor)
+    leave = tmp_path / "leave"
+    supervisor.launch(
+        launch(generation=1, exit_file=str(leave), joins_at_step=20, joins_generation=3), backend, REDIS_URL
+    )
+    assert supervisor.launch(launch(generation=3), backend, REDIS_URL)
+    recorder.wait_for(lambda _: len(recorder.of("joined", 3)) == 1)
+    leave.touch()  # it joined generation 3 and ends later: nothing to start for it
+    recorder.wait_for(recorder.exits(1))
+    time.sleep(0.3)
+    recorder.wait_for(lambda _: True)
+    assert len(recorder.of("started")) == 1
+
+
 def test_a_leaver_that_does_not_leave_is_killed_after_its_grace(backend: SimulatedBackend) -> None:
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, leave_grace_s=0.5))
     recorder = Recorder(supervisor)

@@ -1,5 +1,7 @@
 // The one live socket of every page. Reconnects by itself with backoff, shows its state in the
-// header, re-subscribes after a reconnect, and hands each message to the page's handlers. A
+// header ("live" once the socket is open and every job the page follows is subscribed, so that
+// no event of theirs can be missed from then on), re-subscribes after a reconnect, and hands each
+// message to the page's handlers. A
 // page that shows only some devices says which (subscribeSamples), and the portal sends it only
 // those devices' samples; a sample message holds, per device, only what changed since the
 // device's previous one (sampleRows and mergeSample put a device's sample together again).
@@ -7,6 +9,7 @@
   "use strict";
   const handlers = [];
   const jobSubscriptions = new Set();
+  const unconfirmed = new Set();  // jobs asked for on this socket and not yet confirmed
   let sampleSubscription = null;
   let sentSampleSubscription = null;
   let socket = null;
@@ -26,14 +29,18 @@
     showState("connecting", attempt ? "reconnecting…" : "connecting…");
     socket.addEventListener("open", function () {
       attempt = 0;
-      showState("live", "live");
-      jobSubscriptions.forEach((id) => send({ action: "subscribe_job", job_id: id }));
+      unconfirmed.clear();
+      jobSubscriptions.forEach(subscribe);
+      showLive();
       sentSampleSubscription = null;
       sendSampleSubscription();
     });
     socket.addEventListener("message", function (event) {
       let message;
       try { message = JSON.parse(event.data); } catch (err) { return; }
+      if ((message.type === "subscribed" || message.type === "error") && unconfirmed.delete(message.job_id)) {
+        showLive();
+      }
       handlers.forEach((handler) => handler(message));
     });
     socket.addEventListener("close", function () {
@@ -42,6 +49,17 @@
       showState("offline", "offline — retrying in " + Math.round(delay / 1000) + " s");
       setTimeout(connect, delay);
     });
+  }
+
+  function showLive() {
+    if (!socket || socket.readyState !== WebSocket.OPEN) return;
+    if (unconfirmed.size) showState("subscribing", "subscribing…");
+    else showState("live", "live");
+  }
+
+  function subscribe(id) {
+    unconfirmed.add(id);
+    send({ action: "subscribe_job", job_id: id });
   }
 
   function send(message) {
@@ -138,7 +156,7 @@
     queueText: queueText,
     holderText: holderText,
     on: (handler) => handlers.push(handler),
-    subscribeJob: (id) => { jobSubscriptions.add(id); send({ action: "subscribe_job", job_id: id }); },
+    subscribeJob: (id) => { jobSubscriptions.add(id); subscribe(id); showLive(); },
     subscribeSamples: subscribeSamples,
     sampleRows: sampleRows,
     mergeSample: mergeSample,
