@@ -28,6 +28,10 @@ only that job's worker: a launch of another job on its device kills it and start
 does a job that stops growing here (no worker of it left on the node, or its last generation
 at its most workers).
 
+A preparation has a deadline (PREPARE_TIMEOUT_S): a job whose build hangs (its code waits on
+something that never comes) has that standby killed and is never prepared on this node again, so
+that it cannot hold up every other job's preparations.
+
 A standby that dies while waiting is logged with its output's tail; its device gets no new one
 for RESTART_BACKOFF_S, so a standby that cannot start does not burn a core in a loop.
 """
@@ -53,6 +57,8 @@ log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = 60.0
 """How long a device waits for a new standby after one died on its own."""
+PREPARE_TIMEOUT_S = 300.0
+"""The longest a standby may take to build the job it was prepared for."""
 _TAIL_BYTES = 2000
 PIPE_BYTES = 1 << 20
 """A standby's stdin holds this much (Linux's default pipe-max-size), so that an assignment with
@@ -79,6 +85,8 @@ class Standby:
     """Its own output until it is assigned (then the worker's file takes over)."""
     job: int | None = None
     """The job it was prepared for, if any: it serves no other."""
+    prepared_at: float = 0.0
+    """When it was sent its preparation (time.monotonic)."""
 
     @property
     def pid(self) -> int:
@@ -123,6 +131,8 @@ class StandbyPool:
         self._standbys: dict[int, Standby] = {}
         self._dying: list[Standby] = []
         self._backoff_until: dict[int, float] = {}
+        self._unpreparable: set[int] = set()
+        """Jobs whose preparation ran past PREPARE_TIMEOUT_S here: never prepared again."""
 
     def keep(
         self,
@@ -156,6 +166,10 @@ class StandbyPool:
                 self._kill(index, "its device is not free")
             elif standby.job is not None and standby.job not in growing:
                 self._kill(index, f"job {standby.job}, which it was prepared for, does not grow here any more")
+            elif standby.preparing() and now - standby.prepared_at > PREPARE_TIMEOUT_S:
+                assert standby.job is not None
+                self._unpreparable.add(standby.job)
+                self._kill(index, f"building job {standby.job} took more than {PREPARE_TIMEOUT_S:.0f} s; not preparing it again")
         warming = any(not standby.ready() for standby in self._standbys.values())
         if not warming and len(self._standbys) < self.limit:
             startable = [i for i in sorted(free.keys() - self._standbys.keys()) if now >= self._backoff_until.get(i, 0.0)]
@@ -173,7 +187,7 @@ class StandbyPool:
         if not growing or not self.prepared_per_job or any(standby.preparing() for standby in standbys):
             return
         counts = Counter(standby.job for standby in standbys if standby.job is not None)
-        wanting = [job for job in growing if counts[job] < self.prepared_per_job]
+        wanting = [job for job in growing if counts[job] < self.prepared_per_job and job not in self._unpreparable]
         candidates = [i for i in sorted(self._standbys) if self._standbys[i].job is None and self._standbys[i].ready()]
         if not wanting or not candidates:
             return
@@ -187,7 +201,7 @@ class StandbyPool:
             log.warning("could not prepare device %d's standby (pid %d) for job %d: %s", index, standby.pid, job, err)
             self._kill(index, "it could not be prepared")
             return
-        standby.job = job
+        standby.job, standby.prepared_at = job, time.monotonic()
         log.info("preparing the standby on device %d (pid %d) for job %d", index, standby.pid, job)
 
     @staticmethod

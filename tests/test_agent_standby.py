@@ -286,3 +286,37 @@ def test_a_job_that_stops_growing_here_loses_its_prepared_standbys(monkeypatch: 
         wait_until("the prepared standby killed", lambda: gone(standby.pid), 10)
     finally:
         supervisor.shutdown(grace_s=1.0)
+
+
+def test_a_preparation_past_its_deadline_is_killed_and_its_job_not_prepared_again(
+    tmp_path: os.PathLike[str], backend: SimulatedBackend
+) -> None:
+    import sys
+
+    from agent.standby import PREPARE_TIMEOUT_S
+
+    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER, limit=1, prepared_per_job=1)  # type: ignore[arg-type]
+    free = {0: backend.placement(0)}
+    try:
+        pool.keep(free, dict(os.environ))
+        [standby] = pool.standbys()
+        wait_until("the standby to warm up", standby.ready)
+        # As if it had been sent a preparation that never finished (a job's code that hangs).
+        standby.job, standby.prepared_at = 1, time.monotonic() - PREPARE_TIMEOUT_S - 1
+        assert standby.preparing()
+        calls: list[int] = []
+
+        def prepare_env(job: int, index: int, placement: object) -> dict[str, str]:
+            calls.append(job)
+            return dict(os.environ)
+
+        pool.keep(free, dict(os.environ), [1], prepare_env)
+        assert standby not in pool.standbys() and calls == []
+        wait_until("the stuck standby killed", lambda: gone(standby.pid), 10)
+        # The device gets a new standby (started in the same call), never prepared for that job.
+        [fresh] = pool.standbys()
+        wait_until("the new standby to warm up", fresh.ready)
+        pool.keep(free, dict(os.environ), [1], prepare_env)
+        assert calls == [] and fresh.job is None
+    finally:
+        pool.close()

@@ -169,13 +169,8 @@ class WorkerRun:
         clock = StepClock(self.events, self.settings.progress_every_s, self.settings.simulated_slowdown)
         trainer.recorder, trainer.compute_done = recorder, clock.compute_done
         done = time.monotonic()
-        if made.prepared:
-            self.events.log(
-                f"built in {done - began:.2f} s, {done - self.began:.2f} s after the worker began: its standby had "
-                f"prepared it for this job ({made.describe()})"
-            )
-        else:
-            self.events.log(f"built in {done - began:.2f} s, {done - self.began:.2f} s after the worker began: {made.describe()}")
+        how = f"its standby had prepared it for this job ({made.describe()})" if made.prepared else made.describe()
+        self.events.log(f"built in {done - began:.2f} s, {done - self.began:.2f} s after the worker began: {how}")
         progress = ProgressReporter(
             self.events,
             total_steps=self.total_steps,
