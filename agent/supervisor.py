@@ -446,8 +446,7 @@ class WorkerSupervisor:
                 and (command.devices is None or worker.device_index in command.devices)
             ]
         for worker in targets:
-            grace = None if worker.joined else min(self.config.warming_stop_grace_s, self.config.stop_grace_s)
-            self._terminate(worker, f"stop ({command.reason})", grace)
+            self._terminate(worker, f"stop ({command.reason})", self._grace(worker))
         return len(targets)
 
     # --- state -------------------------------------------------------------------------------
@@ -614,7 +613,8 @@ class WorkerSupervisor:
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Refuses further launches, stops every worker (SIGTERM, SIGKILL after `grace_s`,
-        default the configured grace) and waits for them to exit."""
+        default each worker's grace: a worker that never joined gets the short one) and waits
+        for them to exit."""
         with self._lock:
             self._closed = True
             workers = list(self._workers)
@@ -1029,12 +1029,21 @@ class WorkerSupervisor:
             )
             _signal_group(worker.pid, signal.SIGKILL)
 
+    def _grace(self, worker: _Worker) -> float:
+        """How long `worker` has between SIGTERM and SIGKILL: the stop grace, or the short one
+        if it never joined a group (it has nothing to save)."""
+        if worker.joined:
+            return self.config.stop_grace_s
+        return min(self.config.warming_stop_grace_s, self.config.stop_grace_s)
+
     def _stop_and_wait(self, workers: list[_Worker], why: str, grace_s: float | None = None) -> None:
-        grace = self.config.stop_grace_s if grace_s is None else grace_s
+        """Stops `workers` (SIGTERM, then SIGKILL after `grace_s`, by default each one's own
+        grace) and waits until they have exited."""
+        graces = {id(worker): self._grace(worker) if grace_s is None else grace_s for worker in workers}
         for worker in workers:
-            self._terminate(worker, why, grace)
+            self._terminate(worker, why, graces[id(worker)])
         # A worker already asked to stop keeps its own, earlier deadline; this one is a bound.
-        deadline = time.monotonic() + grace + _REAP_AFTER_KILL_S
+        deadline = time.monotonic() + max(graces.values(), default=0.0) + _REAP_AFTER_KILL_S
         for worker in workers:
             if not worker.done.wait(timeout=max(0.0, deadline - time.monotonic())):
                 log.error("pid %d did not go away even after SIGKILL", worker.pid)

@@ -348,6 +348,25 @@ def test_a_worker_that_never_joined_gets_the_short_grace(backend: SimulatedBacke
         supervisor.shutdown(grace_s=0.5)
 
 
+def test_an_agent_shutting_down_gives_a_worker_that_never_joined_the_short_grace(backend: SimulatedBackend) -> None:
+    """The agent's SIGTERM stops its workers as a cancel does: a warming one that ignores the
+    signal is killed after the warming grace, not the full one (found where a platform's agent
+    took more than 20 s to stop beside a joiner caught forming its group)."""
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=30.0, warming_stop_grace_s=0.3)
+    )
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(generation=1, ranks=1, sigterm="ignore"), backend, REDIS_URL)
+    recorder.wait_for(lambda _: len(recorder.of("progress", 1)) >= 1)
+    began = time.monotonic()
+    supervisor.shutdown()
+    took = time.monotonic() - began
+    recorder.wait_for(recorder.exits(1), timeout_s=1.0)  # shutdown returns once it has exited
+    [exited] = recorder.of("exited")
+    assert (exited.exit_code, exited.reason) == (-9, "stopped"), exited
+    assert took < 10.0, f"shutdown waited {took:.1f} s: the full grace (30 s), not the warming one (0.3 s)"
+
+
 def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period(backend: SimulatedBackend) -> None:
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=0.5))
     recorder = Recorder(supervisor)

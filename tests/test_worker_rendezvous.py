@@ -322,6 +322,22 @@ def test_waiting_for_a_listener_has_a_deadline() -> None:
         wait_listening("127.0.0.1", port, timeout_s=0)
 
 
+def test_a_stop_ends_a_joiners_wait_for_rank_0s_store() -> None:
+    """Rank 0 stopped first (a cancel stops every worker at once): a joiner, which holds nothing,
+    stops instead of waiting the formation's whole timeout for a store that never listens; a
+    holder of the state waits on, to form the group that saves it."""
+    stop = StopRequest()
+    stop.signal_number = signal.SIGTERM
+    nobody = {**record(2, [0, 1], joiners=[1]).model_dump(), "master_port": free_port()}
+    joiner, _ = _rendezvous(MemoryBoard(), 1, holds_state=False, rank=1, stop=stop)
+    with pytest.raises(WorkerExit, match="stopped before training") as way_out:
+        joiner.form(Membership(**nobody), 1, 2, "switch", timeout_s=60)
+    assert way_out.value.code == STOPPED_EXIT_CODE
+    holder, _ = _rendezvous(MemoryBoard(), 1, holds_state=True, rank=1, stop=stop)
+    with pytest.raises(RendezvousError, match="nothing listens"):
+        holder.form(Membership(**nobody), 1, 2, "switch", timeout_s=0.2)
+
+
 @pytest.mark.parametrize(("device", "backend"), [("cpu", "gloo"), ("cuda:0", "nccl"), ("cuda:12", "nccl")])
 def test_the_backend_follows_the_device(device: str, backend: str) -> None:
     assert backend_for(device) == backend

@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,12 +49,14 @@ class RendezvousError(RuntimeError):
     """A generation's group could not be formed, or its state not restored: a member is gone."""
 
 
-def wait_listening(host: str, port: int, timeout_s: float) -> None:
+def wait_listening(host: str, port: int, timeout_s: float, check: Callable[[], None] = lambda: None) -> None:
     """Returns once something accepts TCP connections at host:port. A TCPStore client that
     comes before its server backs off for a third of a second; probing costs a few ms.
-    Raises RendezvousError after `timeout_s`."""
+    Calls `check` before each probe (it raises to give up: a stop asked). Raises
+    RendezvousError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
+        check()
         try:
             with socket.create_connection((host, port), timeout=1.0):
                 return
@@ -249,7 +252,10 @@ class Rendezvous:
         try:
             if phase == "switch" or self._store is None:
                 if rank != 0:
-                    wait_listening(record.master_addr, record.master_port, timeout_s)
+                    # A worker with no state to save stops at once when asked (rank 0 may have
+                    # stopped already); a holder forms the group, which saves at its first step.
+                    check = (lambda: None) if self.position.holds_state else self.check_stop
+                    wait_listening(record.master_addr, record.master_port, timeout_s, check)
                 self._store = dist.TCPStore(
                     record.master_addr,
                     record.master_port,
