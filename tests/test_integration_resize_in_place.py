@@ -1,9 +1,10 @@
 """In-place resizing through the whole platform (API, Celery scheduler, two real agents, real torch
-workers): 2 -> 3 -> 1 -> 2 workers during a run, with the survivors' pids unchanged; a joiner
-killed while warming up; a survivor SIGKILLed mid-step; every worker killed at once; a user's own
+workers, joiners from warm standbys as the agent runs by default): 2 -> 3 -> 1 -> 2 workers
+during a run, with the survivors' pids unchanged; a survivor SIGKILLed mid-step; every worker killed at once; a user's own
 code, uploaded through the API, resized in place, and the same code with a bug, which fails the job
 at once. Each ends with every step trained once on exactly its batch (the workers record their
-samples), and the API showing the allocation the workers really have."""
+samples), and the API showing the allocation the workers really have. Joiners caught while
+warming up: test_integration_warm_up."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import json
 import os
 import re
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,6 @@ SPEC = {
     "hyperparameters": {"batch_size": BATCH, "hidden": 128},
 }
 ENDLESS = 10_000_000
-WARMUP_TIMEOUT_S = 40
 RING_SAMPLES = 600
 
 
@@ -44,8 +46,10 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("samples") / "samples.jsonl"
 
 
-@pytest.fixture(scope="module")
-def platform(tmp_path_factory: pytest.TempPathFactory, record: Path) -> Any:
+@contextmanager
+def inplace_platform(tmp_path_factory: pytest.TempPathFactory, record: Path, extra_env: dict[str, str]) -> Iterator[Platform]:
+    """Two agents (node-a with 2 devices, node-b with 1), the fair policy, a periodic checkpoint
+    every 0.5 s and every trained sample recorded to `record`."""
     env = {
         "BUNGEE_RECORD_SAMPLES": str(record),
         "BUNGEE_CHECKPOINT_EVERY_S": "0.5",
@@ -54,13 +58,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory, record: Path) -> Any:
         # These tests are about the runtime: with the fair policy no straggler or locality move
         # adds a generation of its own (the bungee policy's moves have their own tests).
         "BUNGEE_POLICY": "fair",
-        # A joiner that hangs is given up on after this (a loaded machine starts one in 15-20 s).
-        "BUNGEE_WARMUP_TIMEOUT_S": str(WARMUP_TIMEOUT_S),
-        # Cold joiners: the warming-up tests stop or kill a joiner before it is ready, and one
-        # born from a warm standby is ready about 0.5 s after its launch, often before the
-        # portal lists it (it then failed the group's formation instead of its warm-up: seen
-        # twice in a row here). Standbys have their own tests (test_agent_standby, bench/land.py).
-        "BUNGEE_STANDBYS": "off",
+        **extra_env,
     }
     with running_platform(tmp_path_factory.mktemp("platform"), {"node-a": 2, "node-b": 1}, env) as running:
         alice = running.api("alice")
@@ -68,6 +66,14 @@ def platform(tmp_path_factory: pytest.TempPathFactory, record: Path) -> Any:
             "three devices",
             lambda: sum(len(n["devices"]) for n in alice.get("/api/cluster").json()["nodes"]) == 3,
         )
+        yield running
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory, record: Path) -> Any:
+    # With warm standbys, as the agent runs by default: joiners start from them (the tests of a
+    # joiner caught warming up, which need cold ones, are in test_integration_warm_up).
+    with inplace_platform(tmp_path_factory, record, {}) as running:
         yield running
 
 
@@ -217,74 +223,6 @@ def test_2_3_1_2_with_survivors_never_restarted(platform: Platform, record: Path
             for d in n["devices"]
         ),
     )
-
-
-def grow_2_to_3(platform: Platform) -> tuple[int, set[int], dict[str, Any]]:
-    """A job settled on 2 workers, then pinned to 3: returns its id, its survivors' pids and the
-    joiner's row as soon as the joiner has started (it is warming up)."""
-    job_id = submit(platform, 2)
-    survivors = {row["pid"] for row in live_rows(settled(platform, job_id, 2))}
-    pin(platform, job_id, 3)
-
-    def joiner() -> dict[str, Any] | None:
-        rows = [row for row in live_rows(detail(platform, job_id)) if row["pid"] not in survivors]
-        return rows[0] if rows else None
-
-    return job_id, survivors, platform.wait_for("the joiner to start", joiner, every_s=0.05)
-
-
-def test_a_joiner_killed_while_warming_up(platform: Platform, record: Path) -> None:
-    job_id, survivors, warming = grow_2_to_3(platform)
-    os.kill(warming["pid"], signal.SIGKILL)
-    killed_at = detail(platform, job_id)
-    assert killed_at["state"] == "resizing", "the joiner had not joined yet"
-    # The job trains on meanwhile, and the scheduler plans again: first without the device, then
-    # (the device is fine) with a new joiner on it.
-    steps_past(platform, job_id, killed_at["steps_done"] + 50)
-    job = settled(platform, job_id, 3, killed_at["generation"])
-    assert job["restarts"] == 1 and survivors <= {row["pid"] for row in live_rows(job)}
-    assert warming["pid"] not in {row["pid"] for row in live_rows(job)}
-    assert_true_allocation(job)
-    steps_past(platform, job_id, job["steps_done"])
-    cancel(platform, job_id)
-    Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, virtual_workers=3)
-    assert loss_fell(platform, job_id)
-
-
-def test_a_joiner_that_hangs_while_warming_up_is_expired(platform: Platform, record: Path) -> None:
-    job_id, survivors, hung = grow_2_to_3(platform)
-    os.kill(hung["pid"], signal.SIGSTOP)  # alive, but it never answers again
-    try:
-        hung_at = detail(platform, job_id)
-        line = platform.wait_for(
-            "the generation to expire",
-            lambda: [entry for entry in logs(platform, job_id) if "not ready within" in entry],
-            timeout_s=WARMUP_TIMEOUT_S + 30,
-        )
-        assert f"generation {hung_at['generation']} expired" in line[0]
-        # The survivors trained on meanwhile; the device comes back with a new joiner once the
-        # agent has killed the hung one (SIGTERM cannot reach a stopped process; SIGKILL does).
-        steps_past(platform, job_id, hung_at["steps_done"] + 50)
-        job = settled(platform, job_id, 3, hung_at["generation"], timeout_s=150)
-    finally:
-        if _alive(hung["pid"]):
-            os.kill(hung["pid"], signal.SIGCONT)
-    assert survivors <= {row["pid"] for row in live_rows(job)} and hung["pid"] not in {
-        row["pid"] for row in live_rows(job)
-    }
-    assert job["restarts"] == 0, "a joiner planned out is no failure of the job"
-    assert "a joiner never got ready" in [r["reason"] for r in job["resizes"]]
-    assert_true_allocation(job)
-    cancel(platform, job_id)
-    Ledger.read(record, job_id).check(SampleStream(DIGITS_SAMPLES, SEED), BATCH, virtual_workers=3)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_survivor_killed_mid_step(platform: Platform, record: Path) -> None:
