@@ -32,12 +32,15 @@ A preparation has a deadline (PREPARE_TIMEOUT_S): a job whose build hangs (its c
 something that never comes) has that standby killed and is never prepared on this node again, so
 that it cannot hold up every other job's preparations.
 
-A standby that dies while waiting is logged with its output's tail; its device gets no new one
-for RESTART_BACKOFF_S, so a standby that cannot start does not burn a core in a loop.
+A standby's life, and who moves it on, is StandbyState's docstring; the pool logs every step of
+it with the seconds it took. A standby that dies while waiting is logged with its output's tail;
+its device gets no new one for RESTART_BACKOFF_S, so a standby that cannot start does not burn a
+core in a loop.
 """
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import logging
 import os
@@ -47,7 +50,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.devices import WorkerPlacement
@@ -76,8 +79,87 @@ def normal_priority(pid: int) -> None:
             continue
 
 
+class StandbyState(enum.StrEnum):
+    """Where a standby is in its life. The pool (StandbyPool) is its only writer: it moves a
+    standby on when it acts on it, or when it sees (at each `keep`, `take` and `standbys`) what
+    the process said in its output or that it exited.
+
+        starting   -> warm          it said READY_LINE: the interpreter, torch and the worker
+                                    runtime are imported (and on a GPU the context is made)
+        starting   -> taken         a launch on its device took it before it was warm: the
+                                    assignment waits in its pipe, and it still skips what it did
+        starting   -> killed        its device is not free any more (an owner came back, a worker
+                                    started there cold), or the agent shut down
+        starting   -> died          it exited on its own (logged with its output's tail; its device
+                                    gets no new standby for RESTART_BACKOFF_S)
+        warm       -> preparing     it was sent a job's Preparation (a job that may grow here)
+        warm       -> taken
+        warm       -> killed
+        warm       -> died
+        preparing  -> prepared      it said PREPARED_LINE: the job's model is built
+        preparing  -> build-failed  it said PREPARATION_FAILED_LINE: still that job's only (its
+                                    worker builds, and fails, on its own)
+        preparing  -> taken         that job's launch took it while it built (it goes on from
+                                    where the build is)
+        preparing  -> killed        also PREPARE_TIMEOUT_S passed (the job is never prepared here
+                                    again), or the job stopped growing here
+        preparing  -> died
+        prepared   -> taken         only by a launch of the job it was prepared for; another
+                                    job's launch on its device kills it
+        prepared   -> killed
+        prepared   -> died
+        build-failed -> taken
+        build-failed -> killed
+        build-failed -> died
+
+taken, killed and died are final: a standby serves one worker and ends with it.
+"""
+
+    STARTING = "starting"
+    WARM = "warm"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    BUILD_FAILED = "build-failed"
+    TAKEN = "taken"
+    KILLED = "killed"
+    DIED = "died"
+
+    @property
+    def final(self) -> bool:
+        return not STANDBY_TRANSITIONS[self]
+
+
+_S = StandbyState
+_ENDS = frozenset({_S.TAKEN, _S.KILLED, _S.DIED})
+STANDBY_TRANSITIONS: dict[StandbyState, frozenset[StandbyState]] = {
+    _S.STARTING: _ENDS | {_S.WARM},
+    _S.WARM: _ENDS | {_S.PREPARING},
+    _S.PREPARING: _ENDS | {_S.PREPARED, _S.BUILD_FAILED},
+    _S.PREPARED: _ENDS,
+    _S.BUILD_FAILED: _ENDS,
+    _S.TAKEN: frozenset(),
+    _S.KILLED: frozenset(),
+    _S.DIED: frozenset(),
+}
+
+
+class InvalidStandbyTransition(Exception):  # noqa: N818 - named for what it is, like InvalidTransition
+    def __init__(self, source: str, target: str) -> None:
+        super().__init__(f"a standby cannot go from {str(source)!r} to {str(target)!r}")
+        self.source = source
+        self.target = target
+
+
+def check_standby_transition(source: str, target: str) -> None:
+    """Raises InvalidStandbyTransition unless a standby may go from `source` to `target`."""
+    if StandbyState(target) not in STANDBY_TRANSITIONS[StandbyState(source)]:
+        raise InvalidStandbyTransition(source, target)
+
+
 @dataclass
 class Standby:
+    """One standby process, as the pool sees it. Read it; only the pool changes it."""
+
     device_index: int
     placement: WorkerPlacement
     process: subprocess.Popen[bytes]
@@ -85,35 +167,27 @@ class Standby:
     """Its own output until it is assigned (then the worker's file takes over)."""
     job: int | None = None
     """The job it was prepared for, if any: it serves no other."""
-    prepared_at: float = 0.0
-    """When it was sent its preparation (time.monotonic)."""
+    state: StandbyState = StandbyState.STARTING
+    since: float = field(default_factory=time.monotonic)
+    """When it entered its state (time.monotonic)."""
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def ready(self) -> bool:
-        """Whether it is warm: it said so in its output."""
-        try:
-            return READY_LINE.encode() in self.output.read_bytes()[:_TAIL_BYTES]
-        except OSError:
-            return False
+        """Whether it is warm (prepared or not), as of the pool's last look."""
+        return self.state in (StandbyState.WARM, StandbyState.PREPARING, StandbyState.PREPARED, StandbyState.BUILD_FAILED)
 
-    def preparing(self) -> bool:
-        """Whether it was prepared for a job and has not said how that went yet."""
-        if self.job is None:
-            return False
+    def said(self) -> bytes:
+        """Its output so far (b"" if it cannot be read)."""
         try:
-            said = self.output.read_bytes()
+            return self.output.read_bytes()
         except OSError:
-            return False
-        return PREPARED_LINE.encode() not in said and PREPARATION_FAILED_LINE.encode() not in said
+            return b""
 
     def output_tail(self) -> str:
-        try:
-            return self.output.read_bytes()[-_TAIL_BYTES:].decode(errors="replace")
-        except OSError:
-            return ""
+        return self.said()[-_TAIL_BYTES:].decode(errors="replace")
 
 
 class StandbyPool:
@@ -153,24 +227,17 @@ class StandbyPool:
         prepared: a build, even at idle priority, competes for memory bandwidth with the resize's
         transfer and first step. Also reaps the standbys that were killed."""
         now = time.monotonic()
+        self._observe()
         for index, standby in list(self._standbys.items()):
-            if standby.process.poll() is not None:
-                del self._standbys[index]
-                self._backoff_until[index] = now + RESTART_BACKOFF_S
-                log.error(
-                    "the standby on device %d (pid %d) died with code %s; none there for %.0f s. Its output:\n%s",
-                    index, standby.pid, standby.process.returncode, RESTART_BACKOFF_S, standby.output_tail(),
-                )
-                standby.output.unlink(missing_ok=True)
-            elif index not in free:
+            if index not in free:
                 self._kill(index, "its device is not free")
             elif standby.job is not None and standby.job not in growing:
                 self._kill(index, f"job {standby.job}, which it was prepared for, does not grow here any more")
-            elif standby.preparing() and now - standby.prepared_at > PREPARE_TIMEOUT_S:
+            elif standby.state is StandbyState.PREPARING and now - standby.since > PREPARE_TIMEOUT_S:
                 assert standby.job is not None
                 self._unpreparable.add(standby.job)
                 self._kill(index, f"building job {standby.job} took more than {PREPARE_TIMEOUT_S:.0f} s; not preparing it again")
-        warming = any(not standby.ready() for standby in self._standbys.values())
+        warming = any(standby.state is StandbyState.STARTING for standby in self._standbys.values())
         if not warming and len(self._standbys) < self.limit:
             startable = [i for i in sorted(free.keys() - self._standbys.keys()) if now >= self._backoff_until.get(i, 0.0)]
             if startable:
@@ -184,11 +251,11 @@ class StandbyPool:
         `growing` with the fewest prepared standbys (the first such on a tie), if some job has
         fewer than prepared_per_job and no other standby is preparing."""
         standbys = self._standbys.values()
-        if not growing or not self.prepared_per_job or any(standby.preparing() for standby in standbys):
+        if not growing or not self.prepared_per_job or any(s.state is StandbyState.PREPARING for s in standbys):
             return
         counts = Counter(standby.job for standby in standbys if standby.job is not None)
         wanting = [job for job in growing if counts[job] < self.prepared_per_job and job not in self._unpreparable]
-        candidates = [i for i in sorted(self._standbys) if self._standbys[i].job is None and self._standbys[i].ready()]
+        candidates = [i for i in sorted(self._standbys) if self._standbys[i].state is StandbyState.WARM]
         if not wanting or not candidates:
             return
         job = min(wanting, key=lambda j: (counts[j], growing.index(j)))
@@ -201,8 +268,8 @@ class StandbyPool:
             log.warning("could not prepare device %d's standby (pid %d) for job %d: %s", index, standby.pid, job, err)
             self._kill(index, "it could not be prepared")
             return
-        standby.job, standby.prepared_at = job, time.monotonic()
-        log.info("preparing the standby on device %d (pid %d) for job %d", index, standby.pid, job)
+        standby.job = job
+        self._move(standby, StandbyState.PREPARING, f"for job {job}")
 
     @staticmethod
     def _send(standby: Standby, line: bytes) -> None:
@@ -225,11 +292,12 @@ class StandbyPool:
         and whose environment is `env`; returns it, or None (the worker then starts cold) if
         the device has no live standby started with `placement` and unprepared or prepared for
         that job."""
+        self._observe()
         standby = self._standbys.get(index)
         if standby is None:
             return None
-        if standby.placement != placement or standby.process.poll() is not None:
-            self._kill(index, "it was started for another placement" if standby.placement != placement else "it died")
+        if standby.placement != placement:
+            self._kill(index, "it was started for another placement")
             return None
         if standby.job is not None and standby.job != job:
             self._kill(index, f"it was prepared for job {standby.job}, not job {job}")
@@ -245,6 +313,7 @@ class StandbyPool:
             self._kill(index, "it could not be handed a worker")
             return None
         del self._standbys[index]
+        self._move(standby, StandbyState.TAKEN, f"by job {job}")
         standby.output.unlink(missing_ok=True)
         return standby
 
@@ -253,7 +322,44 @@ class StandbyPool:
         return {standby.pid: index for index, standby in self._standbys.items()}
 
     def standbys(self) -> list[Standby]:
+        """The standbys waiting, their states as of now."""
+        self._observe()
         return list(self._standbys.values())
+
+    def _observe(self) -> None:
+        """Moves each waiting standby on to the state its process and its output show; forgets
+        those that died (their device gets no new one for RESTART_BACKOFF_S)."""
+        for index, standby in list(self._standbys.items()):
+            if standby.process.poll() is not None:
+                del self._standbys[index]
+                self._backoff_until[index] = time.monotonic() + RESTART_BACKOFF_S
+                self._move(standby, StandbyState.DIED, f"with code {standby.process.returncode}")
+                log.error(
+                    "the standby on device %d (pid %d) died; none there for %.0f s. Its output:\n%s",
+                    index, standby.pid, RESTART_BACKOFF_S, standby.output_tail(),
+                )
+                standby.output.unlink(missing_ok=True)
+            elif standby.state is StandbyState.STARTING:
+                if READY_LINE.encode() in standby.said()[:_TAIL_BYTES]:
+                    self._move(standby, StandbyState.WARM)
+            elif standby.state is StandbyState.PREPARING:
+                said = standby.said()
+                if PREPARED_LINE.encode() in said:
+                    self._move(standby, StandbyState.PREPARED)
+                elif PREPARATION_FAILED_LINE.encode() in said:
+                    self._move(standby, StandbyState.BUILD_FAILED, standby.output_tail())
+
+    @staticmethod
+    def _move(standby: Standby, target: StandbyState, detail: str = "") -> None:
+        """The one place a standby's state changes (raises InvalidStandbyTransition)."""
+        check_standby_transition(standby.state, target)
+        now = time.monotonic()
+        log.info(
+            "standby on device %d (pid %d): %s -> %s after %.1f s%s",
+            standby.device_index, standby.pid, standby.state.value, target.value, now - standby.since,
+            f" ({detail})" if detail else "",
+        )
+        standby.state, standby.since = target, now
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Kills every standby and reaps them."""
@@ -306,7 +412,7 @@ class StandbyPool:
 
     def _kill(self, index: int, why: str) -> None:
         standby = self._standbys.pop(index)
-        log.info("killing the standby on device %d (pid %d): %s", index, standby.pid, why)
+        self._move(standby, StandbyState.KILLED, why)
         if standby.process.poll() is None:
             try:
                 os.killpg(standby.pid, signal.SIGKILL)

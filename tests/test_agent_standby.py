@@ -14,7 +14,7 @@ import pytest
 
 from agent.devices.nvml import GpuProcess, classify_processes
 from agent.devices.simulated import SimulatedBackend
-from agent.standby import StandbyPool
+from agent.standby import Standby, StandbyPool, StandbyState
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
 from elastic.wire import StopCommand
 from elastic.worker.standby import PREPARED_LINE
@@ -38,6 +38,11 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def warmed(pool: StandbyPool, standby: Standby) -> Callable[[], bool]:
+    """Whether `standby` is warm, as the pool sees it now."""
+    return lambda: standby in pool.standbys() and standby.ready()
 
 
 @pytest.fixture
@@ -192,7 +197,7 @@ def test_standbys_start_one_at_a_time_up_to_the_limit(tmp_path: os.PathLike[str]
         if not first.ready():
             pool.keep(free, dict(os.environ))
             assert pool.standbys() == [first], "a second started while the first was still warming up"
-        wait_until("the first standby to warm up", first.ready)
+        wait_until("the first standby to warm up", warmed(pool, first))
         pool.keep(free, dict(os.environ))
         assert [s.device_index for s in pool.standbys()] == [0, 1]
         wait_until("the second standby to warm up", lambda: all(s.ready() for s in pool.standbys()))
@@ -228,7 +233,7 @@ def test_a_standby_prepared_for_a_growing_job_serves_that_job_only(monkeypatch: 
             standbys = pool.standbys()
             return (
                 {s.device_index: s.job for s in standbys} == prepared_for
-                and all(s.ready() and not s.preparing() for s in standbys)
+                and all(s.state in (StandbyState.WARM, StandbyState.PREPARED) for s in standbys)
             )
 
         return check
@@ -274,7 +279,7 @@ def test_a_job_that_stops_growing_here_loses_its_prepared_standbys(monkeypatch: 
 
         def prepared() -> bool:
             supervisor.keep_standbys(backend, set())
-            return [(s.job, s.preparing()) for s in pool.standbys()] == [(1, False)]
+            return [(s.job, s.state) for s in pool.standbys()] == [(1, StandbyState.PREPARED)]
 
         wait_until("a standby prepared for job 1", prepared)
         [standby] = pool.standbys()
@@ -300,10 +305,11 @@ def test_a_preparation_past_its_deadline_is_killed_and_its_job_not_prepared_agai
     try:
         pool.keep(free, dict(os.environ))
         [standby] = pool.standbys()
-        wait_until("the standby to warm up", standby.ready)
+        wait_until("the standby to warm up", warmed(pool, standby))
         # As if it had been sent a preparation that never finished (a job's code that hangs).
-        standby.job, standby.prepared_at = 1, time.monotonic() - PREPARE_TIMEOUT_S - 1
-        assert standby.preparing()
+        standby.job = 1
+        pool._move(standby, StandbyState.PREPARING)
+        standby.since -= PREPARE_TIMEOUT_S + 1
         calls: list[int] = []
 
         def prepare_env(job: int, index: int, placement: object) -> dict[str, str]:
@@ -315,7 +321,7 @@ def test_a_preparation_past_its_deadline_is_killed_and_its_job_not_prepared_agai
         wait_until("the stuck standby killed", lambda: gone(standby.pid), 10)
         # The device gets a new standby (started in the same call), never prepared for that job.
         [fresh] = pool.standbys()
-        wait_until("the new standby to warm up", fresh.ready)
+        wait_until("the new standby to warm up", warmed(pool, fresh))
         pool.keep(free, dict(os.environ), [1], prepare_env)
         assert calls == [] and fresh.job is None
     finally:
