@@ -330,7 +330,7 @@ def test_a_worker_that_never_joined_gets_the_short_grace(backend: SimulatedBacke
     """A joiner that hangs while warming up holds no state: it is killed after the warming grace,
     while a worker that joined keeps the full one to save its state."""
     supervisor = WorkerSupervisor(
-        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=8.0, warming_stop_grace_s=0.3)
+        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=3.0, warming_stop_grace_s=0.3)
     )
     recorder = Recorder(supervisor)
     try:
