@@ -149,11 +149,13 @@ def platform_commands(
     port: int, queue: str, state_dir: Path, host: str = "127.0.0.1", portal_processes: int = 1
 ) -> dict[str, list[str]]:
     """The portal (portal_command), the Celery worker and beat, as argument lists after
-    `python`."""
+    `python`. The worker starts without mingle and gossip: mingle asks the other workers for
+    their revoked tasks and logical clocks, waiting a second for answers at every start, and
+    gossip follows their events; our tasks are never revoked and need neither."""
     return {
         "portal": portal_command(port, host, portal_processes),
         "worker": ["-m", "celery", "-A", "portal", "worker", "-Q", queue, "-c", "2", "--loglevel", "INFO",
-                   "-n", f"scheduler-{port}@%h"],
+                   "--without-mingle", "--without-gossip", "-n", f"scheduler-{port}@%h"],
         "beat": ["-m", "celery", "-A", "portal", "beat", "--loglevel", "INFO", "-s",
                  str(state_dir / f"celerybeat-{port}")],
     }
