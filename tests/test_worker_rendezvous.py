@@ -10,6 +10,7 @@ import io
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -374,3 +375,23 @@ def test_a_failed_formation_leaves_the_next_groups_name_as_every_member_has_it()
         assert dist.distributed_c10d._get_default_group().group_name == "0"
     finally:
         rendezvous.leave_group()
+
+
+def test_a_joiner_gives_up_on_a_port_where_another_program_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 could not bind the generation's port because another program listens there (CI
+    once drew RabbitMQ's 25672). A joiner's probe finds that program listening; torch's store
+    client then waited for an answer past its own timeout, and the joiner missed the next
+    generation's deadline too. It gives up after STORE_CONNECT_S instead, with a clear error."""
+    import elastic.worker.rendezvous as rendezvous
+
+    monkeypatch.setattr(rendezvous, "STORE_CONNECT_S", 0.5)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) and never answers
+    try:
+        squatted = {**record(2, [0, 1], joiners=[1]).model_dump(), "master_port": silent.getsockname()[1]}
+        joiner, _ = _rendezvous(MemoryBoard(), 1, holds_state=False, rank=1)
+        began = time.monotonic()
+        with pytest.raises(RendezvousError, match="does not answer as rank 0's store"):
+            joiner.form(Membership(**squatted), 1, 2, "switch", timeout_s=30)
+        assert time.monotonic() - began < 5, "it waited for the store's own timeout"
+    finally:
+        silent.close()

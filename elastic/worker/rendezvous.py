@@ -66,6 +66,40 @@ def wait_listening(host: str, port: int, timeout_s: float, check: Callable[[], N
             time.sleep(_LISTEN_PROBE_S)
 
 
+STORE_CONNECT_S = 10.0
+"""The longest a joiner waits for its client of rank 0's store to be made. Against rank 0's
+store that takes milliseconds (the port already accepts: wait_listening); against another
+program listening on the port (rank 0 could not bind it: EADDRINUSE) torch's TCPStore client
+waits for an answer that never comes, past its own timeout (over 40 s with timeout=3 s, seen
+here), and a joiner stuck there misses the next generation's deadline too."""
+
+
+def connect_store(host: str, port: int, world: int, timeout: timedelta) -> dist.TCPStore:
+    """A client of the TCPStore at host:port (`timeout`: its operations' timeout). Raises
+    RendezvousError if it cannot be made within STORE_CONNECT_S: what listens there is not
+    rank 0's store. The attempt then goes on in a daemon thread of its own (torch's call cannot
+    be interrupted; it releases the GIL), which ends with its connection or with the process."""
+    made: list[dist.TCPStore | BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, world, False, timeout=timeout, wait_for_workers=False))
+        except BaseException as err:  # handed to the caller
+            made.append(err)
+
+    attempt = threading.Thread(target=make, name=f"store-client-{port}", daemon=True)
+    attempt.start()
+    attempt.join(STORE_CONNECT_S)
+    if not made:
+        raise RendezvousError(
+            f"{host}:{port} accepts connections but does not answer as rank 0's store within "
+            f"{STORE_CONNECT_S:.0f} s (another program listens there?)"
+        )
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
 class MembershipWatcher:
     """Rank 0's view of the board, from a thread of its own so that the training loop never
     waits on the board: `pending` becomes the newest generation once every member of it outside
@@ -256,14 +290,11 @@ class Rendezvous:
                     # stopped already); a holder forms the group, which saves at its first step.
                     check = (lambda: None) if self.position.holds_state else self.check_stop
                     wait_listening(record.master_addr, record.master_port, timeout_s, check)
-                self._store = dist.TCPStore(
-                    record.master_addr,
-                    record.master_port,
-                    world,
-                    rank == 0,
-                    timeout=timeout,
-                    wait_for_workers=False,
-                )
+                    self._store = connect_store(record.master_addr, record.master_port, world, timeout)
+                else:
+                    self._store = dist.TCPStore(
+                        record.master_addr, record.master_port, world, True, timeout=timeout, wait_for_workers=False
+                    )
             # torch names the default group after a per-process counter that only the group's
             # destruction resets; a failed init_process_group leaves it advanced, and a member
             # whose counter differs from the others' waits on other rendezvous keys, so that
