@@ -1,8 +1,10 @@
 """A job's membership board in memory (elastic.membership.Board), for tests that drive the
-worker's rendezvous without Redis or processes, and helpers to write membership records."""
+worker's rendezvous without Redis or processes, helpers to write membership records, and a
+program that squats a generation's port."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Sequence
 
@@ -48,7 +50,7 @@ class MemoryBoard(Board):
         self._records: dict[int, Membership] = {}
         self._latest = 0
         self._ready: dict[int, set[str]] = {}
-        self._go: dict[int, int] = {}
+        self._tokens: dict[tuple[str, int], list[int]] = {}
         self._changed = threading.Condition()
         self.closed = False
 
@@ -77,18 +79,56 @@ class MemoryBoard(Board):
             return set(self._ready.get(generation, set()))
 
     def send_go(self, generation: int, tokens: int) -> None:
-        if tokens < 1:
-            return
-        with self._changed:
-            self._go[generation] = self._go.get(generation, 0) + tokens
-            self._changed.notify_all()
+        self._push(("go", generation), tokens)
 
     def wait_go(self, generation: int, timeout_s: float) -> bool:
+        return self._take(("go", generation), timeout_s) is not None
+
+    def announce_store(self, generation: int, port: int, tokens: int) -> None:
+        self._push(("store", generation), tokens, port)
+
+    def wait_store(self, generation: int, timeout_s: float) -> int | None:
+        return self._take(("store", generation), timeout_s)
+
+    def _push(self, name: tuple[str, int], tokens: int, value: int = 0) -> None:
         with self._changed:
-            if not self._changed.wait_for(lambda: self._go.get(generation, 0) > 0, timeout=timeout_s):
-                return False
-            self._go[generation] -= 1
-            return True
+            self._tokens.setdefault(name, []).extend([value] * tokens)
+            self._changed.notify_all()
+
+    def _take(self, name: tuple[str, int], timeout_s: float) -> int | None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: bool(self._tokens.get(name)), timeout=timeout_s):
+                return None
+            return self._tokens[name].pop(0)
 
     def close(self) -> None:
         self.closed = True
+
+
+class SilentListener:
+    """Another program on a port of 127.0.0.1 (`port`; 0: any free one): it accepts connections
+    and never answers (RabbitMQ's 25672, which CI once drew as a generation's port, does so to
+    anything that is not Erlang). Keeps the connections it accepted, in `accepted`."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.server = socket.create_server(("127.0.0.1", port))
+        self.server.settimeout(0.05)
+        self.port = self.server.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                self.accepted.append(self.server.accept()[0])
+            except TimeoutError:
+                continue
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=5)
+        for connection in self.accepted:
+            connection.close()
+        self.server.close()

@@ -22,6 +22,7 @@ import torch
 
 from elastic.worker.data import SampleStream
 from tests.code_support import RINGS, directory_files, evaluate_without_bungee, tar_gz
+from tests.membership_support import SilentListener
 from tests.platform import Platform, running_platform
 from tests.worker_support import DIGITS_SAMPLES, Ledger
 
@@ -244,6 +245,40 @@ def test_a_survivor_killed_mid_step(platform: Platform, record: Path) -> None:
     )
     assert steps >= stopped["steps_done"]
     assert loss_fell(platform, job_id)
+
+
+def test_a_port_where_another_program_listens_costs_nothing(platform: Platform, record: Path) -> None:
+    """CI once drew RabbitMQ's port for a generation: rank 0 could not bind it, and the other
+    members, finding it accepting, hung in torch's store client until the next generation had
+    expired too. Now rank 0 makes its store at a port the kernel picks and tells the members
+    that one: the generation forms as if nothing happened, with its survivors, and no worker
+    ever connects to the other program."""
+    job_id = submit(platform, 2)
+    job = settled(platform, job_id, 2)
+    survivors = {row["pid"] for row in live_rows(job)}
+    squatted_generation = job["generation"] + 1
+    # The port the portal gives that generation (portal.jobs.lifecycle._free_port, no other
+    # job active); the log below shows that rank 0 really met the squatter there.
+    port = int(platform.env["BUNGEE_MASTER_PORT_BASE"]) + (job_id * 7 + squatted_generation) % 5000
+    squatter = SilentListener(port)
+    try:
+        pin(platform, job_id, 3)
+        job = settled(platform, job_id, 3, squatted_generation - 1)
+    finally:
+        squatter.close()
+    assert squatter.accepted == [], "a worker connected to the other program"
+    assert job["generation"] == squatted_generation, job_story(platform, job_id)
+    assert survivors <= {row["pid"] for row in live_rows(job)}, "a survivor was restarted"
+    lines = logs(platform, job_id)
+    said = f"generation {squatted_generation}: port {port} is taken by another program; the store listens at"
+    assert any(said in line for line in lines), "\n".join(lines[-30:])
+    assert_true_allocation(job)
+    steps_past(platform, job_id, job["steps_done"] + 100)
+    stopped = cancel(platform, job_id)
+    steps = Ledger.read(record, job_id).check(
+        SampleStream(DIGITS_SAMPLES, SEED), BATCH, partial=1, virtual_workers=3
+    )
+    assert steps >= stopped["steps_done"]
 
 
 def test_every_worker_killed_resumes_from_the_checkpoint(platform: Platform, record: Path) -> None:

@@ -85,6 +85,19 @@ def test_each_go_token_wakes_one_waiter_of_its_generation(board: Board) -> None:
     assert not board.wait_go(2, 0.01)
 
 
+def test_store_tokens_carry_the_port_and_are_apart_from_go_tokens(board: Board) -> None:
+    board.announce_store(2, 29500, 0)
+    assert board.wait_store(2, 0.01) is None
+    board.announce_store(2, 41234, 2)
+    board.send_go(2, 1)
+    assert board.wait_store(3, 0.01) is None
+    assert board.wait_store(2, 0.01) == 41234
+    assert board.wait_store(2, 0.01) == 41234
+    assert board.wait_store(2, 0.01) is None
+    assert board.wait_go(2, 0.01)
+    assert not board.wait_go(2, 0.01)
+
+
 # --- the Redis board only --------------------------------------------------------------------
 
 
@@ -94,8 +107,9 @@ def test_every_key_of_the_redis_board_expires() -> None:
         board.publish(record(1, [0]))
         board.mark_ready(1, key(0))
         board.send_go(1, 1)
+        board.announce_store(1, 29500, 1)
         keys = list(board.client.scan_iter(f"{board.key}:*"))
-        assert len(keys) == 4  # the record, latest, ready, go
+        assert len(keys) == 5  # the record, latest, ready, go, store
         assert all(0 < board.client.ttl(name) <= RECORD_TTL_S for name in keys)
     finally:
         for stale in board.client.scan_iter(f"{board.key}:*"):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import io
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 
@@ -27,11 +27,11 @@ from elastic.worker.rendezvous import (
     Rendezvous,
     RendezvousError,
     backend_for,
-    wait_listening,
+    connect_store,
 )
 from elastic.worker.settings import WorkerSettings
 from elastic.worker.stop import StopRequest
-from tests.membership_support import MemoryBoard, key, record
+from tests.membership_support import MemoryBoard, SilentListener, key, record
 from tests.test_worker_events import CONFIG
 
 SETTINGS = WorkerSettings(membership_poll_s=0.001)
@@ -312,17 +312,6 @@ def test_the_watcher_trains_on_while_the_board_is_away_and_says_so_once() -> Non
 # --- the process group -----------------------------------------------------------------------
 
 
-def test_waiting_for_a_listener_returns_once_one_listens() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        wait_listening("127.0.0.1", server.getsockname()[1], timeout_s=5)
-
-
-def test_waiting_for_a_listener_has_a_deadline() -> None:
-    port = free_port()
-    with pytest.raises(RendezvousError, match=f"nothing listens at 127.0.0.1:{port} after 0 s"):
-        wait_listening("127.0.0.1", port, timeout_s=0)
-
-
 def test_a_stop_ends_a_joiners_wait_for_rank_0s_store() -> None:
     """Rank 0 stopped first (a cancel stops every worker at once): a joiner, which holds nothing,
     stops instead of waiting the formation's whole timeout for a store that never listens; a
@@ -335,7 +324,7 @@ def test_a_stop_ends_a_joiners_wait_for_rank_0s_store() -> None:
         joiner.form(Membership(**nobody), 1, 2, "switch", timeout_s=60)
     assert way_out.value.code == STOPPED_EXIT_CODE
     holder, _ = _rendezvous(MemoryBoard(), 1, holds_state=True, rank=1, stop=stop)
-    with pytest.raises(RendezvousError, match="nothing listens"):
+    with pytest.raises(RendezvousError, match="rank 0 of generation 2 did not say its store listens within 0.2 s"):
         holder.form(Membership(**nobody), 1, 2, "switch", timeout_s=0.2)
 
 
@@ -365,10 +354,12 @@ def test_a_failed_formation_leaves_the_next_groups_name_as_every_member_has_it()
     worker forms is named as a fresh process names it."""
     import torch.distributed as dist
 
-    rendezvous, _ = _rendezvous(MemoryBoard(), 0, holds_state=True)
+    board = MemoryBoard()
+    rendezvous, _ = _rendezvous(board, 0, holds_state=True)
     nobody_comes = record(5, [0, 1]).model_copy(update={"master_port": free_port()})
     with pytest.raises(RendezvousError):
         rendezvous.form(nobody_comes, 0, 2, "switch", timeout_s=0.5)
+    assert board.wait_store(5, 0.01) == nobody_comes.master_port, "rank 0 did not say where its store listened"
     alone = record(6, [0]).model_copy(update={"master_port": free_port()})
     rendezvous.form(alone, 0, 1, "switch", timeout_s=10)
     try:
@@ -377,21 +368,71 @@ def test_a_failed_formation_leaves_the_next_groups_name_as_every_member_has_it()
         rendezvous.leave_group()
 
 
-def test_a_joiner_gives_up_on_a_port_where_another_program_listens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 0 could not bind the generation's port because another program listens there (CI
-    once drew RabbitMQ's 25672). A joiner's probe finds that program listening; torch's store
-    client then waited for an answer past its own timeout, and the joiner missed the next
-    generation's deadline too. It gives up after STORE_CONNECT_S instead, with a clear error."""
+def test_a_port_where_another_program_listens_costs_rank_0_nothing() -> None:
+    """CI once drew RabbitMQ's 25672 as a generation's port. Rank 0 makes its store at a port the
+    kernel picks instead, says so in its log, and tells the members that port."""
+    squatter = SilentListener()
+    board = MemoryBoard()
+    try:
+        squatted = record(2, [0, 1]).model_copy(update={"master_port": squatter.port})
+        rank_0, log = _rendezvous(board, 0, holds_state=True, rank=0)
+        with pytest.raises(RendezvousError, match="[Ww]ait timeout"):  # nobody else comes
+            rank_0.form(squatted, 0, 2, "switch", timeout_s=0.5)
+        port = board.wait_store(2, 0.01)
+        assert port is not None and port != squatter.port
+        said = f"generation 2: port {squatter.port} is taken by another program; the store listens at {port} instead"
+        assert said in _logs(log)
+        assert squatter.accepted == []
+    finally:
+        squatter.close()
+
+
+def test_members_wait_for_rank_0s_word_and_go_on_when_a_newer_generation_comes() -> None:
+    """Nobody connects to the record's port on its own: what listens there may be another
+    program, and torch's store client hung there past the next generation's deadline. Members
+    wait for rank 0's word, and give up on the generation as soon as a newer one is published."""
+    squatter = SilentListener()
+    board = MemoryBoard()
+    try:
+        squatted = record(2, [0, 1, 2], joiners=[2]).model_copy(update={"master_port": squatter.port})
+        board.publish(squatted)
+        failures: list[BaseException] = []
+
+        def member(device: int, holds_state: bool) -> None:
+            rendezvous, _ = _rendezvous(board, device, holds_state=holds_state, rank=device)
+            try:
+                rendezvous.form(squatted, device, 3, "switch", timeout_s=30)
+            except RendezvousError as err:
+                failures.append(err)
+
+        members = [threading.Thread(target=member, args=(1, True)), threading.Thread(target=member, args=(2, False))]
+        for thread in members:
+            thread.start()
+        time.sleep(0.3)  # both wait for rank 0's word
+        assert all(thread.is_alive() for thread in members)
+        board.publish(record(3, [0, 1, 2], joiners=[2]))
+        for thread in members:
+            thread.join(timeout=10)
+        assert not any(thread.is_alive() for thread in members), "a member waited on after generation 3 came"
+        assert [str(err) for err in failures] == [
+            "generation 2 was replaced by a newer one before its rank 0 said its store listens"
+        ] * 2
+        assert squatter.accepted == []
+    finally:
+        squatter.close()
+
+
+def test_a_store_client_that_gets_no_answer_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline of the last wait: torch's store client, against a program that accepts and
+    never answers, waited past its own timeout (over 40 s with timeout=3 s)."""
     import elastic.worker.rendezvous as rendezvous
 
     monkeypatch.setattr(rendezvous, "STORE_CONNECT_S", 0.5)
-    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) and never answers
+    squatter = SilentListener()
     try:
-        squatted = {**record(2, [0, 1], joiners=[1]).model_dump(), "master_port": silent.getsockname()[1]}
-        joiner, _ = _rendezvous(MemoryBoard(), 1, holds_state=False, rank=1)
         began = time.monotonic()
         with pytest.raises(RendezvousError, match="does not answer as rank 0's store"):
-            joiner.form(Membership(**squatted), 1, 2, "switch", timeout_s=30)
+            connect_store("127.0.0.1", squatter.port, 2, timedelta(seconds=30))
         assert time.monotonic() - began < 5, "it waited for the store's own timeout"
     finally:
-        silent.close()
+        squatter.close()

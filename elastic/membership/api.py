@@ -146,5 +146,15 @@ class Board(abc.ABC):
         """Takes one go token of `generation`, waiting at most `timeout_s`; whether one came."""
 
     @abc.abstractmethod
+    def announce_store(self, generation: int, port: int, tokens: int) -> None:
+        """Rank 0 of `generation` says that its store listens at `port`, to up to `tokens`
+        members."""
+
+    @abc.abstractmethod
+    def wait_store(self, generation: int, timeout_s: float) -> int | None:
+        """Takes one store token of `generation`, waiting at most `timeout_s`: the port rank 0's
+        store listens at, or None if no token came."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Releases the connection."""

@@ -8,6 +8,8 @@ Keys, under the job's coordination key K (elastic.wire.coordination_key):
     K:latest           the newest G published; it only ever grows
     K:ready:<G>        set of member keys ("node/device_index") of joiners ready for G
     K:go:<G>           list; the holders of the state push a token per joiner when they form G
+    K:store:<G>        list; rank 0 pushes a token per other member once G's store listens: the
+                       port it listens at
     K:alive:<member>   the pid of the worker process on that device, refreshed every
                        HEARTBEAT_EVERY_S by a thread of the worker and expiring HEARTBEAT_TTL_S
                        after the last refresh: how the portal knows a silent agent's workers
@@ -25,7 +27,10 @@ The protocol, one generation G at a time (the worker's side is elastic.worker.re
    "switch to G" in the next step's all-reduce, so every rank switches after that same step.
 4. At the switch rank 0 pushes the go tokens; leavers exit; survivors and joiners form G's
    process group and the joiners receive the training state from the survivors' memory
-   (elastic.worker.transfer).
+   (elastic.worker.transfer). Rank 0 makes G's TCPStore at the record's port (at one the
+   kernel picks if another program holds that one) and then pushes a K:store:<G> token per
+   other member, holding the port; they connect only after taking one, to that port, so a
+   program that listens at the record's port is never mistaken for the store.
 5. Holders of the state with no running group (a peer died and the group broke) wait until
    every joiner of G is ready, push the go tokens, and form G, unless a newer generation comes
    first.
@@ -171,26 +176,47 @@ class RedisBoard(Board):
 
     def send_go(self, generation: int, tokens: int) -> None:
         """Wakes up to `tokens` joiners waiting for `generation` (a token each)."""
-        if tokens < 1:
-            return
-        go = f"{self.key}:go:{generation}"
-
-        def push() -> None:
-            pipe = self.client.pipeline()
-            pipe.rpush(go, *(["go"] * tokens))
-            pipe.expire(go, RECORD_TTL_S)
-            pipe.execute()
-
-        self._call(f"waking the joiners of generation {generation}", push)
+        self._push_tokens("go", generation, tokens, f"waking the joiners of generation {generation}")
 
     def wait_go(self, generation: int, timeout_s: float) -> bool:
         """Takes one go token of `generation`, waiting up to `timeout_s`; returns whether one
         came."""
-        token = self._call(
-            f"waiting for the go of generation {generation}",
-            lambda: self.client.blpop([f"{self.key}:go:{generation}"], timeout=timeout_s),
-        )
+        token = self._take_token("go", generation, timeout_s, f"waiting for the go of generation {generation}")
         return token is not None
+
+    def announce_store(self, generation: int, port: int, tokens: int) -> None:
+        """Rank 0 of `generation` says that its store listens at `port`, to up to `tokens`
+        members."""
+        self._push_tokens(
+            "store", generation, tokens, f"announcing the store of generation {generation}", str(port)
+        )
+
+    def wait_store(self, generation: int, timeout_s: float) -> int | None:
+        """Takes one store token of `generation`, waiting up to `timeout_s`: the port rank 0's
+        store listens at, or None if none came."""
+        token = self._take_token("store", generation, timeout_s, f"waiting for the store of generation {generation}")
+        return None if token is None else int(token)
+
+    def _push_tokens(self, kind: str, generation: int, tokens: int, what: str, value: str = "") -> None:
+        if tokens < 1:
+            return
+        name = f"{self.key}:{kind}:{generation}"
+
+        def push() -> None:
+            pipe = self.client.pipeline()
+            pipe.rpush(name, *([value or kind] * tokens))
+            pipe.expire(name, RECORD_TTL_S)
+            pipe.execute()
+
+        self._call(what, push)
+
+    def _take_token(self, kind: str, generation: int, timeout_s: float, what: str) -> str | None:
+        """One token's value, or None if none came within `timeout_s`."""
+        token = self._call(what, lambda: self.client.blpop([f"{self.key}:{kind}:{generation}"], timeout=timeout_s))
+        if token is None:
+            return None
+        value = token[1]
+        return value.decode() if isinstance(value, bytes) else str(value)
 
     # --- heartbeats ---------------------------------------------------------------------------
 

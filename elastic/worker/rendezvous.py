@@ -9,7 +9,6 @@ board that does not answer raises BoardUnavailable after its client's retries.""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -30,8 +29,8 @@ from elastic.worker.stop import StopRequest
 from elastic.worker.transfer import StateOutline
 
 GO_WAIT_S = 0.25
-"""A joiner waiting for the go looks at the board's latest generation this often."""
-_LISTEN_PROBE_S = 0.002
+"""A member waiting for the go or for rank 0's store looks at the board's latest generation
+this often (the token itself wakes it at once)."""
 
 
 def backend_for(device: str, shared_gpu: bool = False) -> str:
@@ -49,34 +48,17 @@ class RendezvousError(RuntimeError):
     """A generation's group could not be formed, or its state not restored: a member is gone."""
 
 
-def wait_listening(host: str, port: int, timeout_s: float, check: Callable[[], None] = lambda: None) -> None:
-    """Returns once something accepts TCP connections at host:port. A TCPStore client that
-    comes before its server backs off for a third of a second; probing costs a few ms.
-    Calls `check` before each probe (it raises to give up: a stop asked). Raises
-    RendezvousError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        check()
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError as err:
-            if time.monotonic() > deadline:
-                raise RendezvousError(f"nothing listens at {host}:{port} after {timeout_s} s: {err}") from err
-            time.sleep(_LISTEN_PROBE_S)
-
-
 STORE_CONNECT_S = 10.0
-"""The longest a joiner waits for its client of rank 0's store to be made. Against rank 0's
-store that takes milliseconds (the port already accepts: wait_listening); against another
-program listening on the port (rank 0 could not bind it: EADDRINUSE) torch's TCPStore client
-waits for an answer that never comes, past its own timeout (over 40 s with timeout=3 s, seen
-here), and a joiner stuck there misses the next generation's deadline too."""
+"""The longest a member waits for its client of rank 0's store to be made. It connects only
+once rank 0 said its store listens (Board.announce_store), and then that takes milliseconds.
+The deadline is for what should never happen: against a program that accepts connections and
+never answers, torch's TCPStore client waits past its own timeout (over 40 s with
+timeout=3 s, seen here)."""
 
 
 def connect_store(host: str, port: int, world: int, timeout: timedelta) -> dist.TCPStore:
     """A client of the TCPStore at host:port (`timeout`: its operations' timeout). Raises
-    RendezvousError if it cannot be made within STORE_CONNECT_S: what listens there is not
+    RendezvousError if it cannot be made within STORE_CONNECT_S: what answers there is not
     rank 0's store. The attempt then goes on in a daemon thread of its own (torch's call cannot
     be interrupted; it releases the GIL), which ends with its connection or with the process."""
     made: list[dist.TCPStore | BaseException] = []
@@ -98,6 +80,21 @@ def connect_store(host: str, port: int, world: int, timeout: timedelta) -> dist.
     if isinstance(made[0], BaseException):
         raise made[0]
     return made[0]
+
+
+def serve_store(host: str, port: int, world: int, timeout: timedelta) -> tuple[dist.TCPStore, str]:
+    """Rank 0's TCPStore (it listens on every address; `host` is its own client's way to it),
+    at `port` or, if another program holds that port (EADDRINUSE), at one the kernel picks: a
+    taken port costs the generation nothing, since the members learn the port from
+    Board.announce_store, never from the record. Returns the store and a line for the log when
+    the port was taken, else ""."""
+    try:
+        return dist.TCPStore(host, port, world, True, timeout=timeout, wait_for_workers=False), ""
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+    store = dist.TCPStore(host, 0, world, True, timeout=timeout, wait_for_workers=False)
+    return store, f"port {port} is taken by another program; the store listens at {store.port} instead"
 
 
 class MembershipWatcher:
@@ -289,12 +286,13 @@ class Rendezvous:
                     # A worker with no state to save stops at once when asked (rank 0 may have
                     # stopped already); a holder forms the group, which saves at its first step.
                     check = (lambda: None) if self.position.holds_state else self.check_stop
-                    wait_listening(record.master_addr, record.master_port, timeout_s, check)
-                    self._store = connect_store(record.master_addr, record.master_port, world, timeout)
+                    port = self.await_store(record.generation, timeout_s, check)
+                    self._store = connect_store(record.master_addr, port, world, timeout)
                 else:
-                    self._store = dist.TCPStore(
-                        record.master_addr, record.master_port, world, True, timeout=timeout, wait_for_workers=False
-                    )
+                    self._store, taken = serve_store(record.master_addr, record.master_port, world, timeout)
+                    if taken:
+                        self.events.log(f"generation {record.generation}: {taken}")
+                    self.board.announce_store(record.generation, self._store.port, world - 1)
             # torch names the default group after a per-process counter that only the group's
             # destruction resets; a failed init_process_group leaves it advanced, and a member
             # whose counter differs from the others' waits on other rendezvous keys, so that
@@ -317,6 +315,29 @@ class Rendezvous:
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise RendezvousError(str(err)) from err
+
+    def await_store(self, generation: int, timeout_s: float, check: Callable[[], None]) -> int:
+        """The port rank 0 of `generation` said its store listens at, once it said so. Calls
+        `check` between looks (it raises to give up: a stop asked). Raises RendezvousError as
+        soon as a newer generation is published (this one will never form), or after
+        `timeout_s`. Until then nothing connects anywhere: what listens at the record's port may
+        be another program."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousError(
+                    f"rank 0 of generation {generation} did not say its store listens within {timeout_s:g} s"
+                )
+            # Never 0: a BLPOP of timeout 0 (or a few µs, rounded down to 0 ms) waits for good.
+            port = self.board.wait_store(generation, min(GO_WAIT_S, max(left, 0.01)))
+            if port is not None:
+                return port
+            if self.board.latest_generation() > generation:
+                raise RendezvousError(
+                    f"generation {generation} was replaced by a newer one before its rank 0 said its store listens"
+                )
 
     def exchange(self, mine: GroupInfo) -> list[GroupInfo]:
         """Returns what every member of the group just formed told the others, by rank; `mine`
