@@ -249,6 +249,49 @@ def test_a_member_that_cannot_form_expires_its_generation_at_once(
     assert job.generation == 2 and lifecycle.current(job).reason == "its group did not form"
 
 
+def test_a_manual_resize_planned_again_still_says_who_asked_and_when(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    """A pin's generation that did not form (CI met one on a port another program held) is
+    planned again for the job's own reason; the resize that lands is still Alice's, and its land
+    time counts from her request, and it goes from the workers that ran before the first try.
+    Once it landed, the next resize is nobody's."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    form(cluster, job, 2)
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 1})
+    run_cycle()
+    job.refresh_from_db()
+    asked = job.pin_requested_at
+    report(cluster, event(job, "form_failed", failed_generation=2, message="could not form generation 2: EADDRINUSE"))
+    run_cycle()
+    job.refresh_from_db()
+    assert job.generation == 3
+    again = ResizeEvent.objects.get(job=job, generation=3)
+    assert (again.reason, again.requested_by, again.requested_at) == ("its group did not form", "alice", asked)
+    # The job still runs on the 2 workers it had before generation 2: the timeline says 2 → 1.
+    failed = ResizeEvent.objects.get(job=job, generation=2)
+    assert (again.workers_before, again.devices_before) == (2, failed.devices_before) and len(again.devices_after) == 1
+    form(cluster, job, 1, step=40, pause_s=0.1)
+    report(cluster, event(job, "exited", rank=1, generation=1, exit_code=76, reason="left", device_index=1))
+    job.refresh_from_db()
+    assert ResizeEvent.objects.get(job=job, generation=3).completed_at is not None
+    lifecycle.form_failed(cluster, job, event(job, "form_failed", failed_generation=3))
+    assert lifecycle.current(job).phase == "settled", "a generation that formed does not expire"
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 2})
+    run_cycle()
+    job.refresh_from_db()
+    later = ResizeEvent.objects.get(job=job, generation=4)
+    assert later.requested_by == "alice" and later.requested_at > asked, "a new pin is a new request"
+    report(cluster, event(job, "exited", rank=0, generation=3, exit_code=1, reason="failed", device_index=0))
+    run_cycle()
+    job.refresh_from_db()
+    assert [(r.generation, r.requested_by) for r in ResizeEvent.objects.filter(job=job, generation__gt=4)] == [
+        (5, "alice")
+    ], "generation 4 never landed: its replan is still the pin's"
+
+
 def test_owner_return_shrinks_the_job(api: dict, cluster: Any, redis_client: Any) -> None:
     from elastic.wire import DeviceSample
 

@@ -278,6 +278,20 @@ class GenerationPlan:
     reason: str
 
 
+def _pin_pending(job: Job, reason: str, previous: ResizeEvent | None) -> bool:
+    """Whether a generation planned now for `reason` carries the job's pin request (who asked,
+    and when: a manual resize's land time starts there): the pin has not landed yet, and the
+    generation is planned for it, or again after the one planned for it (`previous`, the
+    job's newest resize) expired or was lost (its group did not form, a member died) before it
+    landed."""
+    asked = job.pin_requested_at
+    if asked is None:
+        return False
+    if ResizeEvent.objects.filter(job=job, requested_at=asked, completed_at__isnull=False).exists():
+        return False
+    return reason == "manual resize" or (previous is not None and previous.requested_at == asked)
+
+
 def _free_port(job: Job, generation: int) -> int:
     base = settings.BUNGEE["MASTER_PORT_BASE"]
     taken = set(
@@ -335,19 +349,24 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
         Allocation(job=job, device_id=device_id, rank=rank, generation=number)
         for rank, device_id in enumerate(planned.devices)
     )
+    previous = ResizeEvent.objects.filter(job=job).order_by("-generation").first()
     asked: dict[str, Any] = {}
-    if planned.reason == "manual resize" and job.pin_requested_at is not None:
-        previous = ResizeEvent.objects.filter(job=job).order_by("-generation").values_list("requested_at", flat=True).first()
-        if previous is None or job.pin_requested_at > previous:  # this pin's first resize: it lands now
-            asked = {"requested_at": job.pin_requested_at, "requested_by": job.pin_requested_by}
+    if _pin_pending(job, planned.reason, previous):
+        asked = {"requested_at": job.pin_requested_at, "requested_by": job.pin_requested_by}
+    # The workers the job runs on before this resize: those of the last one that landed. A
+    # resize to some workers that never landed (expired, lost, superseded) hands its "before"
+    # on; one to none needs no report to land (its workers stop).
+    running = [names[d] for d in planned.devices_before]
+    if previous is not None and previous.completed_at is None and previous.devices_after:
+        running = previous.devices_before
     ResizeEvent.objects.create(
         job=job,
         generation=number,
         reason=planned.reason[:40],
         **asked,
-        workers_before=len(planned.devices_before),
+        workers_before=len(running),
         workers_after=len(planned.devices),
-        devices_before=[names[d] for d in planned.devices_before],
+        devices_before=running,
         devices_after=[names[d] for d in planned.devices],
     )
     fields: dict[str, Any] = {
