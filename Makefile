@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 # tests/browser (axe-core for the accessibility check); never copied by hand, never a CDN.
 STATIC_LIBS := static/vendor/node_modules/.package-lock.json
 TEST_LIBS := tests/browser/node_modules/.package-lock.json
+# Two pytest-xdist workers, each running whole files (a module's platform is started once): the
+# platform tests wait on processes and deadlines much of the time, so two share 2 cores well.
+PYTEST_ARGS ?= --numprocesses 2 --dist loadfile
 
 .PHONY: demo test install lint clean
 

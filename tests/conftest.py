@@ -115,8 +115,10 @@ def _browser_cluster_freed(request: pytest.FixtureRequest) -> Iterator[None]:
         free_the_cluster(request.getfixturevalue("browser_platform"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium() -> Any:
+    """One Chromium per browser test module: under pytest-xdist a worker runs other modules
+    between two browser ones, and none of them runs beside Playwright's sync loop."""
     from playwright.sync_api import sync_playwright
 
     from tests.browser_support import CHROMIUM, CHROMIUM_ARGS

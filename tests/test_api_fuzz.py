@@ -45,21 +45,24 @@ def alices_job(api: dict) -> int:
     return int(api["alice"].post("/api/jobs", VALID_SPEC).json()["id"])
 
 
+# The user is a pytest parameter (not a loop in the test): each operation's test then has a node
+# id of its own, `...[POST /api/jobs][alice]` (with none, schemathesis leaves all the operations
+# one id, and pytest-xdist's --dist loadfile, which schedules by id, would run one of them).
 @schema.parametrize()
+@pytest.mark.parametrize("user", ["alice", "bob"])
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
-def test_no_operation_fails_or_breaks_its_schema(case: Any, tokens: dict, alices_job: int) -> None:
-    for user in ("alice", "bob"):
-        with connection_kept():
-            response = case.call(headers={"Authorization": f"Bearer {tokens[user]}"})
-        REQUESTS.append(response.status_code)
-        assert response.status_code < 500, (case.method, case.formatted_path, response.text[:500])
-        # Left out: positive_data_acceptance, since a schema-valid spec may still be refused
-        # (rules across fields: exactly one of steps and epochs, min_workers <= max_workers, the
-        # steps cap are the API's own, not the document's); ignored_auth, which replays the case
-        # with made-up credentials but keeps the token passed here (tests/test_api_permissions
-        # checks refusals). Every other check stands: status, content type, headers, body schema.
-        case.validate_response(response, excluded_checks=[checks.positive_data_acceptance, checks.ignored_auth])
+def test_no_operation_fails_or_breaks_its_schema(case: Any, user: str, tokens: dict, alices_job: int) -> None:
+    with connection_kept():
+        response = case.call(headers={"Authorization": f"Bearer {tokens[user]}"})
+    REQUESTS.append(response.status_code)
+    assert response.status_code < 500, (case.method, case.formatted_path, response.text[:500])
+    # Left out: positive_data_acceptance, since a schema-valid spec may still be refused (rules
+    # across fields: exactly one of steps and epochs, min_workers <= max_workers, the steps cap
+    # are the API's own, not the document's); ignored_auth, which replays the case with made-up
+    # credentials but keeps the token passed here (tests/test_api_permissions checks refusals).
+    # Every other check stands: status, content type, headers, body schema.
+    case.validate_response(response, excluded_checks=[checks.positive_data_acceptance, checks.ignored_auth])
 
 
 def test_print_the_request_count() -> None:
