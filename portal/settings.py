@@ -83,13 +83,23 @@ TEMPLATES = [
 
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'bungee.sqlite3'}")
 try:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
 except Exception as exc:  # dj_database_url raises several types for a malformed URL
     raise ImproperlyConfigured(f"DATABASE_URL={DATABASE_URL!r} is not a database URL: {exc}") from exc
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Several processes (portal, worker, beat) write to one file: wait for the lock, don't fail.
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
+elif DATABASES["default"]["ENGINE"].endswith("postgresql"):
+    # A pool of connections per process, shared by its threads (psycopg_pool, through Django).
+    # Persistent connections are per thread, and the ASGI portal runs its sync views and
+    # consumers in many: one portal held 15 idle connections, and two platforms side by side
+    # met PostgreSQL's max_connections (100) and answered 500. Django's docs say as much:
+    # under ASGI, pool instead of persistent connections.
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": env_int("BUNGEE_DB_POOL_SIZE", 8),
+        "timeout": env_float("BUNGEE_DB_POOL_TIMEOUT_S", 10.0),
+    }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
