@@ -5,10 +5,12 @@ finishes, and a WebSocket client saw it all live; /metrics counted the resizes."
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -160,3 +162,33 @@ def test_second_user_is_refused_everywhere(platform: Platform) -> None:
     with pytest.raises(InvalidStatus):
         with connect(platform.base_url.replace("http", "ws") + "/ws/live/", origin="http://127.0.0.1"):  # type: ignore[arg-type]
             pass
+
+
+def test_the_portal_holds_no_more_database_connections_than_its_pool(platform: Platform) -> None:
+    """The ASGI portal runs its sync views and consumers in many threads; with per-thread
+    persistent connections one portal held 15 idle ones, and two platforms side by side met
+    PostgreSQL's max_connections and answered 500. Many requests and sockets at once: every
+    reply is a 200, and the portal holds at most its pool (BUNGEE_DB_POOL_SIZE, 8)."""
+    paths = ["/api/jobs", "/api/cluster", "/api/cluster/history", "/api/workloads"]
+
+    def get(index: int) -> int:
+        with platform.api("alice") as client:
+            return client.get(paths[index % len(paths)]).status_code
+
+    sockets = [
+        SocketRecorder(platform.base_url.replace("http", "ws") + "/ws/live/", platform.tokens["alice"]).start()
+        for _ in range(6)
+    ]
+    try:
+        with ThreadPoolExecutor(max_workers=24) as pool:
+            statuses = list(pool.map(get, range(144)))
+        platform.wait_for("every socket's first message", lambda: all(s.messages for s in sockets))
+    finally:
+        for socket in sockets:
+            socket.stop()
+    assert set(statuses) == {200}, statuses
+    [portal] = [p for p in platform.group.processes if p.name == "portal"]
+    held = [
+        c for c in psutil.Process(portal.process.pid).net_connections(kind="tcp") if c.raddr and c.raddr.port == 5432
+    ]
+    assert 0 < len(held) <= 8, f"the portal holds {len(held)} connections to PostgreSQL"
