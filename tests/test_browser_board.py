@@ -27,10 +27,16 @@ def wait_workers(page: Any, job_id: int, workers: int) -> None:
 
 
 def drag_to(page: Any, job_id: int, workers: int) -> None:
-    row = page.locator(f'.job-row[data-job="{job_id}"]')
-    track = row.locator(".track").bounding_box()
-    handle = row.locator(".handle").bounding_box()
-    cells = int(page.evaluate("() => getComputedStyle(document.querySelector('.track')).getPropertyValue('--cells')"))
+    # The track, the handle and the cell count in one look: the board redraws its rows on every
+    # job update, and a handle found by one call may be gone by the next.
+    track, handle, cells = page.evaluate(
+        """(id) => { const row = document.querySelector(`.job-row[data-job="${id}"]`);
+             const box = (selector) => { const b = row.querySelector(selector).getBoundingClientRect();
+                                         return {x: b.x, y: b.y, width: b.width, height: b.height}; };
+             return [box('.track'), box('.handle'),
+                     Number(getComputedStyle(row.querySelector('.track')).getPropertyValue('--cells'))]; }""",
+        job_id,
+    )
     page.mouse.move(handle["x"] + handle["width"] / 2, handle["y"] + handle["height"] / 2)
     page.mouse.down()
     target_x = track["x"] + track["width"] * workers / cells - 2

@@ -314,6 +314,9 @@
       dragging = true;
       draft = job.workers;
       handle.setPointerCapture(event.pointerId);
+      // From the press on, live updates wait (renderJobs would replace the handle under the
+      // pointer and drop the drag before its first move).
+      track.classList.add("dragging");
       event.preventDefault();
     });
     handle.addEventListener("pointermove", (event) => {
