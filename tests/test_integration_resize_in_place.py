@@ -233,8 +233,10 @@ def test_a_survivor_killed_mid_step(platform: Platform, record: Path) -> None:
     victim = next(row for row in live_rows(job) if row["rank"] == 1)
     others = {row["pid"] for row in live_rows(job)} - {victim["pid"]}
     os.kill(victim["pid"], signal.SIGKILL)
-    # The others notice at once, go on without it, and the scheduler gives the device back.
-    job = settled(platform, job_id, 3, job["generation"] + 1)
+    # The others notice at once, go on without it, and the scheduler gives the device back: in
+    # two generations (without it, then with a new worker), or in one when the device is free
+    # again by the time it plans (seen in CI: a warm standby took it in the next generation).
+    job = settled(platform, job_id, 3, job["generation"])
     assert job["restarts"] == 1 and others <= {row["pid"] for row in live_rows(job)}
     assert_true_allocation(job)
     assert any(line.startswith("lost a peer") for line in logs(platform, job_id))
