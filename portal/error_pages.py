@@ -1,8 +1,13 @@
 """Error replies. Every error reply under /api/ has the API's error shape (portal.errors), also
 those Django makes before or outside the API's views: no URL matched (404), a method the URL does
 not take (405), a body Django refused to read (400), a server error (500). The status and its
-headers (Allow) are kept; the HTML or plain text becomes the JSON shape. Redis not answering is a
-503 with Retry-After.
+headers (Allow) are kept; the HTML or plain text becomes the JSON shape.
+
+A store that does not answer is no fault of the request: Redis away (after redis-py's bounded
+retries) or the database away (PostgreSQL refusing or down, or no pooled connection free within
+BUNGEE_DB_POOL_TIMEOUT_S: Django's OperationalError) is a 503 with Retry-After, in the API's shape
+under /api/ and as the site's page elsewhere. The request changed nothing: a view's transaction
+rolls back with the error.
 
 A person's 403 and 404 are the site's page (header and navigation) saying why; and a refusal is
 logged as one line, not as a traceback (`OneLineRefusals`)."""
@@ -13,11 +18,14 @@ import logging
 
 import redis
 from django.core.exceptions import PermissionDenied
+from django.db import OperationalError
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.utils.deprecation import MiddlewareMixin
 
 from portal.errors import ApiError
+
+log = logging.getLogger(__name__)
 
 _CODES = {400: "bad_request", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 413: "too_large",
           415: "unsupported_media_type", 500: "server_error"}
@@ -33,15 +41,39 @@ def _message(request: HttpRequest, status: int) -> str:
     return f"the request was refused ({status})"
 
 
+RETRY_AFTER_S = 5
+"""What a 503 asks the client to wait before trying again."""
+
+
+def _unavailable(exception: Exception) -> str | None:
+    """Which store did not answer, if `exception` says one did."""
+    if isinstance(exception, redis.ConnectionError | redis.TimeoutError):
+        return "Redis"
+    if isinstance(exception, OperationalError):
+        return "database"
+    return None
+
+
 class ApiErrorShape(MiddlewareMixin):
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        """Redis away (after the client's bounded retries): 503 in the error shape, at once."""
-        if request.path.startswith("/api/") and isinstance(exception, redis.ConnectionError | redis.TimeoutError):
-            error = ApiError(503, "unavailable", f"the portal's Redis is not answering ({exception}); try again shortly")
-            response = JsonResponse(error.body(), status=503)
-            response["Retry-After"] = "5"
-            return response
-        return None
+        """A store away: 503 with Retry-After, at once (see the module docstring)."""
+        store = _unavailable(exception)
+        if store is None:
+            return None
+        log.warning("%s %s: 503, the portal's %s is not answering: %s", request.method, request.path, store, exception)
+        message = f"the portal's {store} is not answering ({str(exception).strip()}); try again shortly"
+        response: HttpResponse
+        if request.path.startswith("/api/"):
+            response = JsonResponse(ApiError(503, "unavailable", message).body(), status=503)
+        else:
+            # The page asks nothing of the session or the user: both live in the database. (Imported
+            # here: settings' LOGGING imports this module before the apps are ready.)
+            from django.contrib.auth.models import AnonymousUser
+
+            context = {"heading": "Unavailable", "reason": message, "user": AnonymousUser()}
+            response = render(request, "error.html", context, status=503)
+        response["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
         if (

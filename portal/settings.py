@@ -95,10 +95,18 @@ elif DATABASES["default"]["ENGINE"].endswith("postgresql"):
     # consumers in many: one portal held 15 idle connections, and two platforms side by side
     # met PostgreSQL's max_connections (100) and answered 500. Django's docs say as much:
     # under ASGI, pool instead of persistent connections.
+    # The pool checks a connection before handing it out (one round trip): after PostgreSQL
+    # restarted, or ended the portal's sessions, a request gets a live connection, not a dead one.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1,
         "max_size": env_int("BUNGEE_DB_POOL_SIZE", 8),
         "timeout": env_float("BUNGEE_DB_POOL_TIMEOUT_S", 10.0),
+        # A connection that cannot be made is tried again after 1, 2 and 2 s, then given up on
+        # (psycopg_pool's backoff, cut short): the next request tries at once. With the default
+        # (5 min, the waits doubling), a portal could answer 503 for minutes after the database
+        # came back.
+        "reconnect_timeout": 5.0,
     }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from django.utils import timezone
 
@@ -81,6 +82,59 @@ def test_with_redis_away_the_api_answers_503_in_the_error_shape(api: dict, clust
         settings.REDIS_URL = reachable
         portal_redis.client.cache_clear()
     assert api["alice"].get("/api/cluster").status_code == 200, "back once Redis answers"
+
+
+@pytest.mark.slow
+def test_with_the_database_away_the_portal_answers_503_and_comes_back(tmp_path: Path) -> None:
+    """A real portal on PostgreSQL through its pool. The database refuses the portal (new
+    connections refused, its open ones ended): the API answers 503 in the error shape with
+    Retry-After, and a page is the site's 503 page, within the pool's timeout and never a 500.
+    Once the database takes connections again, the API and the pages answer 200 within seconds
+    (the pool gives up a failed connection attempt after 5 s, and hands out no connection the
+    server ended), and nothing stored was lost."""
+    import psycopg
+
+    from tests.platform import POSTGRES_URL
+
+    env = {"BUNGEE_DB_POOL_TIMEOUT_S": "2"}
+    with (
+        running_platform(tmp_path, {}, env) as platform,
+        platform.api("alice") as alice,
+        httpx.Client(base_url=platform.base_url, timeout=30) as browser,
+    ):
+        browser.get("/login/")
+        logged_in = browser.post(
+            "/login/", data={"username": "alice", "password": "alice-pass", "csrfmiddlewaretoken": browser.cookies["csrftoken"]},
+            headers={"Referer": platform.base_url + "/login/"},
+        )
+        assert logged_in.status_code == 302, logged_in.text[:300]
+        submitted = alice.post("/api/jobs", json=VALID_SPEC)
+        assert submitted.status_code == 201, submitted.text
+        database = platform.env["DATABASE_URL"].rsplit("/", 1)[1]
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS false')
+            try:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (database,)
+                )
+                for path in ("/api/jobs", f"/api/jobs/{submitted.json()['id']}", "/api/cluster"):
+                    reply = alice.get(path)
+                    assert reply.status_code == 503, (path, reply.status_code, reply.text[:300])
+                    error = reply.json()["error"]
+                    assert error["code"] == "unavailable" and "database" in error["message"], error
+                    assert reply.headers["Retry-After"] == "5"
+                page = browser.get("/jobs/")
+                assert page.status_code == 503, (page.status_code, page.text[:300])
+                assert "Unavailable" in page.text and "database" in page.text and page.headers["Retry-After"] == "5"
+            finally:
+                admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
+        # A connection attempt that failed is given up on within 5 s (settings: reconnect_timeout);
+        # a request then connects at once.
+        listed = platform.wait_for(
+            "the API on the database again", lambda: (r := alice.get("/api/jobs")).status_code == 200 and r.json(), 20, 0.5
+        )
+        assert [job["id"] for job in listed] == [submitted.json()["id"]]
+        assert browser.get("/jobs/").status_code == 200
 
 
 @pytest.mark.slow
