@@ -60,8 +60,10 @@ class ApiErrorShape(MiddlewareMixin):
         store = _unavailable(exception)
         if store is None:
             return None
+        # What failed stays in the log: the error names hosts, ports and databases, and this reply
+        # goes to anyone, also before they are authenticated.
         log.warning("%s %s: 503, the portal's %s is not answering: %s", request.method, request.path, store, exception)
-        message = f"the portal's {store} is not answering ({str(exception).strip()}); try again shortly"
+        message = f"the portal's {store} is not answering; try again shortly"
         response: HttpResponse
         if request.path.startswith("/api/"):
             response = JsonResponse(ApiError(503, "unavailable", message).body(), status=503)

@@ -122,6 +122,7 @@ def test_with_the_database_away_the_portal_answers_503_and_comes_back(tmp_path: 
                     assert reply.status_code == 503, (path, reply.status_code, reply.text[:300])
                     error = reply.json()["error"]
                     assert error["code"] == "unavailable" and "database" in error["message"], error
+                    assert database not in reply.text and "5432" not in reply.text, "where the database is stays in the log"
                     assert reply.headers["Retry-After"] == "5"
                 page = browser.get("/jobs/")
                 assert page.status_code == 503, (page.status_code, page.text[:300])
