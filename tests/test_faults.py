@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from django.utils import timezone
 
@@ -29,7 +30,7 @@ from portal.jobs.models import Job, Worker
 from portal.scheduling import tasks  # noqa: F401 - registers the task that eager Celery runs here
 from portal.scheduling.cycle import run_cycle
 from tests.conftest import VALID_SPEC
-from tests.platform import FAST_PROGRESS_ENV, redis_server, running_platform
+from tests.platform import FAST_PROGRESS_ENV, POSTGRES_URL, redis_server, running_platform
 from tests.test_integration_resize_in_place import detail, live_rows, pin, settled, steps_past, submit
 from tests.test_scheduler_cycle import event, report
 
@@ -92,10 +93,6 @@ def test_with_the_database_away_the_portal_answers_503_and_comes_back(tmp_path: 
     Once the database takes connections again, the API and the pages answer 200 within seconds
     (the pool gives up a failed connection attempt after 5 s, and hands out no connection the
     server ended), and nothing stored was lost."""
-    import psycopg
-
-    from tests.platform import POSTGRES_URL
-
     env = {"BUNGEE_DB_POOL_TIMEOUT_S": "2"}
     with (
         running_platform(tmp_path, {}, env) as platform,
