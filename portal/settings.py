@@ -10,6 +10,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from portal.env import env_bool, env_float, env_int, env_list, env_str
+from portal.live.redis_connection import layer_host
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("BUNGEE_DATA_DIR", str(BASE_DIR / "var"))).resolve()
@@ -139,12 +140,13 @@ REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 # a 5 s socket timeout by default, so a socket that heard nothing for 5 s failed with "Timeout
 # reading" (a traceback in the log, and the browser dropped with 1011). Reads get 5 s beyond the
 # pop; connecting stays quick.
+# Its connections bound a write with a deadline that a cancellation still ends (redis_connection).
 CHANNEL_LAYER_TIMEOUTS = {"socket_timeout": 10, "socket_connect_timeout": 2}
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         "CONFIG": {
-            "hosts": [{"address": REDIS_URL, **CHANNEL_LAYER_TIMEOUTS}],
+            "hosts": [layer_host(REDIS_URL, **CHANNEL_LAYER_TIMEOUTS)],
             "prefix": env_str("BUNGEE_CHANNEL_PREFIX", "bungee"),
             # A socket that is gone without leaving its groups (the portal was killed) drops out
             # of them after this; a live one renews its membership well before (portal.live).

@@ -6,6 +6,7 @@ import secrets
 
 import dj_database_url
 
+from portal.live.redis_connection import layer_host
 from portal.settings import *  # noqa: F403
 from portal.settings import BUNGEE, CHANNEL_LAYER_TIMEOUTS
 
@@ -20,7 +21,7 @@ REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [{"address": REDIS_URL, **CHANNEL_LAYER_TIMEOUTS}], "prefix": f"bungee-test-{os.getpid()}",
+        "CONFIG": {"hosts": [layer_host(REDIS_URL, **CHANNEL_LAYER_TIMEOUTS)], "prefix": f"bungee-test-{os.getpid()}",
                    "group_expiry": 120},
     }
 }

@@ -143,3 +143,40 @@ def test_a_live_socket_renews_its_groups_and_a_dead_one_drops_out(
         await socket.disconnect()
 
     async_to_sync(scenario)()
+
+
+@pytest.mark.timeout(120)
+def test_every_consumer_ends_when_its_socket_closes(tokens: dict, cluster: Any) -> None:
+    """When a socket closes, channels cancels the consumer's pending receive from the layer and
+    waits for it. Before portal.live.redis_connection, redis-py's write under Python 3.11's
+    wait_for lost that cancellation when it came as the write finished: the receive popped the
+    channel forever and the consumer never ended (3 runs in 3 within their first 24 sockets).
+    Accepted and refused sockets alike must end by themselves, each within 10 s of closing.
+    The test waits on each consumer without cancelling it: a cancellation is what could be lost."""
+    from channels.layers import get_channel_layer
+
+    from portal.live.redis_connection import CancellableConnection
+
+    pool = get_channel_layer().create_pool(0)  # type: ignore[attr-defined]
+    assert pool.connection_class is CancellableConnection, "the layer writes through the cancellable connection"
+
+    async def one(token: str | None) -> str | None:
+        socket = connect(token)
+        connected, _ = await socket.connect(timeout=10)
+        if connected:
+            assert (await socket.receive_json_from(timeout=10))["type"] == "cluster"
+        await socket.send_input({"type": "websocket.disconnect", "code": 1000})
+        done, _ = await asyncio.wait([socket.future], timeout=10)
+        if not done:
+            return f"the consumer of a {'logged-in' if token else 'refused'} socket did not end within 10 s"
+        return None
+
+    async def scenario() -> list[str]:
+        stuck = []
+        for i in range(48):
+            problem = await one(tokens["alice"] if i % 2 else None)
+            if problem is not None:
+                stuck.append(f"socket {i}: {problem}")
+        return stuck
+
+    assert async_to_sync(scenario)() == []
