@@ -146,6 +146,21 @@ def test_a_holder_left_out_of_the_newest_record_leaves() -> None:
     assert way_out.value.code == LEFT_EXIT_CODE
 
 
+@pytest.mark.timeout(30)  # without the rule it waits for itself for ever
+def test_a_holder_named_as_a_joiner_leaves_for_the_new_worker() -> None:
+    """A worker cut off with its node holds the state of its last step; the portal took it for
+    gone and, once the node was back, planned a new worker on its device. If that record is the
+    first this worker reads, it leaves (the agent starts the new one): waiting as a holder for
+    itself to warm up held the whole job until the generation expired."""
+    board = ScriptedBoard()
+    board.publish(record(4, [1, 0], joiners=[0]))
+    rendezvous, _ = _rendezvous(board, 0, holds_state=True)
+    with pytest.raises(WorkerExit, match=r"generation 4 takes node-t/0 as a new worker.*state of step 7") as way_out:
+        rendezvous.await_generation(newer_than=2)
+    assert way_out.value.code == LEFT_EXIT_CODE
+    assert board.sent == [] and board.ready(4) == set()
+
+
 def test_the_donor_of_a_generation_is_named_by_it() -> None:
     board = MemoryBoard()
     with_donor = record(2, [1], joiners=[1], donor=0)

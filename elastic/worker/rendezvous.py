@@ -196,7 +196,8 @@ class Rendezvous:
         """Returns the first record newer than `newer_than` that names this worker, once it can
         be formed: for a holder of the state, once every joiner is ready (it wakes them); for a
         joiner, after the go (at once when no member holds the state). Raises WorkerExit if a
-        record leaves this worker out or a stop is asked."""
+        record leaves this worker out, names this holder of the state as a joiner (a new worker
+        in its place), or a stop is asked."""
         while True:
             record = self.board.latest()
             if record is None or record.generation <= newer_than:
@@ -206,8 +207,18 @@ class Rendezvous:
                 raise WorkerExit(
                     LEFT_EXIT_CODE, f"left the job: generation {record.generation} does not name {self.me}"
                 )
+            joiners = {member.key for member in record.members if member.joiner}
+            if self.position.holds_state and self.me in joiners:
+                # The portal took this worker for gone (its node was cut off, say) and planned a
+                # new one on its device; the agent lets that one start once this one is out of
+                # the way. Staying would deadlock: the holders wait for the joiner to say it is
+                # ready, and this worker, a holder itself, would wait with them.
+                raise WorkerExit(
+                    LEFT_EXIT_CODE,
+                    f"left the job: generation {record.generation} takes {self.me} as a new worker, and this "
+                    f"one holds the state of step {self.position.step} from before; the new one takes its place",
+                )
             if self.position.holds_state:
-                joiners = {member.key for member in record.members if member.joiner}
                 if not self.await_ready(record.generation, joiners):
                     newer_than = record.generation
                     continue
