@@ -15,7 +15,7 @@ from elastic.wire import AgentReport, WorkerEvent, parse_command
 from portal.dispatch import board, stream_for
 from portal.jobs import lifecycle
 from portal.jobs.agents import ingest_report
-from portal.jobs.models import Generation, Job, JobLog, ResizeEvent
+from portal.jobs.models import Generation, Job, JobLog, ResizeEvent, Worker
 from portal.scheduling.cycle import run_cycle
 from tests.conftest import VALID_SPEC
 
@@ -148,6 +148,37 @@ def test_resize_happens_in_place(api: dict, cluster: Any, redis_client: Any) -> 
     record = board(job.pk).latest()
     assert record is not None and [(m.key, m.joiner) for m in record.members] == [
         ("node-a/0", False), ("node-a/1", True)]
+
+
+def test_members_that_report_joining_out_of_rank_order_are_not_reordered(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    """A grow's joiner may report that it joined before the survivor does (their reports come
+    separately). A cycle that read the survivor's rows while they were being rewritten saw the
+    joiner as the only holder, put it first, and planned a generation of the same devices in the
+    other order: a resize that moved nothing, which took the grow's place at the end of the
+    job's timeline (a multi-host test failed on it)."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    form(cluster, job, 2)
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 1})
+    run_cycle()
+    report(cluster, event(job, "joined", rank=0, generation=2, pid=1000, device_index=0),
+           event(job, "exited", rank=1, generation=1, exit_code=76, reason="left", device_index=1),
+           event(job, "resized", generation=2, step=10, pause_s=0.05, bytes_moved=0))
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 2})
+    assert run_cycle().changed_jobs == [job.pk]
+    job.refresh_from_db()
+    assert job.generation == 3 and list(job.allocations.order_by("rank").values_list("device__index", flat=True)) == [0, 1]
+    report(cluster, event(job, "joined", rank=1, generation=3, pid=2001, device_index=1))
+    # What a cycle could read while the survivor's own "joined" was half written (its generation 2
+    # row switched, its generation 3 row not there yet; lifecycle.worker_joined now writes both
+    # in one transaction): the joiner the only holder.
+    Worker.objects.filter(job=job, generation=2, rank=0).update(state=Worker.State.SWITCHED)
+    assert run_cycle().changed_jobs == [], "the same two devices: nothing to plan"
+    job.refresh_from_db()
+    assert job.generation == 3
 
 
 def test_a_resize_waits_for_the_one_in_flight(api: dict, cluster: Any, redis_client: Any) -> None:

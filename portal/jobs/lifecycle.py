@@ -516,18 +516,21 @@ def worker_joined(node: Node, job: Job, event: WorkerEvent) -> None:
     state, or a survivor that switched (its older row becomes `switched`, same pid). The first
     one to say so forms the generation (published -> formed)."""
     at = _at(event.at)
-    earlier = Worker.objects.filter(
-        job=job, node=node, pid=event.pid, state=Worker.State.RUNNING, generation__lt=event.generation
-    )
-    first = earlier.order_by("generation").first()
-    earlier.update(state=Worker.State.SWITCHED)
-    _running_row(node, job, event, started_at=first.started_at if first is not None else at, joined_at=at)
-    Job.objects.filter(pk=job.pk, active_generation__lt=event.generation).update(
-        active_generation=event.generation
-    )
-    generation = Generation.objects.filter(job=job, number=event.generation).first()
-    if generation is not None and generation.phase == Phase.PUBLISHED:
-        move_phase(generation, Phase.FORMED, formed_at=at, deadline_at=_deadline("SETTLE_TIMEOUT_S"))
+    # One transaction: a scheduling cycle must never see the worker's old row switched and its
+    # new one not yet written (it would take the worker for no holder of the state).
+    with transaction.atomic():
+        earlier = Worker.objects.filter(
+            job=job, node=node, pid=event.pid, state=Worker.State.RUNNING, generation__lt=event.generation
+        )
+        first = earlier.order_by("generation").first()
+        earlier.update(state=Worker.State.SWITCHED)
+        _running_row(node, job, event, started_at=first.started_at if first is not None else at, joined_at=at)
+        Job.objects.filter(pk=job.pk, active_generation__lt=event.generation).update(
+            active_generation=event.generation
+        )
+        generation = Generation.objects.filter(job=job, number=event.generation).first()
+        if generation is not None and generation.phase == Phase.PUBLISHED:
+            move_phase(generation, Phase.FORMED, formed_at=at, deadline_at=_deadline("SETTLE_TIMEOUT_S"))
 
 
 def generation_reported(node: Node, job: Job, event: WorkerEvent) -> None:

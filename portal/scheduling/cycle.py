@@ -100,8 +100,8 @@ def _unblocked(
 
 
 def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> list[int]:
-    """Write the plan: a new generation for every job whose devices change, or whose newest
-    generation was lost or expired. Returns their ids."""
+    """Write the plan: a new generation for every job whose set of devices changes, or whose
+    newest generation was lost or expired. Returns their ids."""
     current = {view.id: view.current for view in snapshot.jobs}
     newest = lifecycle.newest_generations(plan.assignments)
     holders = _holder_ranks(list(plan.assignments))
@@ -111,10 +111,13 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
     }
     available = {device.id for device in snapshot.devices if device.available}
     replan = {job_id for job_id in plan.assignments if lifecycle.needs_replan(newest.get(job_id))}
+    # A target of the same devices in another order is no change: the ranks of a running group
+    # are the members' own business (holders first was settled when it formed), and a generation
+    # that only reorders them would cost a resize and record one that moved nothing.
     changing = [
         job_id
         for job_id, target in targets.items()
-        if (target != current[job_id] or job_id in replan)
+        if (set(target) != set(current[job_id]) or job_id in replan)
         and (
             job_id in replan
             or not lifecycle.resize_in_flight(jobs[job_id], newest.get(job_id))
