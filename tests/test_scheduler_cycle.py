@@ -244,6 +244,48 @@ def test_joiners_that_never_get_ready_are_stopped_and_planned_out(
     assert lifecycle.current(job).reason == "a joiner never got ready"
 
 
+def test_the_warm_up_deadline_doubles_while_generations_expire_for_it(
+    api: dict, cluster: Any, redis_client: Any, settings: Any
+) -> None:
+    """A machine too loaded to start a worker within the warm-up deadline expired every try of a
+    job alike (a test's job went through 8 generations at load 12). Each generation in a row that
+    expired waiting for a joiner doubles the next one's deadline, up to 8 times, and the log says
+    what each was given. The joiners stopped at an expiry exit while the next try holds their
+    devices again (the job cannot run without them); those exits end nothing."""
+    base = settings.BUNGEE["WARMUP_TIMEOUT_S"]
+    job = submit(api, min_workers=2)
+
+    def published() -> Generation:
+        generation = lifecycle.current(job)
+        assert generation is not None and generation.phase == "published", generation and generation.phase
+        return generation
+
+    given = []
+    for attempt in range(5):
+        run_cycle()
+        job.refresh_from_db()
+        generation = published()
+        given.append(round((generation.deadline_at - generation.published_at).total_seconds() / base, 1))
+        if attempt > 0:  # the joiners stopped at the last expiry exit now
+            report(cluster, *(event(job, "exited", rank=rank, generation=job.generation - 1, exit_code=75,
+                                    reason="stopped", device_index=rank) for rank in (0, 1)))
+            assert published() == generation, "the exits of the last try's joiners end nothing"
+        report(cluster, *(event(job, "started", rank=rank, pid=1000 * job.generation + rank, device_index=rank)
+                          for rank in (0, 1)))
+        Generation.objects.filter(pk=generation.pk).update(deadline_at=timezone.now())
+        assert lifecycle.expire_overdue() == [job.pk]
+    assert given == [1, 2, 4, 8, 8]
+    assert f"not ready within {base * 8:.0f} s" in JobLog.objects.filter(job=job).last().line
+
+    # A generation that forms breaks the run: the next one's joiners get the plain deadline.
+    run_cycle()
+    job.refresh_from_db()
+    form(cluster, job, 2)
+    job.refresh_from_db()
+    job.generation += 1  # the job's next generation, as planning it would number it
+    assert lifecycle.warmup_timeout_s(job) == base
+
+
 def test_a_generation_whose_joiners_are_ready_but_never_forms_expires(
     api: dict, cluster: Any, redis_client: Any
 ) -> None:

@@ -10,7 +10,9 @@ elastic.membership.GenerationPhase. The deadlines, from the settings:
 
     PUBLISH_TIMEOUT_S  planned -> published: the job's stopping workers must have exited
     WARMUP_TIMEOUT_S   published, a joiner not ready yet: its start-up (import torch, build the
-                       model) must end
+                       model) must end; doubled for each generation of the job in a row that
+                       expired for it, up to WARMUP_BACKOFF_MAX times (a machine too loaded to
+                       start a worker in time would otherwise expire every try alike)
     FORM_TIMEOUT_S     published, every joiner ready (or none): the group must form
     SETTLE_TIMEOUT_S   formed -> settled: the leavers must be gone and rank 0 must report
 
@@ -62,6 +64,24 @@ _OPEN_PHASES = [p.value for p in GenerationPhase if not p.final]
 
 def _deadline(name: str) -> datetime:
     return timezone.now() + timedelta(seconds=settings.BUNGEE[name])
+
+
+WARMUP_BACKOFF_MAX = 8
+NEVER_READY = "a joiner never got ready"
+
+
+def warmup_timeout_s(job: Job) -> float:
+    """The warm-up deadline of the job's next published generation: WARMUP_TIMEOUT_S, doubled
+    for each of its latest generations in a row that expired waiting for a joiner, at most
+    WARMUP_BACKOFF_MAX times that."""
+    base = float(settings.BUNGEE["WARMUP_TIMEOUT_S"])
+    factor = 1
+    earlier = Generation.objects.filter(job=job, number__lt=job.generation).order_by("-number")
+    for end_reason in earlier.values_list("end_reason", flat=True)[:WARMUP_BACKOFF_MAX]:
+        if end_reason != NEVER_READY or factor >= WARMUP_BACKOFF_MAX:
+            break
+        factor *= 2
+    return base * factor
 
 
 def _at(timestamp: float) -> datetime:
@@ -451,7 +471,9 @@ def publish(job_id: int) -> bool:
             generation,
             Phase.PUBLISHED,
             published_at=timezone.now(),
-            deadline_at=_deadline("WARMUP_TIMEOUT_S" if joiners else "FORM_TIMEOUT_S"),
+            deadline_at=timezone.now() + timedelta(seconds=warmup_timeout_s(job))
+            if joiners
+            else _deadline("FORM_TIMEOUT_S"),
         ):
             return False
         if job.state == JobState.QUEUED:
@@ -614,7 +636,12 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         )
     elif job.state in ACTIVE_STATES and mattered and event.reason == "failed":
         _worker_failed(job, event, device)
-    elif job.state in (JobState.RUNNING, JobState.RESIZING) and was_running and device is not None:
+    elif (
+        job.state in (JobState.RUNNING, JobState.RESIZING)
+        and was_running
+        and device is not None
+        and not _stopped_late_joiner(job, row, event)
+    ):
         held = job.allocations.filter(device_id=device).exists()
         replaced = Worker.objects.filter(
             job=job, node=node, device_index=event.device_index, state=Worker.State.RUNNING
@@ -629,6 +656,20 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     if generation is not None:
         _maybe_settle(job, generation)
     publish(job.pk)
+
+
+def _stopped_late_joiner(job: Job, row: Worker | None, event: WorkerEvent) -> bool:
+    """Whether `event` is the exit of a joiner the portal stopped when its generation expired
+    before it was ready. The job's next generation may hold its device again (a job that cannot
+    run without it); the agent starts that generation's joiner there once this one is gone, so
+    its exit is no reason to plan again. Taking it for one ended each new try at once, and the
+    warm-up deadline's doubling (warmup_timeout_s) with it."""
+    return (
+        row is not None
+        and row.joined_at is None
+        and event.reason == "stopped"
+        and event.generation < job.generation
+    )
 
 
 def _worker_failed(job: Job, event: WorkerEvent, device: int | None) -> None:
@@ -784,9 +825,8 @@ def expire_overdue() -> list[int]:
 
 def _expire_published(job: Job, generation: Generation, late: dict[str, int]) -> None:
     if late:
-        what = (f"{len(late)} joiner(s) ({', '.join(sorted(late))}) not ready within "
-                f"{settings.BUNGEE['WARMUP_TIMEOUT_S']:.0f} s")
-        end_reason = "a joiner never got ready"
+        what = f"{len(late)} joiner(s) ({', '.join(sorted(late))}) not ready within {warmup_timeout_s(job):.0f} s"
+        end_reason = NEVER_READY
     else:
         what = f"the group did not form within {settings.BUNGEE['FORM_TIMEOUT_S']:.0f} s of its joiners being ready"
         end_reason = "its group did not form"
