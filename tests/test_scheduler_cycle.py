@@ -474,6 +474,25 @@ def test_a_user_error_fails_the_job_at_once_and_stops_the_other_workers(
     assert run_cycle().launched_jobs == [], "no new generation for a job whose code is broken"
 
 
+def test_a_job_that_fails_stops_a_joiner_that_has_not_reported_yet(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    """A job's code failed on its only running worker just as a generation launched a joiner
+    whose "started" had not reached the portal: the stop went only to nodes with a running row,
+    so none was sent and the joiner ran on for a failed job (a CI run waited 60 s for it). The
+    nodes that hold the job's devices are asked too."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    report(cluster, event(job, "started", rank=0, pid=4000, device_index=0))
+    sent = len(commands(redis_client))
+    report(cluster, event(job, "exited", rank=0, exit_code=77, reason="user_error", device_index=0))
+    job.refresh_from_db()
+    assert job.state == "failed"
+    stops = [c for c in commands(redis_client)[sent:] if c.kind == "stop"]
+    assert [(c.job_id, c.before_generation) for c in stops] == [(job.pk, job.generation + 1)]
+
+
 def test_named_metrics_and_evaluations_are_kept_and_served(api: dict, cluster: Any, redis_client: Any) -> None:
     job = submit(api)
     run_cycle()

@@ -226,9 +226,11 @@ def create_job(owner: AbstractBaseUser, spec: JobSpec) -> Job:
     return job
 
 
-def _stop_all(job: Job, reason: str) -> None:
+def _stop_all(job: Job, reason: str, allocated: Iterable[str] = ()) -> None:
+    """Asks every node that runs a worker of the job, or holds one of its devices (`allocated`:
+    a joiner launched there may not have reported that it started yet), to stop them all."""
     nodes = Worker.objects.filter(job=job, state=Worker.State.RUNNING).values_list("node__name", flat=True)
-    dispatch.stop(job.pk, nodes, job.generation + 1, reason)
+    dispatch.stop(job.pk, {*nodes, *allocated}, job.generation + 1, reason)
 
 
 def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
@@ -242,12 +244,13 @@ def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
         done = {"schedule_reasons": [], "schedule_note": "", "pin_problem": "", "queue": {}}
         if not locked.claim(target, finished_at=timezone.now(), **done, **fields):
             return False
+        allocated = set(locked.allocations.values_list("device__node__name", flat=True))
         locked.allocations.all().delete()
         generation = current(locked)
         if generation is not None and not Phase(generation.phase).final:
             move_phase(generation, Phase.ENDED)
         request_schedule(f"job {job.pk} {target}")
-    _stop_all(locked, stop_reason)
+    _stop_all(locked, stop_reason, allocated)
     if target == JobState.FAILED:
         _ask_for_export(locked)
     broadcast.job_changed(locked)
