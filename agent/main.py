@@ -37,6 +37,7 @@ from agent.client import (
 from agent.code import CodeCache
 from agent.commands import CommandDispatcher, CommandReader, StreamMark
 from agent.devices import DeviceBackend, DeviceError, backend_names, make_backend
+from agent.devices.simulated import MAX_PACE
 from agent.events import EventBuffer, PoisonIsolation
 from agent.export import CheckpointExporter
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
@@ -98,6 +99,8 @@ class AgentConfig:
     """The most warm standby workers the node keeps (0: none)."""
     prepared_standbys: int = DEFAULT_PREPARED
     """The most of them prepared for one job that may grow here (0: none)."""
+    sim_pace: float = 1.0
+    """Simulated slots only: the factor by which every step's compute is stretched (1: none)."""
 
 
 def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
@@ -134,6 +137,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _pace(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 1.0 <= value <= MAX_PACE:
+        raise argparse.ArgumentTypeError(f"{text!r} must be from 1 to {MAX_PACE:g}")
     return value
 
 
@@ -192,6 +205,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         None,
         "number of simulated slots (default: one per CPU)",
         type=_positive_int,
+    )
+    flag(
+        "--sim-pace",
+        "BUNGEE_SIM_PACE",
+        "1",
+        "simulated slots only: stretch each step's compute by this factor, from 1 to "
+        f"{MAX_PACE:g}, the worker sleeping for the stretch, as a GPU's step leaves its host's CPU "
+        "mostly idle: several simulated nodes (a demo, a test suite) then share a few cores "
+        "without every worker running flat out; 1 runs flat out",
+        type=_pace,
     )
     flag(
         "--redis-url",
@@ -280,6 +303,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         address=args.address,
         backend=args.backend,
         sim_devices=args.devices,
+        sim_pace=args.sim_pace,
         redis_url=args.redis_url or None,
         report_interval_s=args.report_interval,
         stop_grace_s=args.stop_grace,
@@ -566,7 +590,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        backend = make_backend(config.backend, slots=config.sim_devices, node_name=config.node_name)
+        backend = make_backend(
+            config.backend, slots=config.sim_devices, node_name=config.node_name, pace=config.sim_pace
+        )
     except DeviceError as err:
         log.error("device backend %r cannot start: %s", config.backend, err)
         return ExitCode.DEVICES_UNAVAILABLE

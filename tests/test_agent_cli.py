@@ -30,6 +30,7 @@ def test_the_flags() -> None:
         "--address",
         "--backend",
         "--devices",
+        "--sim-pace",
         "--redis-url",
         "--report-interval",
         "--stop-grace",
@@ -90,6 +91,7 @@ ENVIRONMENT = {
     "BUNGEE_AGENT_STATE_DIR": "/var/lib/agent-state",
     "BUNGEE_STANDBYS": "off",
     "BUNGEE_PREPARED_STANDBYS": "0",
+    "BUNGEE_SIM_PACE": "2.5",
 }
 
 
@@ -109,6 +111,7 @@ def test_every_flag_falls_back_to_its_environment_variable() -> None:
         state_dir=Path("/var/lib/agent-state"),
         standbys=0,
         prepared_standbys=0,
+        sim_pace=2.5,
     )
 
 
@@ -135,6 +138,9 @@ def test_standbys_are_on_off_or_a_number(value: str, kept: int) -> None:
         (["--token", "t", "--standbys", "many"], {}, "argument --standbys: 'many' is not on, off or a number"),
         (["--token", "t"], {"BUNGEE_STANDBYS": "-1"}, "argument --standbys: '-1' must be at least 0"),
         (["--token", "t", "--prepared-standbys", "two"], {}, "argument --prepared-standbys: 'two' is not a whole number"),
+        (["--token", "t", "--sim-pace", "0.5"], {}, "argument --sim-pace: '0.5' must be from 1 to 100"),
+        (["--token", "t"], {"BUNGEE_SIM_PACE": "nan"}, "argument --sim-pace: 'nan' must be from 1 to 100"),
+        (["--token", "t", "--sim-pace", "fast"], {}, "argument --sim-pace: 'fast' is not a number"),
     ],
 )
 def test_a_bad_start_exits_2_saying_what_is_wrong(

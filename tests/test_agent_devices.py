@@ -23,7 +23,7 @@ from agent.devices import (
     registry,
 )
 from agent.devices.nvml import GpuProcess, NvmlBackend, classify_processes, with_descendants
-from agent.devices.simulated import SimulatedBackend, simulated_power_w, simulated_temperature_c
+from agent.devices.simulated import SLOWDOWN_ENV, SimulatedBackend, simulated_power_w, simulated_temperature_c
 
 BUSY = "import time\nwhile True:\n    pass\n"
 SLEEPY = "import time\ntime.sleep(600)\n"
@@ -79,6 +79,24 @@ def test_simulated_defaults_to_one_slot_per_cpu() -> None:
 def test_simulated_refuses_zero_slots() -> None:
     with pytest.raises(DeviceError, match="slots=0"):
         SimulatedBackend(slots=0)
+
+
+def test_a_pace_stretches_every_slot_and_a_played_slowdown_multiplies_it() -> None:
+    backend = SimulatedBackend(slots=2, pace=4.0)
+    backend.set_slowdown(1, 2.5)
+    assert [backend.placement(i).env for i in (0, 1)] == [{SLOWDOWN_ENV: "4.0"}, {SLOWDOWN_ENV: "10.0"}]
+    assert SimulatedBackend(slots=1).placement(0).env == {}, "no pace: the worker runs flat out"
+
+
+@pytest.mark.parametrize("pace", [0.5, 101.0, float("nan")])
+def test_a_pace_outside_1_to_100_is_refused(pace: float) -> None:
+    with pytest.raises(DeviceError, match="pace is from 1 to 100"):
+        SimulatedBackend(slots=1, pace=pace)
+
+
+def test_a_pace_is_for_simulated_slots_only() -> None:
+    with pytest.raises(DeviceError, match="is for simulated slots"):
+        make_backend("nvml", pace=2.0)
 
 
 def test_idle_slots_read_zero_with_the_model_at_idle() -> None:

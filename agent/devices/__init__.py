@@ -35,26 +35,31 @@ __all__ = [
 ]
 
 
-def _nvml(*, slots: int | None = None, node_name: str | None = None) -> DeviceBackend:
+def _nvml(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0) -> DeviceBackend:
     from agent.devices.nvml import NvmlBackend
+
+    if pace != 1.0:
+        raise DeviceError(f"a pace (got {pace!r}) is for simulated slots; a GPU keeps its own")
 
     return NvmlBackend(slots=slots, node_name=node_name)
 
 
-def _simulated(*, slots: int | None = None, node_name: str | None = None) -> DeviceBackend:
+def _simulated(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0) -> DeviceBackend:
     from agent.devices.simulated import SimulatedBackend
 
-    return SimulatedBackend(slots=slots, node_name=node_name)
+    return SimulatedBackend(slots=slots, node_name=node_name, pace=pace)
 
 
-def _auto(*, slots: int | None = None, node_name: str | None = None) -> DeviceBackend:
+def _auto(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0) -> DeviceBackend:
     try:
         backend = registry.create("nvml", node_name=node_name)
     except BackendUnavailableError as err:
         log.info("no GPU through NVML (%s): simulating CPU slots", err)
-        return registry.create("simulated", slots=slots, node_name=node_name)
+        return registry.create("simulated", slots=slots, node_name=node_name, pace=pace)
     if slots is not None:
         log.warning("found GPUs through NVML: ignoring slots=%d, which is for simulated slots", slots)
+    if pace != 1.0:
+        log.warning("found GPUs through NVML: ignoring pace=%g, which is for simulated slots", pace)
     return backend
 
 
@@ -65,8 +70,8 @@ registry.register("auto", _auto)
 
 
 def make_backend(name: str, **options: object) -> DeviceBackend:
-    """Returns a new backend; options: `slots` (simulated slots, default one per CPU) and
-    `node_name` (seeds simulated UUIDs). Raises UnknownBackendError for an unknown name,
+    """Returns a new backend; options: `slots` (simulated slots, default one per CPU),
+    `node_name` (seeds simulated UUIDs) and `pace` (simulated slots' step stretch, default 1). Raises UnknownBackendError for an unknown name,
     BackendUnavailableError where the machine lacks the devices, DeviceError for bad options."""
     return registry.create(name, **options)
 

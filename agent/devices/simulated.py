@@ -12,7 +12,11 @@ CPU has nothing to measure:
 - owner: a test or a demo plays a device's owner coming back with `set_owner_present`; the
   slot then lists a process named "owner" (pid 0) that the agent did not start;
 - speed: `set_slowdown` plays a slow device (a throttled or weaker card): a worker started on
-  it gets SLOWDOWN_ENV and stretches each step's compute by that factor.
+  it gets SLOWDOWN_ENV and stretches each step's compute by that factor;
+- pace: every slot's steps can be stretched alike (`pace`, the agent's --sim-pace): the worker
+  sleeps for the stretch, as a GPU's step leaves its host's CPU mostly idle, so that several
+  simulated nodes share a laptop's few cores without each worker running flat out. A played
+  slowdown multiplies the pace.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ POWER_W_PER_PCT = 0.9
 
 SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
 """Read by the worker (elastic.worker.settings); the same name on both sides."""
+MAX_PACE = 100.0
+"""The largest pace: a step stretched further teaches nothing a slower test could not."""
 OWNER_PROCESS = DeviceProcess(pid=0, name="owner", memory_bytes=0, ours=False)
 
 
@@ -56,14 +62,18 @@ def simulated_power_w(utilization_pct: float) -> float:
 
 class SimulatedBackend(DeviceBackend):
     """`slots` CPU slots (default: the number of CPUs). `node_name` seeds the slots' UUIDs, so
-    that a node keeps its UUIDs across agent restarts and two nodes on one machine differ."""
+    that a node keeps its UUIDs across agent restarts and two nodes on one machine differ.
+    `pace` (1 to MAX_PACE) stretches every slot's step compute by that factor."""
 
     name = "simulated"
 
-    def __init__(self, slots: int | None = None, node_name: str | None = None) -> None:
+    def __init__(self, slots: int | None = None, node_name: str | None = None, pace: float = 1.0) -> None:
         count = (os.cpu_count() or 1) if slots is None else slots
         if count < 1:
             raise DeviceError(f"a simulated node needs at least one slot, got slots={slots!r}")
+        if not 1.0 <= pace <= MAX_PACE:
+            raise DeviceError(f"a simulated node's pace is from 1 to {MAX_PACE:g}, got {pace!r}")
+        self._pace = pace
         self._count = count
         self._memory_total = psutil.virtual_memory().total // count
         seed = node_name or socket.gethostname()
@@ -92,7 +102,7 @@ class SimulatedBackend(DeviceBackend):
         self._check(index)
         affinity = frozenset({self._cores[index]}) if index < len(self._cores) else None
         with self._lock:
-            factor = self._slowdown.get(index, 1.0)
+            factor = self._pace * self._slowdown.get(index, 1.0)
         env = {SLOWDOWN_ENV: repr(factor)} if factor > 1.0 else {}
         return WorkerPlacement(device="cpu", env=env, cpu_affinity=affinity)
 
