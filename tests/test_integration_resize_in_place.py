@@ -286,7 +286,7 @@ def test_a_port_where_another_program_listens_costs_nothing(platform: Platform, 
 def test_every_worker_killed_resumes_from_the_checkpoint(platform: Platform, record: Path) -> None:
     job_id = submit(platform, 2)
     job = settled(platform, job_id, 2)
-    job = steps_past(platform, job_id, job["steps_done"] + 1000)
+    job = steps_past(platform, job_id, job["steps_done"] + 300)
     killed = job["generation"]
     for row in live_rows(job):
         os.kill(row["pid"], signal.SIGKILL)

@@ -4,7 +4,7 @@ every virtual worker), optimiser state and loss curve `torch.equal` to the same 
 1 worker; so does a job whose faster workers host more virtual workers (uneven
 shares). The resize schedule runs the digits CNN, which has batch norm and dropout; the uneven
 shares and the 40 virtual workers run the MLP, which has dropout. Plain data-parallel
-averaging (a hybrid job with its batch held fixed) on 4 and on 1 worker does not give equality,
+averaging (a hybrid job with its batch held fixed) on 2 and on 1 worker does not give equality,
 so the comparison can fail."""
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def test_many_virtual_workers_sum_in_int64_and_still_agree(tmp_path: Path) -> No
     assert two_losses == one_losses
 
 
-def test_plain_averaging_is_not_bitwise_the_same_on_4_and_1_workers(tmp_path: Path) -> None:
+def test_plain_averaging_is_not_bitwise_the_same_on_2_and_1_workers(tmp_path: Path) -> None:
     batch = CNN["hyperparameters"]["batch_size"]
     plain = {
         **CNN,
@@ -180,7 +180,7 @@ def test_plain_averaging_is_not_bitwise_the_same_on_4_and_1_workers(tmp_path: Pa
         "batch_per_worker": 8,
     }
     steps = 30
-    four, four_losses = _fixed_run(plain, steps, [0, 1, 2, 3], tmp_path / "four")
+    two, two_losses = _fixed_run(plain, steps, [0, 1], tmp_path / "two")
     one, one_losses = _fixed_run(plain, steps, [0], tmp_path / "one")
-    assert "0.weight" in _differences(four, one)
-    assert four_losses != one_losses
+    assert "0.weight" in _differences(two, one)
+    assert two_losses != one_losses
