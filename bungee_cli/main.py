@@ -166,12 +166,22 @@ def _follow(portal: Portal, job_id: int, output: Output) -> int:
         now = (job["state"], job["workers"], job["generation"])
         if now != shown:
             shown = now
-            text = f"job {job_id}: {job['state']} on {job['workers']} workers (generation {job['generation']}), step {job['steps_done']}"
+            text = _follow_line(job)
             _emit(output, {"job": job_id, "state": job["state"], "workers": job["workers"],
-                           "generation": job["generation"], "steps_done": job["steps_done"]}, f"[bold]{text}[/bold]")  # fmt: skip
+                           "generation": job["generation"], "steps_done": job["steps_done"]}, f"[bold]{escape(text)}[/bold]")  # fmt: skip
         if job["state"] in FINAL_STATES:
             return 0 if job["state"] == "succeeded" else 1
         time.sleep(FOLLOW_EVERY_S)
+
+
+def _follow_line(job: dict[str, Any]) -> str:
+    """One line for a change of the job's state or size; an ended job says where it stopped and,
+    unless it succeeded, why."""
+    if job["state"] in FINAL_STATES:
+        why = f": {job['message']}" if job["state"] != "succeeded" and job.get("message") else ""
+        return f"job {job['id']}: {job['state']} at step {job['steps_done']} of {job['total_steps']}{why}"
+    workers = f"{job['workers']} worker{'' if job['workers'] == 1 else 's'}"
+    return f"job {job['id']}: {job['state']} on {workers} (generation {job['generation']}), step {job['steps_done']}"
 
 
 @app.command("list")

@@ -139,3 +139,18 @@ def test_status_says_where_a_job_stands() -> None:
         ("queue", "2 of 3 waiting; no start estimate: it waits on jobs whose speed is not known yet (#4)"),
         ("waits for", "#4 hog (alice, 4 devices, pinned, end not known)"),
     ]
+
+
+def test_following_a_job_words_each_change() -> None:
+    """`--follow`'s lines: the size while it runs (one worker, not "1 workers"); once it ended,
+    where it stopped, and why unless it succeeded (not "succeeded on 0 workers")."""
+    from bungee_cli.main import _follow_line
+
+    job = {"id": 3, "state": "running", "workers": 1, "generation": 2, "steps_done": 40, "total_steps": 2000,
+           "message": "running on 1 worker"}  # fmt: skip
+    assert _follow_line(job) == "job 3: running on 1 worker (generation 2), step 40"
+    assert _follow_line({**job, "workers": 2}) == "job 3: running on 2 workers (generation 2), step 40"
+    done = {**job, "state": "succeeded", "workers": 0, "steps_done": 2000, "message": "completed"}
+    assert _follow_line(done) == "job 3: succeeded at step 2000 of 2000"
+    failed = {**job, "state": "failed", "workers": 0, "message": "the job's code failed on worker rank 0: [bug]"}
+    assert _follow_line(failed) == "job 3: failed at step 40 of 2000: the job's code failed on worker rank 0: [bug]"
