@@ -34,7 +34,8 @@ SPEC = {
 
 def test_2_3_1_2_in_place(tmp_path: Path) -> None:
     record = tmp_path / "samples.jsonl"
-    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
+    # Paced (compute stretched 4x, sleeping): the survivors train fewer steps while joiners start.
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record), BUNGEE_SIM_SLOWDOWN="4")
     with LocalJob(SPEC, tmp_path / "run", REDIS_URL, env=env) as job:
         job.start([0, 1])
         job.wait_for(lambda _, e: e.kind == "resized" and e.generation == 1, 120)

@@ -49,7 +49,9 @@ SPEC: dict[str, Any] = {
 
 def test_a_users_task_resized_in_place_is_bitwise_the_fixed_run(tmp_path: Path) -> None:
     record = tmp_path / "samples.jsonl"
-    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record))
+    # Paced (compute stretched 4x, sleeping): the survivors train fewer steps while joiners
+    # start, and the fixed run repeats every one of them.
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record), BUNGEE_SIM_SLOWDOWN="4")
     spec = {**SPEC, "steps": 10_000_000}
     with LocalJob(spec, tmp_path / "resized", REDIS_URL, env=env, task=RINGS) as job:
         job.start([0, 1])
