@@ -55,6 +55,14 @@ class Platform:
             base_url=self.base_url, headers={"Authorization": f"Bearer {self.tokens[user]}"}, timeout=30
         )
 
+    def job(self, job_id: int, user: str = "alice") -> dict[str, Any]:
+        """The job as `user` reads it through the API; any reply but 200 fails the test with the
+        reply's text (a 503 read as a job had failed tests later as a KeyError, hiding it)."""
+        with self.api(user) as client:
+            reply = client.get(f"/api/jobs/{job_id}")
+        assert reply.status_code == 200, f"job {job_id}: HTTP {reply.status_code}: {reply.text[:500]}"
+        return reply.json()
+
     def start_agent(self, name: str, devices: int) -> None:
         """Starts node `name`'s agent with `devices` simulated devices and an agent token of its
         own, `tokens["agent-NAME"]`, made the first time (an agent token serves one node)."""

@@ -91,7 +91,7 @@ def test_drag_and_keyboard_resize_seen_by_another_browser(browser_platform: Any,
     message.wait_for()
     assert "between 1 and 3" in message.inner_text()
     assert bar(alice, job_id).get_attribute("data-workers") == "2", "the bar snapped back"
-    detail = browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()
+    detail = browser_platform.job(job_id)
     assert detail["pinned_workers"] == 2
     screenshot(alice, "board-refused")
 
@@ -114,7 +114,7 @@ def test_second_user_sees_but_cannot_touch(browser_platform: Any, chromium: Any)
     bar(bob, job_id).focus()
     bob.keyboard.press("ArrowRight")
     bob.keyboard.press("Enter")
-    assert browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()["pinned_workers"] is None
+    assert browser_platform.job(job_id)["pinned_workers"] is None
     response = bob.goto(f"{browser_platform.base_url}/jobs/{job_id}/")
     assert response is not None and response.status == 403
     reply = bob.evaluate(
@@ -124,5 +124,5 @@ def test_second_user_sees_but_cannot_touch(browser_platform: Any, chromium: Any)
         job_id,
     )
     assert reply == 403
-    assert browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()["state"] in {"queued", "running", "resizing"}
+    assert browser_platform.job(job_id)["state"] in {"queued", "running", "resizing"}
     cancel_all(browser_platform, "alice")

@@ -63,7 +63,7 @@ def test_the_staff_page_of_the_scheduler(browser_platform: Any, chromium: Any) -
     job_id = submit_job(browser_platform, "alice", name="decided", max_workers=2)
     browser_platform.wait_for(
         "the job to be planned",
-        lambda: browser_platform.api("alice").get(f"/api/jobs/{job_id}").json()["workers"],
+        lambda: browser_platform.job(job_id)["workers"],
     )
     page = log_in(chromium, browser_platform, "root")
     page.get_by_role("link", name="Scheduler").click()

@@ -49,7 +49,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 
 
 def detail(platform: Platform, job_id: int) -> dict[str, Any]:
-    return platform.api("alice").get(f"/api/jobs/{job_id}").json()
+    return platform.job(job_id)
 
 
 def live_rows(job: dict[str, Any]) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def job_detail(platform: Platform, job_id: int) -> dict[str, Any]:
-    return platform.api("alice").get(f"/api/jobs/{job_id}").json()
+    return platform.job(job_id)
 
 
 def scrape(platform: Platform, token: str) -> dict[str, Any]:

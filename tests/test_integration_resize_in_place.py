@@ -89,7 +89,7 @@ def no_job_left(platform: Platform) -> Any:
 
 
 def detail(platform: Platform, job_id: int) -> dict[str, Any]:
-    return platform.api("alice").get(f"/api/jobs/{job_id}").json()
+    return platform.job(job_id)
 
 
 def live_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -168,7 +168,9 @@ def cancel(platform: Platform, job_id: int) -> dict[str, Any]:
 
 
 def logs(platform: Platform, job_id: int) -> list[str]:
-    return [entry["line"] for entry in platform.api("alice").get(f"/api/jobs/{job_id}/logs").json()]
+    reply = platform.api("alice").get(f"/api/jobs/{job_id}/logs")
+    assert reply.status_code == 200, f"job {job_id}'s logs: HTTP {reply.status_code}: {reply.text[:500]}"
+    return [entry["line"] for entry in reply.json()]
 
 
 def loss_fell(platform: Platform, job_id: int) -> bool:
