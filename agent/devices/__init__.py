@@ -71,8 +71,9 @@ registry.register("auto", _auto)
 
 def make_backend(name: str, **options: object) -> DeviceBackend:
     """Returns a new backend; options: `slots` (simulated slots, default one per CPU),
-    `node_name` (seeds simulated UUIDs) and `pace` (simulated slots' step stretch, default 1). Raises UnknownBackendError for an unknown name,
-    BackendUnavailableError where the machine lacks the devices, DeviceError for bad options."""
+    `node_name` (seeds simulated UUIDs) and `pace` (simulated slots' step stretch, default 1).
+    Raises UnknownBackendError for an unknown name, BackendUnavailableError where the machine
+    lacks the devices, DeviceError for bad options."""
     return registry.create(name, **options)
 
 
