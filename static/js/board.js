@@ -349,6 +349,33 @@
     if (bar) bar.focus();
   }
 
+  // A press on a job row's button or link holds the redraws of live job updates until it is
+  // released, as a drag does: a redraw between the press and the release replaced the control,
+  // and the browser sent its click to neither (a lifted pin was lost that way in CI). The held
+  // redraw runs after the click has been handled.
+  const PRESS_HOLD_MS = 3000; // the longest a press holds them: a release the page never hears
+  let pressed = false;
+  let missed = false;
+  let holdTimer = 0;
+  $("#jobs-lane").addEventListener("pointerdown", (event) => {
+    if (!event.target.closest("button, a")) return;
+    pressed = true;
+    clearTimeout(holdTimer);
+    holdTimer = setTimeout(release, PRESS_HOLD_MS);
+  });
+  function release() {
+    clearTimeout(holdTimer);
+    if (!pressed) return;
+    pressed = false;
+    if (missed) {
+      missed = false;
+      setTimeout(() => { if (!pressed && !document.querySelector(".track.dragging")) renderJobs(); }, 0);
+    }
+  }
+  document.addEventListener("pointerup", release, true);
+  document.addEventListener("pointercancel", release, true);
+  window.addEventListener("blur", release);
+
   // --- live ----------------------------------------------------------------------------------
   BungeeLive.on(function (msg) {
     if (msg.type === "cluster") {
@@ -378,7 +405,9 @@
       if (pending.has(job.id) && job.workers === pending.get(job.id) && job.state === "running") pending.delete(job.id);
       if (FINAL.has(job.state)) pending.delete(job.id);
       const dragging = document.querySelector(".track.dragging");
-      if (!dragging) {
+      if (pressed) {
+        missed = true;
+      } else if (!dragging) {
         renderJobs();
         if (focused) focusBar(Number(focused.dataset.job));
       }
