@@ -23,7 +23,7 @@ from elastic.worker.events import EventWriter, ProgressReporter
 from elastic.worker.loop import PAUSE_STEPS, CheckpointSaver, ResizeMeter, SwitchAgreed, TrainingLoop
 from elastic.worker.position import WorkerPosition
 from elastic.worker.step_clock import StepClock
-from elastic.worker.stop import StopRequest
+from elastic.worker.stop import StoppedStarting, StopRequest
 from elastic.worker.trainer import CollectiveError, StepOutcome, SwitchVote, vote
 from tests.membership_support import record
 from tests.test_worker_events import CONFIG
@@ -352,3 +352,33 @@ def test_skipped_steps_are_logged_and_never_reported_as_a_loss(tmp_path: Path) -
     progress = run.emitted("progress")
     assert progress and all(math.isfinite(event.loss) for event in progress if event.loss is not None)
     assert run.calls[-1][:3] == ("export", TOTAL_STEPS, "completed")
+
+
+@pytest.fixture
+def restored_stop_signals() -> Any:
+    """The test process's own SIGTERM and SIGINT handlers, put back after the test."""
+    saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for number, handler in saved.items():
+        signal.signal(number, handler)
+
+
+def test_a_stop_while_starting_raises_once_and_after_settling_only_sets_the_flag(restored_stop_signals: Any) -> None:
+    stop = StopRequest()
+    stop.install(starting=True)
+    with pytest.raises(StoppedStarting, match="stopped by SIGTERM while starting"):
+        signal.raise_signal(signal.SIGTERM)
+    assert stop.requested and stop.signal_number == signal.SIGTERM
+    signal.raise_signal(signal.SIGINT)  # a second signal while the start unwinds: the flag only
+    assert stop.signal_number == signal.SIGINT
+
+    settled = StopRequest()
+    settled.install(starting=True)
+    settled.settle()
+    signal.raise_signal(signal.SIGTERM)
+    assert settled.requested
+
+    plain = StopRequest()
+    plain.install()
+    signal.raise_signal(signal.SIGINT)
+    assert plain.requested and plain.signal_number == signal.SIGINT

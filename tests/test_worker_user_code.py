@@ -164,3 +164,24 @@ def test_a_bug_in_loss_fails_the_worker_once_with_the_traceback(tmp_path: Path) 
     assert saved is not None and saved.step == 3
     assert all(torch.equal(model[name], saved.model[name]) for name in model)
     assert [e.step for e in outputs[0].of_kind("artifacts")] == [3]
+
+
+def test_a_stop_while_the_job_builds_ends_the_worker_at_once(tmp_path: Path) -> None:
+    # The job's model() takes ten minutes; the worker is stopped while it runs. A worker still
+    # starting holds no training state: it goes at once, without waiting for its build to end.
+    marker = tmp_path / "building"
+    slow = {"slow_model_s": 600.0, "slow_model_marker": str(marker)}
+    spec = {**SPEC, "steps": 1000, "hyperparameters": {**SPEC["hyperparameters"], **slow}}
+    with LocalJob(spec, tmp_path / "run", REDIS_URL, env=worker_env(), task=RINGS) as job:
+        job.start([0])
+        job.wait_until(marker.exists, timeout_s=120)
+        job.send_signal(0, signal.SIGTERM)
+        outputs = job.wait(60)
+    assert [o.returncode for o in outputs] == [STOPPED_EXIT_CODE], job.describe()
+    messages = outputs[0].log_messages()
+    assert not [m for m in messages if m.startswith("built in")], messages
+    [stopped] = [m for m in messages if "while starting" in m]
+    assert stopped.startswith("stopped by SIGTERM while starting, after ") and stopped.endswith(
+        "it held no training state"
+    ), stopped
+    assert "Traceback" not in outputs[0].stderr, outputs[0].stderr

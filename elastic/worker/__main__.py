@@ -13,19 +13,22 @@ import sys
 import time
 import traceback
 
-from elastic.worker import FAILED_EXIT_CODE, LEFT_EXIT_CODE, WORKER_CONFIG_ENV
+from elastic.worker import FAILED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
 from elastic.worker.events import announce_exit
 
 
 def main() -> int:
     """Run the worker; return its exit code. A failure prints its traceback to stderr."""
     began = time.monotonic()
-    # Installed first, so a stop asked while torch loads is honoured at the first step.
-    from elastic.worker.stop import StopRequest
+    # Installed first, so that a stop asked while torch loads or the job builds ends the start at
+    # once (StoppedStarting); WorkerRun settles it before the worker meets its peers.
+    from elastic.worker.stop import StoppedStarting, StopRequest
 
     stop = StopRequest()
-    stop.install()
+    stop.install(starting=True)
     heartbeat = None
+    events = None
+    cut_short = False
     code = FAILED_EXIT_CODE
     try:
         from elastic.membership.redis import RedisBoard
@@ -44,21 +47,33 @@ def main() -> int:
 
         board = RedisBoard.connect(config.redis_url, config.coordination_key)
         try:
-            code = WorkerRun(config, settings, EventWriter(config), stop, board, began).run()
+            events = EventWriter(config)
+            code = WorkerRun(config, settings, events, stop, board, began).run()
         finally:
             board.close()
+    except StoppedStarting as stopped:
+        # It held no training state, and no peer waits for it yet: nothing to save or tell.
+        message = f"{stopped}, after {time.monotonic() - began:.1f} s: it held no training state"
+        if events is not None:
+            events.log(message)
+        else:
+            print(message, file=sys.stderr)
+        code, cut_short = STOPPED_EXIT_CODE, True
     except Exception:
+        stop.settle()
         traceback.print_exc()
         code = FAILED_EXIT_CODE
     finally:
+        stop.settle()
         if heartbeat is not None:
             heartbeat.stop()
         sys.stderr.flush()
         announce_exit(code)
-    if code == LEFT_EXIT_CODE:
+    if code == LEFT_EXIT_CODE or cut_short:
         # A leaver holds nothing to save and its device is wanted at once (an owner may be
         # waiting for it): skip the interpreter's teardown of torch and gloo, which takes a
-        # good part of a second on a busy machine.
+        # good part of a second on a busy machine. So for a start cut short, which may also
+        # have left a module half imported.
         os._exit(code)
     return code
 

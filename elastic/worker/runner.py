@@ -82,6 +82,7 @@ class WorkerRun:
         set_up_device(self.spec, self.settings, self.rendezvous.device)
         try:
             restore, loop = self._build()
+            self.stop.settle()  # from here a stop is a flag that the rendezvous and the steps read
             return self._live(restore, loop)
         except WorkerExit as way_out:
             if str(way_out):

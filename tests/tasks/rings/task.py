@@ -1,9 +1,12 @@
 """A task written only for the tests (not one of the examples): which of three rings a point lies
 on. A small network with batch norm and dropout, its own Dataset over a file it ships, a collate
 function of its own, metrics from both `loss` and `evaluate`, and, when asked, a learning-rate
-scheduler, a bug in `loss` or a NaN loss."""
+scheduler, a bug in `loss`, a NaN loss or a slow model()."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import torch
 from data import Rings
@@ -22,6 +25,8 @@ class RingsHyperparameters(BaseModel):
     lr_decay_every: int = Field(0, ge=0, description="halve the rate every this many steps (0: no scheduler)")
     fail_at_call: int = Field(0, ge=0, description="raise in loss() on this call (0: never)")
     nan_at_call: int = Field(0, ge=0, description="return a NaN loss on this call (0: never)")
+    slow_model_s: float = Field(0, ge=0, description="model() first creates `slow_model_marker`, then sleeps this long")
+    slow_model_marker: str = ""
 
 
 class RingsTask:
@@ -32,6 +37,9 @@ class RingsTask:
         self.calls = 0
 
     def model(self) -> nn.Module:
+        if self.hp.slow_model_s:
+            Path(self.hp.slow_model_marker).touch()
+            time.sleep(self.hp.slow_model_s)
         return nn.Sequential(
             nn.Linear(3, self.hp.hidden),
             nn.BatchNorm1d(self.hp.hidden),
