@@ -44,7 +44,8 @@ def test_cpu_magnitudes_are_each_segments_largest_magnitude(virtual_workers: int
     magnitudes = trainer._segment_max_abs(terms)
     assert magnitudes.dtype == torch.float64
     assert torch.equal(magnitudes, _reference(trainer, terms))
-    norms = torch.stack(torch._foreach_norm(trainer._segments(terms), math.inf)).to(torch.float64)
+    segments = [terms[:, begin:stop] for begin, stop in trainer._bounds]  # every row's
+    norms = torch.stack(torch._foreach_norm(segments, math.inf)).to(torch.float64)
     assert torch.equal(magnitudes, norms), "the same bits as the GPU path's inf-norm"
 
 
@@ -69,3 +70,43 @@ def test_cpu_magnitudes_are_fresh_each_step() -> None:
     small = torch.full((1, trainer._row_width), -0.25)
     trainer._segment_max_abs(large)
     assert torch.equal(trainer._segment_max_abs(small), torch.full((len(trainer._bounds),), 0.25, dtype=torch.float64))
+
+
+def _shared(trainer: StrictTrainer, terms: torch.Tensor, shares: list[float]) -> torch.Tensor:
+    """The terms with each row's gradient segments times its share, as a separate pass would."""
+    gradients = trainer._bounds[len(trainer._parameters) - 1][1]
+    shared = terms.clone()
+    for row, share in enumerate(shares):
+        shared[row, :gradients].mul_(share)
+    return shared
+
+
+@pytest.mark.parametrize("shares", [[1 / 3] * 3, [7 / 24, 9 / 24, 8 / 24], [0.5, 0.5, 0.0]])
+def test_magnitudes_with_shares_are_those_of_the_shared_terms(shares: list[float]) -> None:
+    """The share is applied with the scale, after the magnitudes: they must be the bits a
+    separate pass over the shared terms would give (rounding is monotonic)."""
+    trainer = _trainer(3)
+    generator = torch.Generator().manual_seed(11)
+    terms = torch.randn(3, trainer._row_width, generator=generator) * 3e-3
+    terms[1, 5] = -7.25
+    magnitudes = trainer._segment_max_abs(terms, shares)
+    assert torch.equal(magnitudes, _reference(trainer, _shared(trainer, terms, shares)))
+
+
+@pytest.mark.parametrize("fixed", [torch.int32, torch.int64])
+def test_fixed_point_of_share_and_scale_in_one_pass_is_that_of_two(fixed: torch.dtype) -> None:
+    """One multiplication by share x scale gives the integers that multiplying by the share,
+    then by the (power-of-two) scale, gives; and the conversion truncates toward zero."""
+    trainer = _trainer(3)
+    trainer._fixed = fixed
+    shares = [7 / 24, 9 / 24, 8 / 24]
+    generator = torch.Generator().manual_seed(13)
+    terms = torch.randn(3, trainer._row_width, generator=generator) * 1e-2
+    scales = [2.0 ** (20 + i % 5) for i in range(len(trainer._bounds))]
+    expected = torch.zeros(trainer._row_width, dtype=fixed)
+    for row in _shared(trainer, terms, shares):
+        scaled = torch.cat([segment * scale for segment, scale in zip(trainer._segments(row), scales, strict=True)])
+        expected += torch.trunc(scaled).to(fixed)
+    into = torch.zeros(trainer._row_width, dtype=fixed)
+    trainer._to_fixed(terms.clone(), scales, shares, into)
+    assert torch.equal(into, expected)

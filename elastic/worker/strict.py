@@ -160,9 +160,6 @@ class StrictTrainer(Trainer):
             self._contexts_at + virtual_workers * words * per_word, dtype=self._fixed, device=self._device
         )
         self._result = torch.zeros(ends[-1], dtype=self._dtype, device=self._device)
-        self._rounded = torch.zeros(ends[-1], dtype=self._dtype, device=self._device)
-        """One row of terms times their scales, rounded: the terms themselves stay, for a step
-        whose predicted scales are rejected."""
         """The step's exact sum, as floats: the gradient the optimiser reads, then the loss."""
         self.hosted = range(0)
         self.rebind(rank, world_size)
@@ -238,6 +235,7 @@ class StrictTrainer(Trainer):
         total[width:].zero_()
         first = self.batch_start(step)
         trained = []
+        shares = [0.0] * len(terms)  # each row's share of the batch, applied with the scales
         for row, vw in enumerate(self.hosted):
             start, stop = share_bounds(batch, virtual, vw)
             indices = self.stream.positions(first + start, first + stop)
@@ -260,8 +258,7 @@ class StrictTrainer(Trainer):
             except BaseException:  # the task's own error: the model's buffers back to vw 0's
                 self.state_arrived()
                 raise
-            share = len(indices) / batch
-            terms[row, :g].mul_(share)
+            share = shares[row] = len(indices) / batch
             terms[row, g] = loss.detach() * share
             names = self.metric_names()
             if names:
@@ -269,7 +266,7 @@ class StrictTrainer(Trainer):
                 terms[row, g + 1 : g + 1 + len(names)] = torch.tensor(values, dtype=terms.dtype)
             if words:
                 outgoing[vw] = self._pack()
-        max_abs = self._segment_max_abs(terms)
+        max_abs = self._segment_max_abs(terms, shares)
         magnitudes = max_abs.tolist()  # the step's one device-to-host copy before its collectives
         # A NaN or infinite loss or gradient here (NaN survives aminmax) is voted on; the terms
         # are zeroed so that the sums stay finite and every rank skips or fails the same step.
@@ -287,14 +284,14 @@ class StrictTrainer(Trainer):
             if predicted is None:
                 dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
                 scales = self._scales(max_abs)
-                self._to_fixed(terms, scales, total[:width])
+                self._to_fixed(terms, scales, shares, total[:width])
             else:
                 scales = predicted
                 over = self._vote(magnitudes, scales, votes)
                 if over:  # every rank will reject the scales: the terms stay as they are
                     total[:width].zero_()
                 else:
-                    self._to_fixed(terms, scales, total[:width])
+                    self._to_fixed(terms, scales, shares, total[:width])
                     scaled_by = predicted
             stats[_COUNT] = sum(len(indices) for indices in trained)
             stats[_STOP_VOTES] = 1 if stop_requested else 0
@@ -308,7 +305,7 @@ class StrictTrainer(Trainer):
                 self.scale_fallbacks += 1
                 dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
                 scales = self._scales(max_abs)
-                self._to_fixed(terms, scales, total[:width], scaled_by)
+                self._to_fixed(terms, scales, shares, total[:width], scaled_by)
                 dist.all_reduce(total[:width], op=dist.ReduceOp.SUM)
                 predicted = None
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
@@ -374,35 +371,47 @@ class StrictTrainer(Trainer):
             self._warm_pass(rows)
         terms.zero_()
 
-    def _segment_max_abs(self, terms: torch.Tensor) -> torch.Tensor:
-        """Each segment's (parameter's, and the loss's) largest magnitude over the hosted vws,
-        as float64 for the MAX all-reduce."""
+    def _segment_max_abs(self, terms: torch.Tensor, shares: list[float] | None = None) -> torch.Tensor:
+        """Each segment's (parameter's, the loss's, the metrics') largest magnitude over the
+        hosted vws' rows as they are summed, as float64 for the MAX all-reduce. A row's gradient
+        segments do not carry its share of the batch yet (`shares[row]`, 1 if None: the share
+        is applied with the scale, in the same pass); its loss and metrics do. Rounding is
+        monotonic, so fl(max |g| x share) is the very max of |fl(g x share)|: no pass over the
+        shared terms is needed to know it."""
         if not len(terms):
             return torch.zeros(len(self._bounds), dtype=torch.float64, device=self._device)
-        segments = self._segments(terms)
-        if terms.is_cuda:
-            # Every segment's max |x| (its inf-norm: no arithmetic, so exact; NaN stays NaN) in
-            # one multi-tensor kernel, and no host round trip: on a GPU, a kernel per segment
-            # and a float() each (one synchronisation per parameter) made the step launch-bound.
-            norms = torch._foreach_norm(segments, math.inf)
-            return torch.stack(norms).to(torch.float64)
+        gradients = len(self._parameters)
+        rows = []
+        for index, row in enumerate(terms):
+            magnitudes = self._row_max_abs(row)
+            if shares is not None:
+                magnitudes[:gradients].mul_(shares[index])  # in the terms' dtype, as the terms
+            rows.append(magnitudes)
+        largest = rows[0] if len(rows) == 1 else torch.stack(rows).amax(dim=0)  # NaN stays NaN
+        return largest.to(torch.float64)
+
+    def _row_max_abs(self, row: torch.Tensor) -> torch.Tensor:
+        """Each segment's max |x| in one row, in the row's dtype (NaN stays NaN)."""
+        segments = self._segments(row)
+        if row.is_cuda:
+            # Every segment's max |x| (its inf-norm: no arithmetic, so exact) in one multi-tensor
+            # kernel, and no host round trip: on a GPU, a kernel per segment and a float() each
+            # (one synchronisation per parameter) made the step launch-bound.
+            return torch.stack(torch._foreach_norm(segments, math.inf))
         # On a CPU the multi-tensor inf-norm is a per-tensor loop of linalg_vector_norm, 20 times
         # slower than one vectorised min/max pass each (5.5 against 0.28 ms for 1.6M floats):
-        # it was most of a strict step's overhead. max(-min, max) is exact too; NaN stays NaN.
+        # it was most of a strict step's overhead. max(-min, max) is exact too.
         lowest, highest = self._extremes
         for i, segment in enumerate(segments):
             if segment.numel():
                 torch.aminmax(segment, out=(lowest[i], highest[i]))
             else:
                 lowest[i] = highest[i] = 0
-        return torch.maximum(lowest.neg(), highest).to(torch.float64)
+        return torch.maximum(lowest.neg(), highest)
 
-    def _segments(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Views of each segment (parameter, then the loss and metrics) of `rows` (2-D: every
-        row; 1-D: the one)."""
-        if rows.dim() == 1:
-            return [rows[begin:stop] for begin, stop in self._bounds]
-        return [rows[:, begin:stop] for begin, stop in self._bounds]
+    def _segments(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each segment (parameter, then the loss and metrics) of one row."""
+        return [row[begin:stop] for begin, stop in self._bounds]
 
     def _scales(self, max_abs: torch.Tensor) -> list[float]:
         """Each segment's power-of-two scale (exact_sum.tensor_scales), capped below the
@@ -435,27 +444,36 @@ class StrictTrainer(Trainer):
         return not any(over) and all(w > 0 or n == 0 for w, n in zip(within, nonzero, strict=True))
 
     def _to_fixed(
-        self, terms: torch.Tensor, scales: list[float], into: torch.Tensor, scaled_by: list[float] | None = None,
+        self,
+        terms: torch.Tensor,
+        scales: list[float],
+        shares: list[float],
+        into: torch.Tensor,
+        scaled_by: list[float] | None = None,
     ) -> None:
-        """Writes the sum over the hosted vws of each term times its segment's scale, rounded to
-        the nearest integer, into `into`; `scaled_by`: the scales the terms already carry (a
-        rejected prediction's). Multiplying by a power of two is exact in the gradients' own
-        dtype, so no float64 pass is needed, and the terms are left scaled but not rounded, so
-        that a rejected prediction can scale them again (exactly, but for subnormals, which
-        round to 0 in `into` either way)."""
+        """Writes the sum over the hosted vws of each term in fixed point into `into`: the term
+        times its row's share (gradients only: the loss and metrics carry it) and its segment's
+        scale, in one multiplication, then truncated toward zero by the conversion to integers.
+        `scaled_by`: the scales the terms already carry (a rejected prediction's), shares and
+        all. A power-of-two scale commutes with the rounding of the share's product (but for
+        subnormals, which are 0 in `into` either way), and each integer is a function of its vw's
+        gradient, share and scale alone: the sum is the same on every placement. The terms are
+        left multiplied, not truncated, so that a rejected prediction can scale them again."""
         if not len(terms):
             into.zero_()
             return
-        if scaled_by is not None:  # a rejected prediction's: scale by the ratio, a power of two
-            scales = [new / old for new, old in zip(scales, scaled_by, strict=True)]
-        torch._foreach_mul_(self._segments(terms), scales)  # powers of two: exact; one kernel
-        rounded = self._rounded
-        for row_index, row in enumerate(terms):
-            torch.round(row, out=rounded)
-            if row_index == 0:
-                into.copy_(rounded)  # float to int: exact, the values are whole numbers
+        gradients = len(self._parameters)
+        for index, row in enumerate(terms):
+            if scaled_by is not None:  # a rejected prediction's: scale by the ratio, a power of two
+                factors = [new / old for new, old in zip(scales, scaled_by, strict=True)]
             else:
-                into.add_(rounded.to(self._fixed))
+                share = shares[index]
+                factors = [scale * share for scale in scales[:gradients]] + scales[gradients:]
+            torch._foreach_mul_(self._segments(row), factors)  # one kernel
+            if index == 0:
+                into.copy_(row)  # float to int: truncated toward zero
+            else:
+                into.add_(row.to(self._fixed))
 
     def _point_gradients_at(self, flat: torch.Tensor) -> None:
         """Makes every parameter's gradient a view of its slice of `flat`, so that backward
