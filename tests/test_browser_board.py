@@ -104,6 +104,40 @@ def test_drag_and_keyboard_resize_seen_by_another_browser(browser_platform: Any,
     cancel_all(browser_platform, "alice")
 
 
+def test_a_live_update_of_one_job_leaves_the_other_rows_in_place(browser_platform: Any, chromium: Any) -> None:
+    """The board redraws only the row of a job that changed: the other rows stay the same
+    elements, with their focus (a click or a keyboard draft being made there is not lost)."""
+    steady = submit_job(browser_platform, "alice", name="steady", min_workers=1, max_workers=1)
+    moving = submit_job(browser_platform, "alice", name="moving", min_workers=1, max_workers=1)
+    alice = browser_platform.api("alice")
+    assert alice.post(f"/api/jobs/{moving}/resize", json={"workers": 1}).status_code == 200  # a pin
+    page = log_in(chromium, browser_platform, "alice")
+    wait_workers(page, steady, 1)
+    page.get_by_role("button", name="Lift the pin of job moving").wait_for()
+    bar(page, steady).focus()
+    page.evaluate(
+        """([steady, moving]) => {
+             window.steadyRow = document.querySelector(`.job-row[data-job="${steady}"]`);
+             window.movingRow = document.querySelector(`.job-row[data-job="${moving}"]`);
+             window.steadyUpdates = [];
+             BungeeLive.on((msg) => {
+               if (msg.type !== "job") return;
+               if (msg.job.id === steady) window.steadyUpdates.push(msg.job);
+               if (msg.job.id === moving && msg.job.pinned_workers === null) window.movingUnpinned = true;
+             });
+           }""",
+        [steady, moving],
+    )
+    assert alice.post(f"/api/jobs/{moving}/unpin").status_code == 200
+    page.wait_for_function("() => window.movingUnpinned === true", timeout=30_000)
+    assert page.evaluate("() => !window.movingRow.isConnected"), "the changed job's row was not redrawn"
+    assert page.get_by_role("button", name="Lift the pin of job moving").count() == 0
+    kept = page.evaluate(f"""() => window.steadyRow === document.querySelector('.job-row[data-job="{steady}"]')""")
+    assert kept, f"the unchanged job's row was replaced; its updates meanwhile: {page.evaluate('window.steadyUpdates')}"
+    assert page.evaluate("() => document.activeElement === window.steadyRow.querySelector('.bar')")
+    cancel_all(browser_platform, "alice")
+
+
 def test_second_user_sees_but_cannot_touch(browser_platform: Any, chromium: Any) -> None:
     job_id = submit_job(browser_platform, "alice", name="alices", max_workers=1)
     bob = log_in(chromium, browser_platform, "bob")

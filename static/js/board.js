@@ -48,7 +48,7 @@
     }));
     [...devices.keys()].forEach((id) => { if (!seen.has(id)) devices.delete(id); });
     renderDevices();
-    renderJobs();
+    redrawLive();
   }
 
   function pushHistory(device, sample) {
@@ -187,53 +187,80 @@
     box.hidden = !text;
   }
 
+  // The lane is redrawn row by row: a row whose job (but for its progress, which is updated in
+  // place), draft, size of track and rights are what they were when it was drawn stays the same
+  // element, so that a live update of one job leaves the others' controls alone (a click being
+  // made on one, a focused bar, a keyboard draft). A row drawn over by a draft is marked stale.
+  function rowKey(job, cells) {
+    const shown = Object.assign({}, job);
+    delete shown.steps_done;
+    delete shown.progress;
+    delete shown.finish_estimate_at;
+    return JSON.stringify([shown, cells, pending.has(job.id) ? pending.get(job.id) : null, mayManage(job)]);
+  }
+
+  const drawnAs = new WeakMap(); // row -> its rowKey when drawn
+
   function renderJobs() {
     const lane = $("#jobs-lane");
-    lane.replaceChildren();
     const active = [...jobs.values()].filter((j) => !FINAL.has(j.state));
-    if (!active.length) lane.appendChild(el("p", { class: "muted" }, "No active jobs. Submit one from the Submit page."));
     const cells = trackSize();
-    active.forEach((job) => {
-      const row = el("div", { class: "job-row", "data-job": job.id });
-      const label = el("div", { class: "job-label" });
-      const title = mayManage(job) ? el("a", { href: "/jobs/" + job.id + "/" }, "#" + job.id + " " + job.name)
-        : el("span", {}, "#" + job.id + " " + job.name);
-      label.append(title, el("span", { class: "muted" }, " " + job.owner + " · " + job.state +
-        " · " + job.workers + " of " + job.min_workers + "–" + job.max_workers));
-      label.appendChild(el("div", { class: "progress", "data-field": "progress" }, standing(job)));
-      label.appendChild(why(job));
-      const track = el("div", { class: "track", style: "--cells:" + cells });
-      const target = pending.has(job.id) ? pending.get(job.id) : job.workers;
-      // A job without workers (queued) has no bar, only its state where the bar would start.
-      const empty = job.workers === 0 && !pending.has(job.id);
-      const bar = el("div", {
-        class: "bar" + (pending.has(job.id) || job.state === "resizing" ? " resizing" : "") + (mayManage(job) ? " mine" : "") + (empty ? " empty" : ""),
-        style: BungeeFormat.jobColour(job.id) + ";--workers:" + Math.max(job.workers, 0.25),
-        tabindex: "0",
-        "data-workers": job.workers,
-        "aria-label": "Job " + job.name + " workers",
-      });
-      if (mayManage(job)) {
-        bar.setAttribute("role", "slider");
-        bar.setAttribute("aria-valuemin", "0");
-        bar.setAttribute("aria-valuemax", String(cells));
-        bar.setAttribute("aria-valuenow", String(target));
-        bar.setAttribute("aria-valuetext", counted(target, "worker"));
-        const handle = el("span", { class: "handle", "aria-hidden": "true" });
-        bar.appendChild(handle);
-        attachDrag(job, bar, handle, track);
-        attachKeys(job, bar, track);
-      } else {
-        bar.setAttribute("role", "img");
-        bar.setAttribute("aria-label", "Job " + job.name + " of " + job.owner + ": " + counted(job.workers, "worker") + " (not yours to resize)");
-      }
-      bar.appendChild(el("span", { class: "bar-text" }, pending.has(job.id) ? "resizing to " + target + "…"
-        : empty ? (job.state === "queued" ? "queued: no workers yet" : "no workers") : counted(job.workers, "worker")));
-      track.appendChild(bar);
-      row.append(label, track);
-      lane.appendChild(row);
+    const drawn = new Map([...lane.querySelectorAll(":scope > .job-row")].map((row) => [Number(row.dataset.job), row]));
+    const rows = active.map((job) => {
+      const key = rowKey(job, cells);
+      const kept = drawn.get(job.id);
+      if (kept && drawnAs.get(kept) === key) return kept;
+      const row = jobRow(job, cells);
+      drawnAs.set(row, key);
+      return row;
     });
+    if (!rows.length) rows.push(el("p", { class: "muted" }, "No active jobs. Submit one from the Submit page."));
+    // In order, moving only what moved: a kept row in its place is not touched.
+    rows.forEach((row, i) => { if (lane.children[i] !== row) lane.insertBefore(row, lane.children[i] || null); });
+    while (lane.children.length > rows.length) lane.lastElementChild.remove();
+    updateStanding();
     summarise();
+  }
+
+  function jobRow(job, cells) {
+    const row = el("div", { class: "job-row", "data-job": job.id });
+    const label = el("div", { class: "job-label" });
+    const title = mayManage(job) ? el("a", { href: "/jobs/" + job.id + "/" }, "#" + job.id + " " + job.name)
+      : el("span", {}, "#" + job.id + " " + job.name);
+    label.append(title, el("span", { class: "muted" }, " " + job.owner + " · " + job.state +
+      " · " + job.workers + " of " + job.min_workers + "–" + job.max_workers));
+    label.appendChild(el("div", { class: "progress", "data-field": "progress" }, standing(job)));
+    label.appendChild(why(job));
+    const track = el("div", { class: "track", style: "--cells:" + cells });
+    const target = pending.has(job.id) ? pending.get(job.id) : job.workers;
+    // A job without workers (queued) has no bar, only its state where the bar would start.
+    const empty = job.workers === 0 && !pending.has(job.id);
+    const bar = el("div", {
+      class: "bar" + (pending.has(job.id) || job.state === "resizing" ? " resizing" : "") + (mayManage(job) ? " mine" : "") + (empty ? " empty" : ""),
+      style: BungeeFormat.jobColour(job.id) + ";--workers:" + Math.max(job.workers, 0.25),
+      tabindex: "0",
+      "data-workers": job.workers,
+      "aria-label": "Job " + job.name + " workers",
+    });
+    if (mayManage(job)) {
+      bar.setAttribute("role", "slider");
+      bar.setAttribute("aria-valuemin", "0");
+      bar.setAttribute("aria-valuemax", String(cells));
+      bar.setAttribute("aria-valuenow", String(target));
+      bar.setAttribute("aria-valuetext", counted(target, "worker"));
+      const handle = el("span", { class: "handle", "aria-hidden": "true" });
+      bar.appendChild(handle);
+      attachDrag(job, bar, handle, track);
+      attachKeys(job, bar, track);
+    } else {
+      bar.setAttribute("role", "img");
+      bar.setAttribute("aria-label", "Job " + job.name + " of " + job.owner + ": " + counted(job.workers, "worker") + " (not yours to resize)");
+    }
+    bar.appendChild(el("span", { class: "bar-text" }, pending.has(job.id) ? "resizing to " + target + "…"
+      : empty ? (job.state === "queued" ? "queued: no workers yet" : "no workers") : counted(job.workers, "worker")));
+    track.appendChild(bar);
+    row.append(label, track);
+    return row;
   }
 
   // Where the job stands: a running job's progress and ETA; a queued job's place, its estimated
@@ -277,6 +304,7 @@
   }
 
   function showDraft(bar, track, draft) {
+    drawnAs.delete(bar.closest(".job-row")); // drawn over: the next redraw replaces it
     bar.style.setProperty("--workers", Math.max(draft, 0.25));
     bar.classList.remove("empty");
     bar.querySelector(".bar-text").textContent = "→ " + counted(draft, "worker");
@@ -350,31 +378,37 @@
   }
 
   // A press on a job row's button or link holds the redraws of live job updates until it is
-  // released, as a drag does: a redraw between the press and the release replaced the control,
-  // and the browser sent its click to neither (a lifted pin was lost that way in CI). The held
-  // redraw runs after the click has been handled.
-  const PRESS_HOLD_MS = 3000; // the longest a press holds them: a release the page never hears
+  // released, as a drag does: a redraw of that job's row between the press and the release
+  // replaced the control, and the browser sent its click to neither (a lifted pin was lost that
+  // way in CI). The held redraw runs after the click has been handled. A press ends only with its
+  // release (or the page losing the pointer or the focus): a time limit ended a slow user's press,
+  // and a slow portal's update came after it (a CI run lost the click that way).
   let pressed = false;
   let missed = false;
-  let holdTimer = 0;
   $("#jobs-lane").addEventListener("pointerdown", (event) => {
-    if (!event.target.closest("button, a")) return;
-    pressed = true;
-    clearTimeout(holdTimer);
-    holdTimer = setTimeout(release, PRESS_HOLD_MS);
+    if (event.button === 0 && event.target.closest("button, a")) pressed = true;
   });
   function release() {
-    clearTimeout(holdTimer);
     if (!pressed) return;
     pressed = false;
-    if (missed) {
-      missed = false;
-      setTimeout(() => { if (!pressed && !document.querySelector(".track.dragging")) renderJobs(); }, 0);
-    }
+    if (missed) setTimeout(redrawLive, 0);
   }
   document.addEventListener("pointerup", release, true);
   document.addEventListener("pointercancel", release, true);
   window.addEventListener("blur", release);
+
+  // A redraw that live news asks for: held while a control is pressed or a bar dragged (the drag's
+  // end redraws), and keeping the focus on the job row that had it.
+  function redrawLive() {
+    missed = false;
+    if (pressed || document.querySelector(".track.dragging")) {
+      missed = pressed;
+      return;
+    }
+    const focused = document.activeElement && document.activeElement.closest(".job-row");
+    renderJobs();
+    if (focused) focusBar(Number(focused.dataset.job));
+  }
 
   // --- live ----------------------------------------------------------------------------------
   BungeeLive.on(function (msg) {
@@ -400,17 +434,10 @@
       summarise();
     } else if (msg.type === "job") {
       const job = msg.job;
-      const focused = document.activeElement && document.activeElement.closest(".job-row");
       jobs.set(job.id, job);
       if (pending.has(job.id) && job.workers === pending.get(job.id) && job.state === "running") pending.delete(job.id);
       if (FINAL.has(job.state)) pending.delete(job.id);
-      const dragging = document.querySelector(".track.dragging");
-      if (pressed) {
-        missed = true;
-      } else if (!dragging) {
-        renderJobs();
-        if (focused) focusBar(Number(focused.dataset.job));
-      }
+      redrawLive();
     } else if (msg.type === "job_progress") {
       const job = jobs.get(msg.job_id);
       if (job) {
