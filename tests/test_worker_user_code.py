@@ -166,6 +166,20 @@ def test_a_bug_in_loss_fails_the_worker_once_with_the_traceback(tmp_path: Path) 
     assert [e.step for e in outputs[0].of_kind("artifacts")] == [3]
 
 
+def test_the_jobs_own_exit_handlers_run_when_its_worker_ends(tmp_path: Path) -> None:
+    # The worker leaves without the interpreter's teardown, but it runs what the job registered
+    # with atexit first.
+    marker = tmp_path / "exited"
+    spec = {**SPEC, "steps": 3, "hyperparameters": {**SPEC["hyperparameters"], "exit_marker": str(marker)}}
+    with LocalJob(spec, tmp_path / "run", REDIS_URL, env=worker_env(), task=RINGS) as job:
+        job.start([0])
+        outputs = job.wait(120)
+    assert [o.returncode for o in outputs] == [COMPLETED_EXIT_CODE], job.describe()
+    assert marker.exists(), "the job's atexit handler did not run"
+    words = marker.read_text().split()
+    assert words[:2] == ["loss", "called"] and int(words[2]) >= 3, "it ran before the job trained"
+
+
 def test_a_stop_while_the_job_builds_ends_the_worker_at_once(tmp_path: Path) -> None:
     # The job's model() takes ten minutes; the worker is stopped while it runs. A worker still
     # starting holds no training state: it goes at once, without waiting for its build to end.

@@ -68,6 +68,18 @@ class WorkerOutput:
     returncode: int | None = None
     holds_state: bool = False
     """It joined a generation (it sent a "joined" event)."""
+    exiting_at: float | None = None
+    """time.monotonic() when its "exiting" line, its last, arrived."""
+    ended_at: float | None = None
+    """time.monotonic() when its process had ended."""
+
+    @property
+    def exit_s(self) -> float | None:
+        """From its "exiting" line to the end of its process: what its exit took after the
+        worker had said all it had to say (None where either is missing)."""
+        if self.exiting_at is None or self.ended_at is None:
+            return None
+        return self.ended_at - self.exiting_at
 
     def of_kind(self, kind: str) -> list[WorkerEvent]:
         """Return the events of `kind`, in the order written."""
@@ -92,8 +104,11 @@ class LocalJob:
         board_key: str | None = None,
         device: str = "cpu",
         task: tuple[Path, str] | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "elastic.worker"),
     ) -> None:
         self.spec = dict(spec)
+        self.command = list(command)
+        """How a worker is started (a benchmark may run the worker's main another way)."""
         self.run_dir = Path(run_dir)
         self.redis_url = redis_url
         self.job_id = job_id
@@ -202,7 +217,7 @@ class LocalJob:
     def _spawn(self, record: Membership, rank: int, slot: int) -> None:
         env = {**self.env, WORKER_CONFIG_ENV: self._config(record, rank, slot).model_dump_json()}
         process = subprocess.Popen(
-            [sys.executable, "-m", "elastic.worker"],
+            self.command,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -220,6 +235,7 @@ class LocalJob:
 
     def _watch(self, process: subprocess.Popen[str], output: WorkerOutput, stdout: threading.Thread) -> None:
         code = process.wait()
+        output.ended_at = time.monotonic()
         stdout.join(timeout=10)
         # One step, so that nobody waiting sees every worker gone between a death and its heal.
         with self._lock, self._changed:
@@ -368,7 +384,9 @@ class LocalJob:
                 return
             event = decode(key, line)
             output.events.append(event)
-            if event.kind == "joined":
+            if event.kind == "exiting":
+                output.exiting_at = time.monotonic()
+            elif event.kind == "joined":
                 output.holds_state = True
 
         return handle

@@ -1,10 +1,11 @@
 """A task written only for the tests (not one of the examples): which of three rings a point lies
 on. A small network with batch norm and dropout, its own Dataset over a file it ships, a collate
 function of its own, metrics from both `loss` and `evaluate`, and, when asked, a learning-rate
-scheduler, a bug in `loss`, a NaN loss or a slow model()."""
+scheduler, a bug in `loss`, a NaN loss, a slow model() or an exit handler of its own."""
 
 from __future__ import annotations
 
+import atexit
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ class RingsHyperparameters(BaseModel):
     nan_at_call: int = Field(0, ge=0, description="return a NaN loss on this call (0: never)")
     slow_model_s: float = Field(0, ge=0, description="model() first creates `slow_model_marker`, then sleeps this long")
     slow_model_marker: str = ""
+    exit_marker: str = Field("", description="model() registers an atexit handler that writes this file")
 
 
 class RingsTask:
@@ -37,6 +39,9 @@ class RingsTask:
         self.calls = 0
 
     def model(self) -> nn.Module:
+        if self.hp.exit_marker:
+            marker = Path(self.hp.exit_marker)
+            atexit.register(lambda: marker.write_text(f"loss called {self.calls} times"))
         if self.hp.slow_model_s:
             Path(self.hp.slow_model_marker).touch()
             time.sleep(self.hp.slow_model_s)
