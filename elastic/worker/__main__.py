@@ -76,8 +76,8 @@ def main() -> int:
 def leave(code: int) -> NoReturn:
     """Ends the worker with `code` at once, however it ended: the exit handlers registered with
     atexit (the job's own, logging's) run and the standard streams are flushed, but the
-    interpreter's teardown of torch's modules, which took half a second on a quiet machine and
-    up to 6 s on a busy one, is skipped, as multiprocessing does for its children. The device
+    interpreter's teardown of torch's modules, which took 0.7 s on a quiet machine and 2.5 s at
+    load 6 (bench/worker_exit.py), is skipped, as multiprocessing does for its children. The device
     is free, and the job's end known, that much sooner; a start cut short may also have left a
     module half imported. Threads still running are not waited for (the worker's own are joined
     before this; a thread of the job's code that never ends no longer holds the device)."""
