@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
 from portal.live.samples import taken_together
+from portal.redis import client, key
 
 if TYPE_CHECKING:
     from portal.jobs.models import Job
@@ -24,6 +28,11 @@ log = logging.getLogger(__name__)
 
 CLUSTER_GROUP = "cluster"
 SAMPLES_GROUP = "samples"
+ORDER_LOCK_S = 5.0
+"""The life of a job's send lock: a process killed while it held the lock holds the job's next
+updates back at most this long."""
+ORDER_WAIT_S = 2.0
+"""The longest a job update waits for that lock; then it is sent without it (and logged)."""
 
 
 def job_group(job_id: int) -> str:
@@ -73,11 +82,40 @@ def samples(node_id: int, node_name: str, rows: list[dict[str, Any]]) -> None:
 
 
 def job_changed(job: Job) -> None:
-    job.refresh_from_db()
-    summary = job.summary()
-    send(CLUSTER_GROUP, {"type": "job", "job": summary})
-    send(job_group(job.pk), {"type": "job_state", "job": summary, "message": job.message,
-                             "pin_problem": job.pin_problem})
+    """Sends the job as the database has it now to every board and to the job's followers. The
+    read and the send are one step for each job across every process (a lock in Redis): the
+    portal and the Celery worker both send a job's updates, and one that had read the job before
+    the other's change and sent after it left every page showing the older job (a browser keeps
+    the last `job` message it got, and nothing newer may come for a long time)."""
+    with _in_order(job.pk):
+        job.refresh_from_db()
+        summary = job.summary()
+        send(CLUSTER_GROUP, {"type": "job", "job": summary})
+        send(job_group(job.pk), {"type": "job_state", "job": summary, "message": job.message,
+                                 "pin_problem": job.pin_problem})
+
+
+@contextmanager
+def _in_order(job_id: int) -> Iterator[None]:
+    """Holds the job's send lock (at most ORDER_WAIT_S to get it): without Redis, or past the
+    wait, the update goes out unordered rather than not at all."""
+    lock = client().lock(key("live", "job", job_id), timeout=ORDER_LOCK_S, blocking_timeout=ORDER_WAIT_S)
+    try:
+        held = lock.acquire()
+    except redis.RedisError as err:
+        log.warning("job %s: its update goes out unordered: %s", job_id, err)
+        held = False
+    else:
+        if not held:
+            log.warning("job %s: its update goes out unordered: its send lock was held %s s", job_id, ORDER_WAIT_S)
+    try:
+        yield
+    finally:
+        if held:
+            try:
+                lock.release()
+            except redis.RedisError as err:  # LockError included: it outlived ORDER_LOCK_S
+                log.warning("job %s: releasing its send lock: %s", job_id, err)
 
 
 def allocation_changed(allocations: list[dict[str, Any]]) -> None:
