@@ -1,9 +1,10 @@
 """The portal restarted under an open job page, in real Chromium: the page shows it is offline,
 reconnects by itself once the portal is back, re-subscribes and fetches what it missed (here,
-the job cancelled while it was away)."""
+the job cancelled while it was away). The board, its socket away for a while, catches up too."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -33,4 +34,38 @@ def test_a_page_reconnects_after_the_portal_restarts_and_catches_up(browser_plat
                            timeout=30_000)
     assert fetched, "after reconnecting the page fetched the job's state"
     screenshot(page, "job-page-after-portal-restart")
+    page.context.close()
+
+
+def test_a_board_whose_socket_was_away_catches_up(browser_platform: Any, chromium: Any) -> None:
+    """The board's socket drops (the portal stays up) and is refused for a while; a job is
+    cancelled meanwhile. Once the socket is back, the board drops that job's row: the socket's
+    snapshot, taken after it joined its groups, carries the active jobs."""
+    platform = browser_platform
+    job_id = submit_job(platform, "alice", name="away", max_workers=1)
+    page = log_in(chromium, platform, "alice")
+    sockets: list[Any] = []
+    open_to_server = True
+
+    def route(socket: Any) -> None:
+        if not open_to_server:
+            socket.close()  # refused: the page retries after its backoff
+            return
+        socket.connect_to_server()
+        sockets.append(socket)
+
+    page.route_web_socket(re.compile(r"/ws/live/$"), route)
+    page.reload()  # its socket through the route now
+    page.wait_for_selector(f'.job-row[data-job="{job_id}"]')
+    page.wait_for_function("() => document.getElementById('conn-state').dataset.state === 'live'")
+    assert sockets, "the board's socket did not go through the route"
+    open_to_server = False
+    sockets[-1].close()
+    page.wait_for_selector("#conn-state[data-state=offline]", timeout=30_000)
+    assert platform.api("alice").post(f"/api/jobs/{job_id}/cancel").status_code == 200
+    platform.wait_for("the job cancelled", lambda: platform.job(job_id)["state"] == "cancelled")
+    assert page.locator(f'.job-row[data-job="{job_id}"]').count() == 1, "it heard of the cancel while away"
+    open_to_server = True
+    page.wait_for_selector("#conn-state[data-state=live]", timeout=30_000)
+    page.wait_for_selector(f'.job-row[data-job="{job_id}"]', state="detached", timeout=30_000)
     page.context.close()

@@ -59,7 +59,7 @@ def ingest_report(node: Node, report: AgentReport) -> None:
     ingest_events(node, report.events)
 
 
-@board_router.get("/cluster", summary="Nodes, devices, latest samples and who holds each device")
+@board_router.get("/cluster", summary="Nodes, devices, latest samples, who holds each device, and the active jobs")
 def get_cluster(request: HttpRequest) -> dict[str, Any]:
     return cluster_state()
 

@@ -1,5 +1,5 @@
-"""The cluster as everyone sees it on the board: nodes, devices, their latest sample and which
-job holds each device."""
+"""The cluster as everyone sees it on the board: nodes, devices, their latest sample, which job
+holds each device, and the active jobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from typing import Any
 
 from portal.cluster.models import Device, Node
 from portal.cluster.state import device_holder, latest_samples
-from portal.jobs.models import Allocation
+from portal.jobs.models import Allocation, Job, listed
+from portal.jobs.states import ACTIVE_STATES
+
+
+def active_jobs() -> list[dict[str, Any]]:
+    """Every queued, running or resizing job's summary, oldest first: the board's rows."""
+    return [job.summary() for job in listed(Job.objects.filter(state__in=ACTIVE_STATES)).order_by("created_at")]
 
 
 def cluster_state() -> dict[str, Any]:
@@ -44,4 +50,6 @@ def cluster_state() -> dict[str, Any]:
                 "sample": samples.get(device.pk),
             }
         )
-    return {"nodes": list(nodes.values())}
+    # The live socket sends this after it joined its groups: a board that was away (its socket
+    # reconnected) or loaded just before takes its jobs from here, and misses no change between.
+    return {"nodes": list(nodes.values()), "jobs": active_jobs()}

@@ -17,10 +17,11 @@ from portal.errors import ApiError
 from portal.jobs import curves
 from portal.jobs.access import job_for
 from portal.jobs.api import detail, summary
+from portal.jobs.board import active_jobs
 from portal.jobs.forms import ERROR_SLOTS, errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
 from portal.jobs.models import Job, listed
 from portal.jobs.services import submit_job
-from portal.jobs.states import ACTIVE_STATES, JobState
+from portal.jobs.states import JobState
 
 CHART_FIELDS = ("generation", "segment", "step", "loss", "samples_per_s", "metrics")
 
@@ -31,12 +32,7 @@ def _viewer(request: HttpRequest) -> dict[str, Any]:
 
 @login_required
 def board(request: HttpRequest) -> HttpResponse:
-    jobs = listed(Job.objects.filter(state__in=ACTIVE_STATES)).order_by("created_at")
-    return render(
-        request,
-        "board.html",
-        {"bootstrap": {"viewer": _viewer(request), "jobs": [summary(j) for j in jobs]}},
-    )
+    return render(request, "board.html", {"bootstrap": {"viewer": _viewer(request), "jobs": active_jobs()}})
 
 
 @login_required
