@@ -1,6 +1,7 @@
 """The portal restarted under an open job page, in real Chromium: the page shows it is offline,
 reconnects by itself once the portal is back, re-subscribes and fetches what it missed (here,
-the job cancelled while it was away). The board, its socket away for a while, catches up too."""
+the job cancelled while it was away). The board and the job list, their socket away for a while,
+catch up too."""
 
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ def test_a_page_reconnects_after_the_portal_restarts_and_catches_up(browser_plat
     page.context.close()
 
 
-def test_a_board_whose_socket_was_away_catches_up(browser_platform: Any, chromium: Any) -> None:
-    """The board's socket drops (the portal stays up) and is refused for a while; a job is
-    cancelled meanwhile. Once the socket is back, the board drops that job's row: the socket's
-    snapshot, taken after it joined its groups, carries the active jobs."""
+@pytest.mark.parametrize("where", ["board", "job list"])
+def test_a_page_whose_socket_was_away_catches_up(browser_platform: Any, chromium: Any, where: str) -> None:
+    """The page's socket drops (the portal stays up) and is refused for a while; a job is
+    cancelled meanwhile. Once the socket is back, the page shows it: the socket's snapshot, taken
+    after it joined its groups, carries the active jobs (the board drops the job's row; the job
+    list, not finding it active, reads its end from the list API)."""
     platform = browser_platform
     job_id = submit_job(platform, "alice", name="away", max_workers=1)
     page = log_in(chromium, platform, "alice")
@@ -55,17 +58,30 @@ def test_a_board_whose_socket_was_away_catches_up(browser_platform: Any, chromiu
         sockets.append(socket)
 
     page.route_web_socket(re.compile(r"/ws/live/$"), route)
-    page.reload()  # its socket through the route now
-    page.wait_for_selector(f'.job-row[data-job="{job_id}"]')
+    if where == "board":
+        page.reload()  # its socket through the route now
+        row = page.locator(f'.job-row[data-job="{job_id}"]')
+    else:
+        page.goto(platform.base_url + "/jobs/")
+        row = page.locator(f'#jobs tr[data-job="{job_id}"]')
+    row.wait_for()
     page.wait_for_function("() => document.getElementById('conn-state').dataset.state === 'live'")
-    assert sockets, "the board's socket did not go through the route"
+    assert sockets, "the page's socket did not go through the route"
     open_to_server = False
     sockets[-1].close()
     page.wait_for_selector("#conn-state[data-state=offline]", timeout=30_000)
     assert platform.api("alice").post(f"/api/jobs/{job_id}/cancel").status_code == 200
     platform.wait_for("the job cancelled", lambda: platform.job(job_id)["state"] == "cancelled")
-    assert page.locator(f'.job-row[data-job="{job_id}"]').count() == 1, "it heard of the cancel while away"
+    assert row.count() == 1 and "cancelled" not in row.inner_text(), "it heard of the cancel while away"
     open_to_server = True
     page.wait_for_selector("#conn-state[data-state=live]", timeout=30_000)
-    page.wait_for_selector(f'.job-row[data-job="{job_id}"]', state="detached", timeout=30_000)
+    if where == "board":
+        row.wait_for(state="detached", timeout=30_000)
+    else:
+        state = row.locator('[data-field="state"]')
+        page.wait_for_function(
+            "(id) => document.querySelector(`#jobs tr[data-job=\"${id}\"] [data-field=state]`).textContent === 'cancelled'",
+            arg=job_id, timeout=30_000,
+        )
+        assert state.inner_text() == "cancelled"
     page.context.close()

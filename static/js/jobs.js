@@ -37,17 +37,39 @@
     return row;
   }
 
+  function showJob(job) {
+    let row = rowOf(job.id);
+    if (!row && matches(job)) row = addRow(job);
+    if (!row) return;
+    const state = row.querySelector('[data-field="state"]');
+    state.textContent = job.state;
+    state.className = "state state-" + job.state;
+    row.querySelector('[data-field="workers"]').innerHTML =
+      job.workers + " <small>(" + job.min_workers + "–" + job.max_workers + ")</small>";
+    row.querySelector('[data-field="progress"]').textContent = job.steps_done + " / " + job.total_steps;
+  }
+
+  // The socket's snapshot (at every connect, taken after it joined its groups) holds the active
+  // jobs: what changed while the socket was away. A row shown as active whose job is not among
+  // them ended meanwhile; its end is read from the list API (everyone may read it there).
+  const ACTIVE = new Set(["queued", "running", "resizing"]);
+  function catchUp(active) {
+    const now = new Map(active.map((job) => [job.id, job]));
+    now.forEach(showJob);
+    document.querySelectorAll("#jobs tr[data-job]").forEach((row) => {
+      const id = Number(row.dataset.job);
+      if (now.has(id) || !ACTIVE.has(row.querySelector('[data-field="state"]').textContent.trim())) return;
+      fetch("/api/jobs?limit=1&before=" + (id + 1), { credentials: "same-origin" })
+        .then((reply) => (reply.ok ? reply.json() : []))
+        .then((jobs) => jobs.filter((job) => job.id === id).forEach(showJob));
+    });
+  }
+
   BungeeLive.on(function (message) {
     if (message.type === "job") {
-      let row = rowOf(message.job.id);
-      if (!row && matches(message.job)) row = addRow(message.job);
-      if (!row) return;
-      const state = row.querySelector('[data-field="state"]');
-      state.textContent = message.job.state;
-      state.className = "state state-" + message.job.state;
-      row.querySelector('[data-field="workers"]').innerHTML =
-        message.job.workers + " <small>(" + message.job.min_workers + "–" + message.job.max_workers + ")</small>";
-      row.querySelector('[data-field="progress"]').textContent = message.job.steps_done + " / " + message.job.total_steps;
+      showJob(message.job);
+    } else if (message.type === "cluster" && message.cluster.jobs) {
+      catchUp(message.cluster.jobs);
     } else if (message.type === "job_progress") {
       const row = rowOf(message.job_id);
       if (row) row.querySelector('[data-field="progress"]').textContent = message.steps_done + " / " + message.total_steps;
