@@ -55,7 +55,11 @@
   const ACTIVE = new Set(["queued", "running", "resizing"]);
   function catchUp(active) {
     const now = new Map(active.map((job) => [job.id, job]));
-    now.forEach(showJob);
+    // Rows shown are updated; a job newer than every row was submitted meanwhile and gets one (an
+    // older job not shown is beyond the list's 500 rows: it stays out, as at the page's load).
+    const shown = [...document.querySelectorAll("#jobs tr[data-job]")].map((row) => Number(row.dataset.job));
+    const newest = Math.max(0, ...shown);
+    now.forEach((job) => { if (rowOf(job.id) || job.id > newest) showJob(job); });
     document.querySelectorAll("#jobs tr[data-job]").forEach((row) => {
       const id = Number(row.dataset.job);
       if (now.has(id) || !ACTIVE.has(row.querySelector('[data-field="state"]').textContent.trim())) return;
