@@ -1,6 +1,7 @@
 """The one live socket. On connect it joins the cluster group and the samples of every node and
-sends a snapshot of the cluster and its active jobs (portal.jobs.board.cluster_state); a client then subscribes to the jobs it may manage with
-`{"action": "subscribe_job", "job_id": N}`, and may narrow the samples to what its page shows
+sends a snapshot of the cluster and its active jobs (portal.jobs.board.cluster_state); a client
+then subscribes to the jobs it may manage with `{"action": "subscribe_job", "job_id": N}`, and
+may narrow the samples to what its page shows
 with `{"action": "subscribe_samples", "nodes": ["name", ...], "device_ids": [N, ...]}` (either
 may be left out; `{"action": "subscribe_samples", "all": true}` widens them again to every
 node). Anonymous sockets are refused at the handshake."""

@@ -50,12 +50,14 @@
     // The active jobs as of this snapshot, taken after the socket joined its groups: what the
     // page missed before (its render, a reconnect) is here, and every later change comes as a
     // message. A job not in it is no longer active.
-    const active = new Map((cluster.jobs || []).map((job) => [job.id, job]));
-    [...jobs.keys()].forEach((id) => { if (!active.has(id)) { jobs.delete(id); pending.delete(id); } });
-    active.forEach((job, id) => {
-      jobs.set(id, job);
-      if (pending.has(id) && job.workers === pending.get(id) && job.state === "running") pending.delete(id);
-    });
+    if (cluster.jobs) {
+      const active = new Map(cluster.jobs.map((job) => [job.id, job]));
+      [...jobs.keys()].forEach((id) => { if (!active.has(id)) { jobs.delete(id); pending.delete(id); } });
+      active.forEach((job, id) => {
+        jobs.set(id, job);
+        if (pending.has(id) && job.workers === pending.get(id) && job.state === "running") pending.delete(id);
+      });
+    }
     renderDevices();
     redrawLive();
   }
