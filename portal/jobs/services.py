@@ -34,7 +34,7 @@ def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
         artifacts.check_init_from(owner, spec.init_from)
     with transaction.atomic():
         job = lifecycle.create_job(owner, spec)
-        transaction.on_commit(lambda: broadcast.job_changed(job))
+        broadcast.job_changed(job)  # sent once the job is committed
     return job
 
 

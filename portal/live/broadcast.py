@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.db import transaction
 
 from portal.live.samples import taken_together
 from portal.redis import client, key
@@ -86,7 +87,15 @@ def job_changed(job: Job) -> None:
     read and the send are one step for each job across every process (a lock in Redis): the
     portal and the Celery worker both send a job's updates, and one that had read the job before
     the other's change and sent after it left every page showing the older job (a browser keeps
-    the last `job` message it got, and nothing newer may come for a long time)."""
+    the last `job` message it got, and nothing newer may come for a long time).
+
+    Called inside a transaction, it sends once that commits, and not at all if it rolls back:
+    sent before the commit, the change was on the pages before any other process could read it,
+    and one that read the job in between sent the older job last."""
+    transaction.on_commit(lambda: _send_job(job), robust=True)
+
+
+def _send_job(job: Job) -> None:
     with _in_order(job.pk):
         job.refresh_from_db()
         summary = job.summary()
