@@ -114,7 +114,6 @@ def test_an_update_made_in_a_transaction_is_sent_after_its_commit(watched: Watch
     may end a worker's generation): a process that reads the job before the commit sees the
     older job, so the change's update must not go out before the commit, or it is not the last."""
     job_id = watched.job_id
-
     changed, commit = threading.Event(), threading.Event()
 
     def change_in_a_transaction() -> None:
@@ -133,4 +132,4 @@ def test_an_update_made_in_a_transaction_is_sent_after_its_commit(watched: Watch
     writer.join(30)
     assert not writer.is_alive() and not reader.is_alive()
     names = watched.names()
-    assert names == ["mlp", "renamed"], f"the pages were not left with the committed job: {names}"
+    assert names[-1] == "renamed", f"the pages were left with an older job: {names}"
