@@ -1,11 +1,12 @@
 """The portal restarted under an open job page, in real Chromium: the page shows it is offline,
 reconnects by itself once the portal is back, re-subscribes and fetches what it missed (here,
 the job cancelled while it was away). The board and the job list, their socket away for a while,
-catch up too."""
+catch up too, and a page says it is live only once its socket's snapshot is in."""
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import pytest
@@ -84,4 +85,45 @@ def test_a_page_whose_socket_was_away_catches_up(browser_platform: Any, chromium
             arg=job_id, timeout=30_000,
         )
         assert state.inner_text() == "cancelled"
+    page.context.close()
+
+
+def test_the_page_says_live_only_once_its_snapshot_is_in(browser_platform: Any, chromium: Any) -> None:
+    """"live" means the page is current: the socket open is not enough, the snapshot the portal
+    sends on it must be in the page. Here the socket's messages are held back after it opened: the
+    header says it is catching up, and says live only once they are let through."""
+    platform = browser_platform
+    job_id = submit_job(platform, "alice", name="held", max_workers=1)
+    page = log_in(chromium, platform, "alice")
+    holding = True
+    held: list[tuple[Any, Any]] = []
+
+    def route(socket: Any) -> None:
+        server = socket.connect_to_server()
+
+        def from_server(message: Any) -> None:
+            if holding:
+                held.append((socket, message))
+            else:
+                socket.send(message)
+
+        server.on_message(from_server)
+
+    page.route_web_socket(re.compile(r"/ws/live/$"), route)
+    page.reload()
+    page.wait_for_selector(f'.job-row[data-job="{job_id}"]')
+    page.wait_for_function("() => document.getElementById('conn-state').textContent === 'catching up…'",
+                           timeout=30_000)
+    deadline = time.monotonic() + 30
+    def snapshot_held() -> bool:
+        return any('"type":"cluster"' in message for _, message in held)
+
+    while not snapshot_held() and time.monotonic() < deadline:
+        page.wait_for_timeout(50)  # the route's handlers run while the page is waited on
+    assert snapshot_held(), "the portal sent no snapshot on the page's socket"
+    assert page.locator("#conn-state").get_attribute("data-state") == "connecting", "live before its snapshot"
+    holding = False
+    for socket, message in held:
+        socket.send(message)
+    page.wait_for_selector("#conn-state[data-state=live]", timeout=30_000)
     page.context.close()

@@ -1,7 +1,8 @@
 // The one live socket of every page. Reconnects by itself with backoff, shows its state in the
-// header ("live" once the socket is open and every job the page follows is subscribed, so that
-// no event of theirs can be missed from then on), re-subscribes after a reconnect, and hands each
-// message to the page's handlers. A
+// header ("live" once the socket is open, its snapshot of the cluster is in the page, and every
+// job the page follows is subscribed, so that the page is current and no event of theirs can be
+// missed from then on), re-subscribes after a reconnect, and hands each message to the page's
+// handlers. A
 // page that shows only some devices says which (subscribeSamples), and the portal sends it only
 // those devices' samples; a sample message holds, per device, only what changed since the
 // device's previous one (sampleRows and mergeSample put a device's sample together again).
@@ -13,6 +14,7 @@
   let sampleSubscription = null;
   let sentSampleSubscription = null;
   let socket = null;
+  let caughtUp = false;  // this socket's snapshot (its first message) has been handed to the page
   let attempt = 0;
   const stateEl = () => document.getElementById("conn-state");
 
@@ -29,6 +31,7 @@
     showState("connecting", attempt ? "reconnecting…" : "connecting…");
     socket.addEventListener("open", function () {
       attempt = 0;
+      caughtUp = false;
       unconfirmed.clear();
       jobSubscriptions.forEach(subscribe);
       showLive();
@@ -38,10 +41,11 @@
     socket.addEventListener("message", function (event) {
       let message;
       try { message = JSON.parse(event.data); } catch (err) { return; }
-      if ((message.type === "subscribed" || message.type === "error") && unconfirmed.delete(message.job_id)) {
+      handlers.forEach((handler) => handler(message));
+      if (message.type === "cluster") caughtUp = true;
+      if (message.type === "cluster" || ((message.type === "subscribed" || message.type === "error") && unconfirmed.delete(message.job_id))) {
         showLive();
       }
-      handlers.forEach((handler) => handler(message));
     });
     socket.addEventListener("close", function () {
       attempt += 1;
@@ -53,7 +57,8 @@
 
   function showLive() {
     if (!socket || socket.readyState !== WebSocket.OPEN) return;
-    if (unconfirmed.size) showState("subscribing", "subscribing…");
+    if (!caughtUp) showState("connecting", "catching up…");
+    else if (unconfirmed.size) showState("subscribing", "subscribing…");
     else showState("live", "live");
   }
 
