@@ -42,8 +42,10 @@
       let message;
       try { message = JSON.parse(event.data); } catch (err) { return; }
       handlers.forEach((handler) => handler(message));
-      if (message.type === "cluster") caughtUp = true;
-      if (message.type === "cluster" || ((message.type === "subscribed" || message.type === "error") && unconfirmed.delete(message.job_id))) {
+      if (message.type === "cluster") {
+        caughtUp = true;
+        showLive();
+      } else if ((message.type === "subscribed" || message.type === "error") && unconfirmed.delete(message.job_id)) {
         showLive();
       }
     });
