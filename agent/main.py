@@ -99,6 +99,9 @@ class AgentConfig:
     """The most warm standby workers the node keeps (0: none)."""
     prepared_standbys: int = DEFAULT_PREPARED
     """The most of them prepared for one job that may grow here (0: none)."""
+    standby_start: str = "fork"
+    """How a standby on a CPU slot starts: "fork" (from the node's fork server, which imported
+    the worker runtime once) or "exec" (a new interpreter that imports it)."""
     sim_pace: float = 1.0
     """Simulated slots only: the factor by which every step's compute is stretched (1: none)."""
 
@@ -128,6 +131,13 @@ def _standbys(text: str) -> int:
     if not text.lstrip("-").isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not on, off or a number of standbys")
     return _count(text)
+
+
+def _standby_start(text: str) -> str:
+    """`fork` or `exec`."""
+    if text not in ("fork", "exec"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither fork nor exec")
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -261,6 +271,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=_count,
     )
     flag(
+        "--standby-start",
+        "BUNGEE_STANDBY_START",
+        "fork",
+        "how a standby on a CPU slot starts: fork (forked from one process of the node that has "
+        "imported torch and the worker runtime once: milliseconds, its libraries' memory shared) or "
+        "exec (a new interpreter that imports them: seconds of CPU each); a GPU's standby always "
+        "starts as its own process",
+        type=_standby_start,
+    )
+    flag(
         "--state-dir",
         "BUNGEE_AGENT_STATE_DIR",
         None,
@@ -311,6 +331,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         log_level=args.log_level,
         standbys=args.standbys,
         prepared_standbys=args.prepared_standbys,
+        standby_start=args.standby_start,
         state_dir=Path(args.state_dir).resolve() if args.state_dir else default_state_dir(environ, args.name),
     )
 
@@ -605,6 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             state_dir=config.state_dir,
             standbys=config.standbys,
             prepared_per_job=config.prepared_standbys,
+            fork_standbys=config.standby_start == "fork",
         ),
         on_exit=report_now.set,
     )

@@ -1,12 +1,14 @@
 """Warm standby workers: one waiting process per free device, so that a joiner skips the slow part
 of a worker's start-up (elastic.worker.standby says what a standby does and does not do).
 
-Why a waiting process per device, and not a fork server: a GPU's context cannot cross a fork,
-and torch's thread pools do not survive one, so a forked worker would make its context and
-pools again (the slow part); a process started with the device's environment (CUDA_VISIBLE_DEVICES,
-the CPU affinity) makes them once, before it is needed. It also keeps the worker's life as it is:
-a standby that takes a job is, from then on, a `python -m elastic.worker` in its own session,
-writing to its own output file, that outlives the agent.
+How a standby starts: on a CPU slot, the pool forks it from the node's fork server
+(elastic.worker.forkserver), one process that imported torch and the worker runtime once, so a
+standby is warm milliseconds after it is asked for and shares those libraries' memory; a GPU's
+standby starts as a process of its own (a GPU's driver must not be initialised before a fork, so
+each makes its context after it starts). Either way a standby that takes a job is, from then on, a
+worker in its own session, writing to its own output file, that outlives the agent. While the
+fork server imports (once, at the agent's start), no CPU standby starts; if it dies, or refuses a
+standby, standbys start as processes of their own again (logged).
 
 The pool is the supervisor's (one owner): it starts a standby on each device the agent calls free
 that has none, kills the standby of a device that is not free any more (its owner came back, or
@@ -54,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.devices import WorkerPlacement
+from elastic.worker.forkserver import ForkedProcess, ForkServer, ForkServerError
 from elastic.worker.standby import PREPARATION_FAILED_LINE, PREPARED_LINE, READY_LINE, Assignment, Preparation
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,12 @@ _TAIL_BYTES = 2000
 PIPE_BYTES = 1 << 20
 """A standby's stdin holds this much (Linux's default pipe-max-size), so that an assignment with
 a large job spec still goes in one write; one larger still starts the worker cold."""
+
+
+def _ended(process: subprocess.Popen[bytes] | ForkedProcess) -> bool:
+    """Whether the process has ended (and is reaped); a forked one may have ended with its code
+    unknown."""
+    return process.poll() is not None or (isinstance(process, ForkedProcess) and process.ended)
 
 
 def normal_priority(pid: int) -> None:
@@ -162,7 +171,7 @@ class Standby:
 
     device_index: int
     placement: WorkerPlacement
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess
     output: Path
     """Its own output until it is assigned (then the worker's file takes over)."""
     job: int | None = None
@@ -193,8 +202,13 @@ class Standby:
 class StandbyPool:
     """The node's standbys. Not thread-safe: its owner (the supervisor) calls it under its lock."""
 
-    def __init__(self, directory: Path, python: str, worker_module: str, limit: int, prepared_per_job: int = 0) -> None:
+    def __init__(
+        self, directory: Path, python: str, worker_module: str, limit: int, prepared_per_job: int = 0, fork: bool = False
+    ) -> None:
         self.directory = directory
+        self.fork = fork
+        """Fork the standbys of CPU slots from a fork server (started at the first `keep`)."""
+        self._forkserver: ForkServer | None = None
         self.limit = limit
         """The most standbys kept at once."""
         self.prepared_per_job = prepared_per_job
@@ -238,6 +252,12 @@ class StandbyPool:
                 self._unpreparable.add(standby.job)
                 self._kill(index, f"building job {standby.job} took more than {PREPARE_TIMEOUT_S:.0f} s; not preparing it again")
         warming = any(standby.state is StandbyState.STARTING for standby in self._standbys.values())
+        if self.fork and self._forkserver is None:
+            self._forkserver = ForkServer(env, self.python)
+            log.info("fork server for standbys: pid %d, importing the worker runtime", self._forkserver.process.pid)
+        forking = self._forkserver is not None and not self._forkserver_lost()
+        if forking and not self._forkserver.ready:  # type: ignore[union-attr]
+            warming = True  # its imports are the node's one warm-up
         if not warming and len(self._standbys) < self.limit:
             startable = [i for i in sorted(free.keys() - self._standbys.keys()) if now >= self._backoff_until.get(i, 0.0)]
             if startable:
@@ -245,6 +265,18 @@ class StandbyPool:
         if quiet and prepare_env is not None:
             self._prepare(growing, prepare_env)
         self._reap()
+
+    def _forkserver_lost(self) -> bool:
+        """Whether the fork server died (then standbys start as processes of their own)."""
+        server = self._forkserver
+        if server is None or server.process.poll() is None:
+            return False
+        log.error("the standbys' fork server (pid %d) exited with %s; standbys start as processes of their own",
+                  server.process.pid, server.process.returncode)
+        server.close()
+        self._forkserver = None
+        self.fork = False
+        return True
 
     def _prepare(self, growing: Sequence[int], prepare_env: Callable[[int, int, WorkerPlacement], dict[str, str]]) -> None:
         """Prepares the warm, unprepared standby of the lowest free device for the job in
@@ -330,7 +362,7 @@ class StandbyPool:
         """Moves each waiting standby on to the state its process and its output show; forgets
         those that died (their device gets no new one for RESTART_BACKOFF_S)."""
         for index, standby in list(self._standbys.items()):
-            if standby.process.poll() is not None:
+            if _ended(standby.process):
                 del self._standbys[index]
                 self._backoff_until[index] = time.monotonic() + RESTART_BACKOFF_S
                 self._move(standby, StandbyState.DIED, f"with code {standby.process.returncode}")
@@ -373,21 +405,37 @@ class StandbyPool:
                 log.warning("standby pid %d did not die in %.0f s", standby.pid, timeout_s)
         self._reap()
 
+    def close_forkserver(self) -> None:
+        """Ends the fork server, once the workers forked from it have been stopped (it tells their
+        exit codes; a worker that outlives it is still seen to end, its code unknown)."""
+        if self._forkserver is not None:
+            self._forkserver.close()
+            self._forkserver = None
+
     def _start(self, index: int, placement: WorkerPlacement, env: Mapping[str, str]) -> None:
         output = self.directory / f"device{index}-{uuid.uuid4().hex[:8]}.out"
-        argv = [
-            self.python, "-m", "elastic.worker.standby", "--module", self.worker_module, "--device", placement.device,
-        ]
+        args = ["--module", self.worker_module, "--device", placement.device]
+        process: subprocess.Popen[bytes] | ForkedProcess | None = None
         try:
-            with output.open("ab") as sink:
-                process = subprocess.Popen(
-                    argv,
-                    env={**env, **placement.env},
-                    stdin=subprocess.PIPE,
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            if self._forkserver is not None and self._forkserver.ready and placement.device == "cpu":
+                process = self._fork(output, args, {**env, **placement.env}, placement)
+            if process is None:
+                with output.open("ab") as sink:
+                    process = subprocess.Popen(
+                        [self.python, "-m", "elastic.worker.standby", *args],
+                        env={**env, **placement.env},
+                        stdin=subprocess.PIPE,
+                        stdout=sink,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                if placement.cpu_affinity:
+                    try:
+                        os.sched_setaffinity(process.pid, placement.cpu_affinity)
+                    except OSError as err:
+                        log.warning(
+                            "could not pin standby pid %d to cores %s: %s", process.pid, sorted(placement.cpu_affinity), err
+                        )
         except OSError as err:
             log.error("cannot start a standby on device %d: %s", index, err)
             self._backoff_until[index] = time.monotonic() + RESTART_BACKOFF_S
@@ -402,18 +450,36 @@ class StandbyPool:
             fcntl.fcntl(process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         except OSError as err:  # the system's pipe-max-size is lower: the default 64 KiB stays
             log.debug("could not grow a standby's pipe to %d bytes: %s", PIPE_BYTES, err)
-        if placement.cpu_affinity:
-            try:
-                os.sched_setaffinity(process.pid, placement.cpu_affinity)
-            except OSError as err:
-                log.warning("could not pin standby pid %d to cores %s: %s", process.pid, sorted(placement.cpu_affinity), err)
         self._standbys[index] = Standby(index, placement, process, output)
-        log.info("standby on device %d: pid %d", index, process.pid)
+        log.info("standby on device %d: pid %d%s", index, process.pid, " (forked)" if isinstance(process, ForkedProcess) else "")
+
+    def _fork(self, output: Path, args: list[str], env: dict[str, str], placement: WorkerPlacement) -> ForkedProcess | None:
+        """Forks a standby from the fork server, its stdin a pipe of ours and its output `output`;
+        None (and logged) if the server refused or is gone: the standby then starts on its own."""
+        assert self._forkserver is not None
+        read, write = os.pipe()
+        try:
+            with output.open("ab") as sink:
+                process = self._forkserver.spawn(
+                    "elastic.worker.standby", env, read, sink.fileno(), sink.fileno(), args=args,
+                    new_session=True, cpu_affinity=sorted(placement.cpu_affinity or ()),
+                )
+        except ForkServerError as err:
+            os.close(write)
+            log.warning("could not fork a standby: %s; starting it on its own", err)
+            return None
+        except OSError:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        process.stdin = open(write, "wb", buffering=0)  # noqa: SIM115 - the standby's stdin, closed at its hand-over or end
+        return process
 
     def _kill(self, index: int, why: str) -> None:
         standby = self._standbys.pop(index)
         self._move(standby, StandbyState.KILLED, why)
-        if standby.process.poll() is None:
+        if not _ended(standby.process):
             try:
                 os.killpg(standby.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -423,7 +489,7 @@ class StandbyPool:
     def _reap(self) -> None:
         alive = []
         for standby in self._dying:
-            if standby.process.poll() is None:
+            if not _ended(standby.process):
                 alive.append(standby)
             else:
                 standby.output.unlink(missing_ok=True)

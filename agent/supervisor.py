@@ -75,6 +75,7 @@ from elastic.worker import (
     USER_ERROR_EXIT_CODE,
     WORKER_CONFIG_ENV,
 )
+from elastic.worker.forkserver import ForkedProcess
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,10 @@ class SupervisorConfig:
     """Prepare up to this many of those standbys for each job that may grow on this node (its
     model built before a worker is asked for: agent.standby); 0: none. The agent prepares up to
     2 unless told otherwise (--prepared-standbys)."""
+    fork_standbys: bool = False
+    """Fork the standbys of CPU slots from the node's fork server (elastic.worker.forkserver)
+    rather than start each as a new interpreter. The agent does unless told otherwise
+    (--standby-start)."""
 
 
 @dataclass
@@ -243,8 +248,10 @@ class _Worker:
     stem: str
     """Names its output file and its record (agent.records)."""
     start_time: int | None
-    process: subprocess.Popen[bytes] | None = None
-    """None for a worker this supervisor re-adopted: it is not its parent."""
+    process: subprocess.Popen[bytes] | ForkedProcess | None = None
+    """None for a worker this supervisor re-adopted: it is not its parent. A ForkedProcess for
+    one taken from a forked standby: the fork server is its parent, and keeps it unreaped until
+    it is waited for here."""
     pidfd: int | None = None
     """A re-adopted worker's process while it runs: waited on and signalled without a pid race."""
     done: threading.Event = field(default_factory=threading.Event)
@@ -342,6 +349,7 @@ class WorkerSupervisor:
                 self.config.worker_module,
                 self.config.standbys,
                 self.config.prepared_per_job,
+                fork=self.config.fork_standbys,
             )
             if self.config.standbys > 0
             else None
@@ -624,6 +632,9 @@ class WorkerSupervisor:
             with self._lock:
                 self._standbys.close()
         self._stop_and_wait(workers, "agent shutting down", grace_s)
+        if self._standbys is not None:
+            with self._lock:
+                self._standbys.close_forkserver()
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
@@ -859,11 +870,14 @@ class WorkerSupervisor:
 
     def _watch_child(self, worker: _Worker, reader: threading.Thread) -> None:
         assert worker.process is not None
-        try:
-            # Wait without reaping, so that the pid (and its process group) stays ours.
-            os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:
-            pass
+        # Wait without reaping, so that the pid (and its process group) stays ours.
+        if isinstance(worker.process, ForkedProcess):
+            worker.process.wait_ended()
+        else:
+            try:
+                os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:
+                pass
         with worker.lock:
             # Children the worker left behind are orphans that would hold on to its device.
             _signal_group(worker.pid, signal.SIGKILL)

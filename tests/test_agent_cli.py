@@ -39,6 +39,7 @@ def test_the_flags() -> None:
         "--log-level",
         "--standbys",
         "--prepared-standbys",
+        "--standby-start",
     }
 
 
@@ -91,6 +92,7 @@ ENVIRONMENT = {
     "BUNGEE_AGENT_STATE_DIR": "/var/lib/agent-state",
     "BUNGEE_STANDBYS": "off",
     "BUNGEE_PREPARED_STANDBYS": "0",
+    "BUNGEE_STANDBY_START": "exec",
     "BUNGEE_SIM_PACE": "2.5",
 }
 
@@ -111,6 +113,7 @@ def test_every_flag_falls_back_to_its_environment_variable() -> None:
         state_dir=Path("/var/lib/agent-state"),
         standbys=0,
         prepared_standbys=0,
+        standby_start="exec",
         sim_pace=2.5,
     )
 
@@ -141,6 +144,8 @@ def test_standbys_are_on_off_or_a_number(value: str, kept: int) -> None:
         (["--token", "t", "--sim-pace", "0.5"], {}, "argument --sim-pace: '0.5' must be from 1 to 100"),
         (["--token", "t"], {"BUNGEE_SIM_PACE": "nan"}, "argument --sim-pace: 'nan' must be from 1 to 100"),
         (["--token", "t", "--sim-pace", "fast"], {}, "argument --sim-pace: 'fast' is not a number"),
+        (["--token", "t", "--standby-start", "spawn"], {}, "argument --standby-start: 'spawn' is neither fork nor exec"),
+        (["--token", "t"], {"BUNGEE_STANDBY_START": "FORK"}, "argument --standby-start: 'FORK' is neither fork nor exec"),
     ],
 )
 def test_a_bad_start_exits_2_saying_what_is_wrong(

@@ -50,9 +50,14 @@ def backend() -> SimulatedBackend:
     return SimulatedBackend(slots=2)
 
 
-@pytest.fixture
-def supervisor() -> Iterator[WorkerSupervisor]:
-    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8))
+@pytest.fixture(params=["exec", "fork"])
+def supervisor(request: pytest.FixtureRequest) -> Iterator[WorkerSupervisor]:
+    """With standbys started as processes of their own, and forked from the node's fork server."""
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(
+            worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8, fork_standbys=request.param == "fork"
+        )
+    )
     yield supervisor
     supervisor.shutdown(grace_s=1.0)
 

@@ -555,16 +555,30 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("standbys", [False, True], ids=["cold", "standby"])
-def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path, standbys: bool) -> None:
-    """Started cold, and by a warm standby that takes the launch (agent.standby)."""
+@pytest.mark.parametrize("start", ["cold", "standby", "forked standby"])
+def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path, start: str) -> None:
+    """Started cold, by a warm standby that takes the launch (agent.standby), and by one forked
+    from the node's fork server (elastic.worker.forkserver): its exit code comes from there."""
     from elastic.membership.redis import RedisBoard
 
-    supervisor = WorkerSupervisor(SupervisorConfig(stop_grace_s=60.0, node_name="node-t", standbys=1 if standbys else 0))
+    standbys = start != "cold"
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(
+            stop_grace_s=60.0, node_name="node-t", standbys=1 if standbys else 0, fork_standbys=start == "forked standby"
+        )
+    )
     backend = make_backend("simulated", slots=1)
     supervisor.keep_standbys(backend, set())
+    if start == "forked standby":  # none until the fork server has imported the runtime
+        assert supervisor.standby_pids() == {}
+        deadline = time.monotonic() + 120
+        while not supervisor.standby_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+            supervisor.keep_standbys(backend, set())
     standby_pids = list(supervisor.standby_pids())
     assert len(standby_pids) == (1 if standbys else 0)
+    if start == "forked standby":
+        assert psutil.Process(standby_pids[0]).ppid() != os.getpid(), "forked by the fork server, not by us"
     recorder = Recorder(supervisor)
     spec = {"name": "agent-test", "workload": "digits-mlp", "steps": 100_000, "seed": 1}
     key = f"bungee-agent-test-{os.getpid()}:job:9"

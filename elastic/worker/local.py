@@ -31,11 +31,13 @@ from elastic.membership.redis import RedisBoard
 from elastic.wire import Member, Membership, WorkerConfig, WorkerEvent, member_key
 from elastic.worker import (
     COMPLETED_EXIT_CODE,
+    FAILED_EXIT_CODE,
     LEFT_EXIT_CODE,
     STOPPED_EXIT_CODE,
     USER_ERROR_EXIT_CODE,
     WORKER_CONFIG_ENV,
 )
+from elastic.worker.forkserver import ForkedProcess, ForkServerError, shared_server
 from elastic.worker.settings import SHARED_GPU_ENV
 
 LOCALHOST = "127.0.0.1"
@@ -90,6 +92,11 @@ class WorkerOutput:
         return [event.message or "" for event in self.of_kind("log")]
 
 
+DEFAULT_COMMAND = [sys.executable, "-m", "elastic.worker"]
+"""How a worker is started unless told otherwise: such a worker on CPU is forked from a fork
+server (elastic.worker.forkserver) rather than started as a new interpreter."""
+
+
 class LocalJob:
     """One job's workers on CPU on this machine; slots play the devices of one node."""
 
@@ -104,11 +111,15 @@ class LocalJob:
         board_key: str | None = None,
         device: str = "cpu",
         task: tuple[Path, str] | None = None,
-        command: Sequence[str] = (sys.executable, "-m", "elastic.worker"),
+        command: Sequence[str] = tuple(DEFAULT_COMMAND),
+        fork: bool = True,
     ) -> None:
         self.spec = dict(spec)
         self.command = list(command)
         """How a worker is started (a benchmark may run the worker's main another way)."""
+        self.fork = fork
+        """Fork the workers (the default command on CPU) from a fork server rather than start
+        each as a new interpreter (seconds of imports)."""
         self.run_dir = Path(run_dir)
         self.redis_url = redis_url
         self.job_id = job_id
@@ -126,7 +137,7 @@ class LocalJob:
         """Every process started, in start order."""
         self.records: list[Membership] = []
         self.target: list[int] = []
-        self._processes: dict[int, subprocess.Popen[str]] = {}
+        self._processes: dict[int, subprocess.Popen[str] | ForkedProcess] = {}
         self._readers: list[threading.Thread] = []
         self._changed = threading.Condition()
         self._lock = threading.RLock()
@@ -216,13 +227,19 @@ class LocalJob:
 
     def _spawn(self, record: Membership, rank: int, slot: int) -> None:
         env = {**self.env, WORKER_CONFIG_ENV: self._config(record, rank, slot).model_dump_json()}
-        process = subprocess.Popen(
-            self.command,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        forkable = self.fork and self.command == DEFAULT_COMMAND and self.device == "cpu"
+        forked = self._fork(env) if forkable else None
+        process: subprocess.Popen[str] | ForkedProcess
+        if forked is not None:
+            process = forked
+        else:
+            process = subprocess.Popen(
+                self.command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         output = WorkerOutput(
             slot=slot, pid=process.pid, launched_generation=record.generation, launched_rank=rank
         )
@@ -233,8 +250,35 @@ class LocalJob:
         self._read_in_background(process.stderr, self._stderr_reader(output))
         threading.Thread(target=self._watch, args=(process, output, stdout), daemon=True).start()
 
-    def _watch(self, process: subprocess.Popen[str], output: WorkerOutput, stdout: threading.Thread) -> None:
+    @staticmethod
+    def _fork(env: dict[str, str]) -> ForkedProcess | None:
+        """The worker forked from this process's fork server for `env` (elastic.worker.forkserver:
+        torch and the runtime imported once for all the workers started here), its stdout and
+        stderr pipes of ours; None if the server cannot fork it (the worker then starts as a new
+        interpreter)."""
+        server = shared_server(env)
+        if not server.wait_ready():
+            return None
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            process = server.spawn("elastic.worker", env, null, out_write, err_write)
+        except ForkServerError:
+            for fd in (out_read, err_read):
+                os.close(fd)
+            return None
+        finally:
+            for fd in (null, out_write, err_write):
+                os.close(fd)
+        process.stdout = open(out_read, encoding="utf-8", errors="replace")  # noqa: SIM115 - read to its end by a reader thread
+        process.stderr = open(err_read, encoding="utf-8", errors="replace")  # noqa: SIM115
+        return process
+
+    def _watch(self, process: subprocess.Popen[str] | ForkedProcess, output: WorkerOutput, stdout: threading.Thread) -> None:
         code = process.wait()
+        if code is None:  # a forked worker whose fork server went first (it was killed)
+            code = FAILED_EXIT_CODE
         output.ended_at = time.monotonic()
         stdout.join(timeout=10)
         # One step, so that nobody waiting sees every worker gone between a death and its heal.
