@@ -106,7 +106,9 @@ def test_drag_and_keyboard_resize_seen_by_another_browser(browser_platform: Any,
 
 def test_a_live_update_of_one_job_leaves_the_other_rows_in_place(browser_platform: Any, chromium: Any) -> None:
     """The board redraws only the row of a job that changed: the other rows stay the same
-    elements, with their focus (a click or a keyboard draft being made there is not lost)."""
+    elements, with their focus (a click or a keyboard draft being made there is not lost). The
+    focus stays on its control: on a kept row it is not moved, and a row drawn anew gets it on
+    the same control."""
     steady = submit_job(browser_platform, "alice", name="steady", min_workers=1, max_workers=1)
     moving = submit_job(browser_platform, "alice", name="moving", min_workers=1, max_workers=1)
     alice = browser_platform.api("alice")
@@ -114,7 +116,8 @@ def test_a_live_update_of_one_job_leaves_the_other_rows_in_place(browser_platfor
     page = log_in(chromium, browser_platform, "alice")
     wait_workers(page, steady, 1)
     page.get_by_role("button", name="Lift the pin of job moving").wait_for()
-    bar(page, steady).focus()
+    page.wait_for_selector("#conn-state[data-state=live]")
+    page.locator(f'.job-row[data-job="{moving}"] .job-label a').focus()
     page.evaluate(
         """([steady, moving]) => {
              window.steadyRow = document.querySelector(`.job-row[data-job="${steady}"]`);
@@ -123,18 +126,28 @@ def test_a_live_update_of_one_job_leaves_the_other_rows_in_place(browser_platfor
              BungeeLive.on((msg) => {
                if (msg.type !== "job") return;
                if (msg.job.id === steady) window.steadyUpdates.push(msg.job);
-               if (msg.job.id === moving && msg.job.pinned_workers === null) window.movingUnpinned = true;
+               if (msg.job.id === moving) window.movingPinned = msg.job.pinned_workers;
              });
            }""",
         [steady, moving],
     )
     assert alice.post(f"/api/jobs/{moving}/unpin").status_code == 200
-    page.wait_for_function("() => window.movingUnpinned === true", timeout=30_000)
+    page.wait_for_function("() => window.movingPinned === null", timeout=30_000)
     assert page.evaluate("() => !window.movingRow.isConnected"), "the changed job's row was not redrawn"
     assert page.get_by_role("button", name="Lift the pin of job moving").count() == 0
     kept = page.evaluate(f"""() => window.steadyRow === document.querySelector('.job-row[data-job="{steady}"]')""")
     assert kept, f"the unchanged job's row was replaced; its updates meanwhile: {page.evaluate('window.steadyUpdates')}"
-    assert page.evaluate("() => document.activeElement === window.steadyRow.querySelector('.bar')")
+    focused = page.evaluate("() => document.activeElement.outerHTML")
+    assert page.evaluate(
+        f"""() => document.activeElement === document.querySelector('.job-row[data-job="{moving}"] .job-label a')"""
+    ), f"the redrawn row's link lost the focus to {focused}"
+    # The focus on a row that is kept is not moved (it went to the row's bar).
+    page.locator(f'.job-row[data-job="{steady}"] .job-label a').focus()
+    assert alice.post(f"/api/jobs/{moving}/resize", json={"workers": 1}).status_code == 200
+    page.wait_for_function("() => window.movingPinned === 1", timeout=30_000)
+    page.get_by_role("button", name="Lift the pin of job moving").wait_for()
+    focused = page.evaluate("() => document.activeElement.outerHTML")
+    assert page.evaluate("() => document.activeElement === window.steadyRow.querySelector('.job-label a')"), focused
     cancel_all(browser_platform, "alice")
 
 

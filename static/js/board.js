@@ -409,16 +409,25 @@
   window.addEventListener("blur", release);
 
   // A redraw that live news asks for: held while a control is pressed or a bar dragged (the drag's
-  // end redraws), and keeping the focus on the job row that had it.
+  // end redraws). The focus stays where it was: on a kept row it is not touched, and a row drawn
+  // anew gets it on the same control (its link, a button, the bar), so a keyboard user's Tab goes
+  // on from there (moving it to the bar skipped the controls between; a CI run saw that).
+  const CONTROLS = "a[href], button, [tabindex]:not([tabindex='-1'])";
   function redrawLive() {
     missed = false;
     if (pressed || document.querySelector(".track.dragging")) {
       missed = pressed;
       return;
     }
-    const focused = document.activeElement && document.activeElement.closest(".job-row");
+    const active = document.activeElement;
+    const row = active && active.closest(".job-row");
+    const at = row ? [...row.querySelectorAll(CONTROLS)].indexOf(active) : -1;
     renderJobs();
-    if (focused) focusBar(Number(focused.dataset.job));
+    if (!row || row.isConnected) return;
+    const fresh = $('.job-row[data-job="' + row.dataset.job + '"]');
+    if (!fresh) return;
+    const control = [...fresh.querySelectorAll(CONTROLS)][at] || fresh.querySelector(".bar");
+    if (control) control.focus();
   }
 
   // --- live ----------------------------------------------------------------------------------
