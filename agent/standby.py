@@ -232,9 +232,11 @@ class StandbyPool:
     ) -> None:
         """Makes the standbys match `free`, the free devices and their placements: a standby on
         each, lowest index first, up to `limit` (started with its placement and the environment
-        `env` plus the placement's), none on any other device. One starts at a time: the next
-        once the last is warm, so that a node never imports torch in many processes at once (a
-        scale-in that frees many devices would otherwise thrash a small node). Then prepares
+        `env` plus the placement's), none on any other device. Standbys forked from the fork
+        server start together (they import nothing); others one at a time: the next once the
+        last is warm, so that a node never imports torch in many processes at once (a scale-in
+        that frees many devices would otherwise thrash a small node). While the fork server
+        imports, none starts. Then prepares
         standbys for the jobs in `growing` (most wanted first), a worker of job J on device D
         having the environment `prepare_env(J, D, placement)`, and kills those prepared for a
         job not in it. Unless the node is `quiet` (no resize under way here), nothing is
@@ -260,8 +262,13 @@ class StandbyPool:
             warming = True  # its imports are the node's one warm-up
         if not warming and len(self._standbys) < self.limit:
             startable = [i for i in sorted(free.keys() - self._standbys.keys()) if now >= self._backoff_until.get(i, 0.0)]
-            if startable:
-                self._start(startable[0], free[startable[0]], env)
+            # Forked, a standby imports nothing: every free device up to the limit gets one now.
+            # Started on its own, one at a time.
+            for index in startable[: self.limit - len(self._standbys)]:
+                self._start(index, free[index], env)
+                started = self._standbys.get(index)
+                if started is None or not isinstance(started.process, ForkedProcess):
+                    break
         if quiet and prepare_env is not None:
             self._prepare(growing, prepare_env)
         self._reap()

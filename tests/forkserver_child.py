@@ -21,6 +21,7 @@ if __name__ == "__main__":
                 "env": {k: os.environ.get(k) for k in ("FOO", "KMP_DUPLICATE_LIB_OK", "BAR")},
                 "random": int(numpy.random.randint(1 << 30)),
                 "torch_loaded": "torch" in sys.modules,
+                "cmdline": open("/proc/self/cmdline", "rb").read().replace(b"\0", b" ").decode().strip(),
             }
         ),
         flush=True,

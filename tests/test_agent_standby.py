@@ -212,6 +212,30 @@ def test_standbys_start_one_at_a_time_up_to_the_limit(tmp_path: os.PathLike[str]
         pool.close()
 
 
+def test_forked_standbys_start_together_once_the_fork_server_is_ready(tmp_path: os.PathLike[str]) -> None:
+    """Forked standbys import nothing: once the fork server has imported the runtime (none
+    starts before), every free device up to the limit gets one at once, each the fork server's
+    child."""
+    import sys
+
+    backend = SimulatedBackend(slots=3)
+    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER, limit=2, fork=True)  # type: ignore[arg-type]
+    free = {index: backend.placement(index) for index in range(3)}
+    try:
+        pool.keep(free, dict(os.environ))
+        server = pool._forkserver
+        assert server is not None and pool.standbys() == [], "none before the fork server is ready"
+        assert server.wait_ready()
+        pool.keep(free, dict(os.environ))
+        standbys = pool.standbys()
+        assert [s.device_index for s in standbys] == [0, 1], "both at once, up to the limit of 2"
+        assert {psutil.Process(s.pid).ppid() for s in standbys} == {server.process.pid}
+        wait_until("both standbys to warm up", lambda: all(s.ready() for s in pool.standbys()))
+    finally:
+        pool.close()
+        pool.close_forkserver()
+
+
 GROWING = {
     "name": "grows",
     "workload": "digits-mlp",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -62,6 +63,7 @@ def test_a_child_gets_its_arguments_environment_session_and_cores(server: ForkSe
     assert said["env"]["KMP_DUPLICATE_LIB_OK"] == "True", "what torch's import set, as in a fresh process"
     assert said["own_session"] and said["cores"] == [0]
     assert said["torch_loaded"], "forked with the runtime imported"
+    assert said["cmdline"] == f"{sys.executable} -m {MODULE} --flag x", "ps shows what it runs, not the server"
     assert child.finish("7") == (7, "")
 
 

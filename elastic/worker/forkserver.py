@@ -157,11 +157,13 @@ def _child(request: Request, fds: list[int]) -> None:
         sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered)  # type: ignore[union-attr]
         if request.cpu_affinity:
             os.sched_setaffinity(0, request.cpu_affinity)
+        sys.modules["setproctitle"].setproctitle(" ".join([sys.executable, "-m", request.module, *request.args]))
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()  # from the system's entropy, as at a fresh import
         sys.argv = [request.module, *request.args]
         import runpy
+
 
         # Run as `python -m` does: a fresh __main__, not the module the server imported.
         if not hasattr(sys.modules.get(request.module), "__path__"):
@@ -186,6 +188,10 @@ def _child(request: Request, fds: list[int]) -> None:
 
 def serve(sock: socket.socket) -> int:
     """Forks what the caller asks for until the socket ends (the caller is gone)."""
+    import setproctitle
+
+    setproctitle.getproctitle()  # its set-up, while argv's and the environment's memory are as they started
+
     from elastic.worker.standby import WARM_MODULES
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for its caller; its socket's end ends it
