@@ -1,7 +1,8 @@
 """The portal restarted under an open job page, in real Chromium: the page shows it is offline,
 reconnects by itself once the portal is back, re-subscribes and fetches what it missed (here,
 the job cancelled while it was away). The board and the job list, their socket away for a while,
-catch up too, and a page says it is live only once its socket's snapshot is in."""
+catch up too, and a page says it is live only once its socket's snapshot is in. The board draws
+the cluster from its render, before its socket says anything."""
 
 from __future__ import annotations
 
@@ -88,6 +89,42 @@ def test_a_page_whose_socket_was_away_catches_up(browser_platform: Any, chromium
     page.context.close()
 
 
+class HeldSocket:
+    """Holds back every message the portal sends on the page's live socket until `release`
+    (Playwright's route_web_socket: the page's socket opens, its messages wait)."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.holding = True
+        self.held: list[tuple[Any, Any]] = []
+        page.route_web_socket(re.compile(r"/ws/live/$"), self._route)
+
+    def _route(self, socket: Any) -> None:
+        server = socket.connect_to_server()
+
+        def from_server(message: Any) -> None:
+            if self.holding:
+                self.held.append((socket, message))
+            else:
+                socket.send(message)
+
+        server.on_message(from_server)
+
+    def snapshot_held(self, timeout_s: float = 30) -> bool:
+        """Waits (the page's handlers run while it is waited on) until the snapshot is held."""
+        deadline = time.monotonic() + timeout_s
+        while not any('"type":"cluster"' in message for _, message in self.held):
+            if time.monotonic() > deadline:
+                return False
+            self.page.wait_for_timeout(50)
+        return True
+
+    def release(self) -> None:
+        self.holding = False
+        for socket, message in self.held:
+            socket.send(message)
+
+
 def test_the_page_says_live_only_once_its_snapshot_is_in(browser_platform: Any, chromium: Any) -> None:
     """"live" means the page is current: the socket open is not enough, the snapshot the portal
     sends on it must be in the page. Here the socket's messages are held back after it opened: the
@@ -95,35 +132,37 @@ def test_the_page_says_live_only_once_its_snapshot_is_in(browser_platform: Any, 
     platform = browser_platform
     job_id = submit_job(platform, "alice", name="held", max_workers=1)
     page = log_in(chromium, platform, "alice")
-    holding = True
-    held: list[tuple[Any, Any]] = []
-
-    def route(socket: Any) -> None:
-        server = socket.connect_to_server()
-
-        def from_server(message: Any) -> None:
-            if holding:
-                held.append((socket, message))
-            else:
-                socket.send(message)
-
-        server.on_message(from_server)
-
-    page.route_web_socket(re.compile(r"/ws/live/$"), route)
+    socket = HeldSocket(page)
     page.reload()
     page.wait_for_selector(f'.job-row[data-job="{job_id}"]')
     page.wait_for_function("() => document.getElementById('conn-state').textContent === 'catching up…'",
                            timeout=30_000)
-    deadline = time.monotonic() + 30
-    def snapshot_held() -> bool:
-        return any('"type":"cluster"' in message for _, message in held)
-
-    while not snapshot_held() and time.monotonic() < deadline:
-        page.wait_for_timeout(50)  # the route's handlers run while the page is waited on
-    assert snapshot_held(), "the portal sent no snapshot on the page's socket"
+    assert socket.snapshot_held(), "the portal sent no snapshot on the page's socket"
     assert page.locator("#conn-state").get_attribute("data-state") == "connecting", "live before its snapshot"
-    holding = False
-    for socket, message in held:
-        socket.send(message)
+    socket.release()
     page.wait_for_selector("#conn-state[data-state=live]", timeout=30_000)
+    page.context.close()
+
+
+def test_the_board_draws_the_cluster_before_its_socket_says_anything(browser_platform: Any, chromium: Any) -> None:
+    """The board's render carries the cluster: with every message of its socket held back, the
+    devices are listed and the job's bar is drawn on their track; the snapshot, let through, then
+    leaves the job's row as it is (the first draw used to size every bar to one device, and the
+    snapshot redrew them all)."""
+    platform = browser_platform
+    job_id = submit_job(platform, "alice", name="drawn", max_workers=1)
+    cluster = platform.api("alice").get("/api/cluster").json()
+    device_count = sum(len(node["devices"]) for node in cluster["nodes"])
+    page = log_in(chromium, platform, "alice")
+    page.wait_for_selector(f'.job-row[data-job="{job_id}"] .bar[data-workers="1"]')  # running, as the test wants
+    socket = HeldSocket(page)
+    page.reload()
+    page.wait_for_selector(f'.job-row[data-job="{job_id}"]')
+    assert page.locator("#devices tbody tr").count() == device_count, "the devices wait for the socket"
+    page.evaluate(f"""() => {{ window.drawnRow = document.querySelector('.job-row[data-job="{job_id}"]'); }}""")
+    assert socket.snapshot_held(), "the portal sent no snapshot on the page's socket"
+    socket.release()
+    page.wait_for_selector("#conn-state[data-state=live]", timeout=30_000)
+    kept = page.evaluate(f"""() => window.drawnRow === document.querySelector('.job-row[data-job="{job_id}"]')""")
+    assert kept, "the snapshot redrew the job's row, which had not changed"
     page.context.close()

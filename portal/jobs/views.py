@@ -17,7 +17,7 @@ from portal.errors import ApiError
 from portal.jobs import curves
 from portal.jobs.access import job_for
 from portal.jobs.api import detail, summary
-from portal.jobs.board import active_jobs
+from portal.jobs.board import cluster_state
 from portal.jobs.forms import ERROR_SLOTS, errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
 from portal.jobs.models import Job, listed
 from portal.jobs.services import submit_job
@@ -32,7 +32,10 @@ def _viewer(request: HttpRequest) -> dict[str, Any]:
 
 @login_required
 def board(request: HttpRequest) -> HttpResponse:
-    return render(request, "board.html", {"bootstrap": {"viewer": _viewer(request), "jobs": active_jobs()}})
+    # The cluster as the socket's snapshot has it (devices and active jobs): the first draw knows
+    # the devices (each bar's track is sized to them) and the history has rows to go to; the
+    # snapshot then changes only what changed since the render.
+    return render(request, "board.html", {"bootstrap": {"viewer": _viewer(request), "cluster": cluster_state()}})
 
 
 @login_required

@@ -11,7 +11,6 @@
   const pending = new Map();
   const HISTORY_S = 300;
   const FINAL = new Set(["succeeded", "failed", "cancelled"]);
-  boot.jobs.forEach((job) => jobs.set(job.id, job));
 
   const $ = (sel, root) => (root || document).querySelector(sel);
   const el = (tag, attrs, text) => {
@@ -468,6 +467,10 @@
     }
   });
 
+  // The cluster as of the page's render: devices, their bars' track and the jobs are drawn at
+  // once; the socket's snapshot then changes only what changed since.
+  loadCluster(boot.cluster);
+
   fetch("/api/cluster/history?minutes=5", { credentials: "same-origin" }).then((r) => r.ok ? r.json() : {}).then((history) => {
     Object.entries(history).forEach(([id, rows]) => {
       const d = devices.get(Number(id));
@@ -477,5 +480,4 @@
       updateDeviceRow(d);
     });
   });
-  renderJobs();
 })();
