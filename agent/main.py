@@ -276,8 +276,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "fork",
         "how a standby on a CPU slot starts: fork (forked from one process of the node that has "
         "imported torch and the worker runtime once: milliseconds, its libraries' memory shared) or "
-        "exec (a new interpreter that imports them: seconds of CPU each); a GPU's standby always "
-        "starts as its own process",
+        "exec (a new interpreter that imports them: seconds of CPU each); with fork, a worker no "
+        "standby serves is forked too; a GPU's standby and worker always start as their own process",
         type=_standby_start,
     )
     flag(

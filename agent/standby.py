@@ -460,6 +460,25 @@ class StandbyPool:
         self._standbys[index] = Standby(index, placement, process, output)
         log.info("standby on device %d: pid %d%s", index, process.pid, " (forked)" if isinstance(process, ForkedProcess) else "")
 
+    def fork_worker(self, module: str, placement: WorkerPlacement, output: int, env: Mapping[str, str]) -> ForkedProcess | None:
+        """A worker that no standby serves (none on its device, or one that may not serve it),
+        forked from the fork server all the same: `python -m module` in its own session, its
+        output the descriptor `output`, stdin /dev/null. None (the caller starts it as a new
+        interpreter) if the pool forks nothing, its server is not ready, or the slot is a GPU's."""
+        server = self._forkserver
+        if server is None or not server.ready or placement.device != "cpu":
+            return None
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            return server.spawn(
+                module, env, null, output, output, new_session=True, cpu_affinity=sorted(placement.cpu_affinity or ())
+            )
+        except ForkServerError as err:
+            log.warning("could not fork a worker: %s; starting it on its own", err)
+            return None
+        finally:
+            os.close(null)
+
     def _fork(self, output: Path, args: list[str], env: dict[str, str], placement: WorkerPlacement) -> ForkedProcess | None:
         """Forks a standby from the fork server, its stdin a pipe of ours and its output `output`;
         None (and logged) if the server refused or is gone: the standby then starts on its own."""

@@ -688,14 +688,25 @@ class WorkerSupervisor:
                     if self._standbys is not None
                     else None
                 )
-                process = standby.process if standby is not None else subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=output,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                forked = (
+                    self._standbys.fork_worker(self.config.worker_module, placement, output.fileno(), env)
+                    if standby is None and self._standbys is not None
+                    else None
                 )
+                process: subprocess.Popen[bytes] | ForkedProcess
+                if standby is not None:
+                    process = standby.process
+                elif forked is not None:
+                    process = forked
+                else:
+                    process = subprocess.Popen(
+                        argv,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
         except OSError as err:
             self._records.remove(stem)
             failed(f"cannot start {' '.join(argv)}: {err}")
@@ -726,7 +737,7 @@ class WorkerSupervisor:
             worker.rank,
             worker.device_index,
             worker.pid,
-            " (a warm standby)" if standby is not None else "",
+            " (a warm standby)" if standby is not None else " (forked)" if forked is not None else "",
         )
         self._events.add(worker.event("started", pid=worker.pid, device_index=worker.device_index))
         reader = self._start_thread(f"read-{worker.pid}", lambda: self._tail(worker))

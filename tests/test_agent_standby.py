@@ -236,6 +236,29 @@ def test_forked_standbys_start_together_once_the_fork_server_is_ready(tmp_path: 
         pool.close_forkserver()
 
 
+def test_a_worker_no_standby_serves_is_forked_too(backend: SimulatedBackend) -> None:
+    """With one standby (on device 0) and a job of two, rank 1 has none on its device: it is
+    forked from the node's fork server rather than started as a new interpreter, and its end is
+    reported through it."""
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=1, fork_standbys=True)
+    )
+    try:
+        standbys = warm(supervisor, backend, count=1)
+        assert supervisor._standbys is not None and supervisor._standbys._forkserver is not None
+        server_pid = supervisor._standbys._forkserver.process.pid
+        recorder = Recorder(supervisor)
+        assert supervisor.launch(launch(ranks=2, steps=200), backend, REDIS_URL)
+        recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
+        pids = {event.rank: event.pid for event in recorder.of("started")}
+        assert pids[0] == standbys[0], "rank 0 took device 0's standby"
+        assert psutil.Process(pids[1]).ppid() == server_pid, "rank 1 was forked, no standby being on device 1"
+        recorder.wait_for(recorder.exits(2))
+        assert {(e.rank, e.reason) for e in recorder.of("exited")} == {(0, "completed"), (1, "completed")}
+    finally:
+        supervisor.shutdown(grace_s=1.0)
+
+
 GROWING = {
     "name": "grows",
     "workload": "digits-mlp",
