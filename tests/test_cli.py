@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import queue
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -104,16 +105,31 @@ def test_a_new_user_trains_their_code_and_takes_the_model_home(browser_platform:
         [sys.executable, str(ROOT / "examples" / "follow_job.py"), browser_platform.base_url, token, str(endless)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = follower.stdout
+    assert stdout is not None
+
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        assert follower.stdout is not None
-        ready, _, _ = select.select([follower.stdout], [], [], 120)
-        assert ready, "the example printed nothing in 120 s"
-        first = follower.stdout.readline()  # a step: it trains (readline ends if the script dies)
-        assert first.startswith("step "), first + follower.stderr.read()
+        # It trains: a step comes (after any state change it was told of first, such as the unpin's).
+        said: list[str] = []
+        while not said or not said[-1].startswith("step "):
+            try:
+                said.append(lines.get(timeout=120))
+            except queue.Empty:
+                pytest.fail(f"the example printed no step in 120 s; it printed {said}")
         assert as_json(bungee(tmp_path, "cancel", str(endless), "-o", "json"))["state"] == "cancelled"
-        out, err = follower.communicate(timeout=30)
+        follower.wait(timeout=30)
+        reader.join(timeout=30)
     finally:
         follower.kill()
+    out = "".join(said + list(lines.queue))
+    err = follower.stderr.read() if follower.stderr is not None else ""
     assert follower.returncode == 0 and out.rstrip().endswith("cancelled"), out + err
     spec.write_text("name: cli-bad\nworkload: digits-mlp\nmax_workers: two\n")
     bad = bungee(tmp_path, "submit", str(spec))
