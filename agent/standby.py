@@ -254,14 +254,16 @@ class StandbyPool:
                 self._unpreparable.add(standby.job)
                 self._kill(index, f"building job {standby.job} took more than {PREPARE_TIMEOUT_S:.0f} s; not preparing it again")
         warming = any(standby.state is StandbyState.STARTING for standby in self._standbys.values())
-        if self.fork and self._forkserver is None:
+        if self.fork and self._forkserver is None and any(p.device == "cpu" for p in free.values()):
             self._forkserver = ForkServer(env, self.python)
             log.info("fork server for standbys: pid %d, importing the worker runtime", self._forkserver.process.pid)
-        forking = self._forkserver is not None and not self._forkserver_lost()
-        if forking and not self._forkserver.ready:  # type: ignore[union-attr]
-            warming = True  # its imports are the node's one warm-up
+        # While the fork server imports (the node's one warm-up), the CPU slots wait for it.
+        importing = self._forkserver is not None and not self._forkserver_lost() and not self._forkserver.ready
         if not warming and len(self._standbys) < self.limit:
-            startable = [i for i in sorted(free.keys() - self._standbys.keys()) if now >= self._backoff_until.get(i, 0.0)]
+            startable = [
+                i for i in sorted(free.keys() - self._standbys.keys())
+                if now >= self._backoff_until.get(i, 0.0) and not (importing and free[i].device == "cpu")
+            ]
             # Forked, a standby imports nothing: every free device up to the limit gets one now.
             # Started on its own, one at a time.
             for index in startable[: self.limit - len(self._standbys)]:

@@ -17,6 +17,7 @@ from agent.devices.simulated import SimulatedBackend
 from agent.standby import Standby, StandbyPool, StandbyState
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
 from elastic.wire import StopCommand
+from elastic.worker.forkserver import ForkedProcess
 from elastic.worker.standby import PREPARED_LINE
 from tests.agent_fake_worker import JOINS_ENV
 from tests.test_agent_supervisor import FAKE_WORKER, REDIS_URL, Recorder, launch
@@ -234,6 +235,24 @@ def test_forked_standbys_start_together_once_the_fork_server_is_ready(tmp_path: 
     finally:
         pool.close()
         pool.close_forkserver()
+
+
+def test_a_gpus_standby_starts_on_its_own_and_starts_no_fork_server(tmp_path: os.PathLike[str]) -> None:
+    """A GPU's standby is never forked: on a node whose free devices are GPUs, the pool starts
+    no fork server and does not wait for one; the standby starts as a process of its own."""
+    import sys
+
+    from agent.devices import WorkerPlacement
+
+    pool = StandbyPool(tmp_path, sys.executable, FAKE_WORKER, limit=1, fork=True)  # type: ignore[arg-type]
+    gpu = WorkerPlacement(device="cuda:0", env={"CUDA_VISIBLE_DEVICES": "0"})
+    try:
+        pool.keep({0: gpu}, dict(os.environ))
+        [standby] = pool.standbys()
+        assert pool._forkserver is None and not isinstance(standby.process, ForkedProcess)
+        assert psutil.Process(standby.pid).ppid() == os.getpid()
+    finally:
+        pool.close()
 
 
 def test_a_worker_no_standby_serves_is_forked_too(backend: SimulatedBackend) -> None:
