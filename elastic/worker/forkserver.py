@@ -295,10 +295,11 @@ class ForkedProcess:
     server is gone before it ends (killed: it outlives its caller's use of it otherwise), its end
     is still seen but its code is unknown: `ended` is true and `returncode` stays None."""
 
-    def __init__(self, server: ForkServer, pid: int, stdin: IO[bytes] | None = None) -> None:
+    def __init__(self, server: ForkServer, pid: int) -> None:
         self.server = server
         self.pid = pid
-        self.stdin = stdin
+        self.stdin: IO[bytes] | None = None
+        """Set by a caller that sent it a pipe's read end and keeps the write end."""
         self.stdout: IO[Any] | None = None
         self.stderr: IO[Any] | None = None
         self.returncode: int | None = None
@@ -355,7 +356,7 @@ class ForkServer:
     """The caller's end of a fork server: starts it with `env` (the start-up variables its
     children must share) and forks processes through it. Thread-safe."""
 
-    def __init__(self, env: Mapping[str, str], python: str = sys.executable, stderr: int | None = None) -> None:
+    def __init__(self, env: Mapping[str, str], python: str = sys.executable) -> None:
         self.env = dict(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
@@ -364,7 +365,6 @@ class ForkServer:
                 [python, "-m", "elastic.worker.forkserver", str(theirs.fileno())],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
-                stderr=stderr,
                 pass_fds=[theirs.fileno()],
             )
         finally:
