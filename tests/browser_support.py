@@ -3,6 +3,8 @@ Screenshots go to test-output/screenshots/ so that people can look at them after
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +79,39 @@ def free_the_cluster(platform: Platform) -> None:
         return all(device["job"] is None for node in nodes for device in node["devices"])
 
     platform.wait_for("every device free", free, timeout_s=120)
+
+
+class HeldSocket:
+    """Holds back every message the portal sends on the page's live socket until `release`
+    (Playwright's route_web_socket: the page's socket opens, its messages wait)."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.holding = True
+        self.held: list[tuple[Any, Any]] = []
+        page.route_web_socket(re.compile(r"/ws/live/$"), self._route)
+
+    def _route(self, socket: Any) -> None:
+        server = socket.connect_to_server()
+
+        def from_server(message: Any) -> None:
+            if self.holding:
+                self.held.append((socket, message))
+            else:
+                socket.send(message)
+
+        server.on_message(from_server)
+
+    def snapshot_held(self, timeout_s: float = 30) -> bool:
+        """Waits (the page's handlers run while it is waited on) until the snapshot is held."""
+        deadline = time.monotonic() + timeout_s
+        while not any('"type":"cluster"' in message for _, message in self.held):
+            if time.monotonic() > deadline:
+                return False
+            self.page.wait_for_timeout(50)
+        return True
+
+    def release(self) -> None:
+        self.holding = False
+        for socket, message in self.held:
+            socket.send(message)

@@ -7,12 +7,11 @@ the cluster from its render, before its socket says anything."""
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import pytest
 
-from tests.browser_support import log_in, screenshot, submit_job
+from tests.browser_support import HeldSocket, log_in, screenshot, submit_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.faults]
 
@@ -87,42 +86,6 @@ def test_a_page_whose_socket_was_away_catches_up(browser_platform: Any, chromium
         )
         assert state.inner_text() == "cancelled"
     page.context.close()
-
-
-class HeldSocket:
-    """Holds back every message the portal sends on the page's live socket until `release`
-    (Playwright's route_web_socket: the page's socket opens, its messages wait)."""
-
-    def __init__(self, page: Any) -> None:
-        self.page = page
-        self.holding = True
-        self.held: list[tuple[Any, Any]] = []
-        page.route_web_socket(re.compile(r"/ws/live/$"), self._route)
-
-    def _route(self, socket: Any) -> None:
-        server = socket.connect_to_server()
-
-        def from_server(message: Any) -> None:
-            if self.holding:
-                self.held.append((socket, message))
-            else:
-                socket.send(message)
-
-        server.on_message(from_server)
-
-    def snapshot_held(self, timeout_s: float = 30) -> bool:
-        """Waits (the page's handlers run while it is waited on) until the snapshot is held."""
-        deadline = time.monotonic() + timeout_s
-        while not any('"type":"cluster"' in message for _, message in self.held):
-            if time.monotonic() > deadline:
-                return False
-            self.page.wait_for_timeout(50)
-        return True
-
-    def release(self) -> None:
-        self.holding = False
-        for socket, message in self.held:
-            socket.send(message)
 
 
 def test_the_page_says_live_only_once_its_snapshot_is_in(browser_platform: Any, chromium: Any) -> None:

@@ -106,8 +106,11 @@
     const body = $("#devices tbody");
     const headings = [...document.querySelectorAll("#devices thead th")].map((th) => th.textContent);
     body.replaceChildren();
+    // The rows on screen are forgotten until the next frame reports the new ones (which sets
+    // the timer again): a subscription still waiting would go out for none of them.
     rowsOnScreen.disconnect();
     shownRows.clear();
+    clearTimeout(subscribeTimer);
     [...devices.values()].forEach((d) => {
       const row = el("tr", { "data-device": d.id });
       row.appendChild(el("th", { scope: "row" }, d.node + "/" + d.index));
