@@ -98,6 +98,9 @@ def test_board_queued_job_colours_simulated_readings_and_a_narrow_window(browser
     alice = browser_platform.api("alice")
     running = submit_job(browser_platform, "alice", name="runs", max_workers=1)
     browser_platform.wait_for("a job on a device", lambda: alice.get(f"/api/jobs/{running}").json()["workers"] == 1)
+    # Pinned, so that the job below stays queued: unpinned, the scheduler may rightly stop this
+    # one-worker job to run the four-worker one (the policy values 4 workers above 1).
+    assert alice.post(f"/api/jobs/{running}/resize", json={"workers": 1}).status_code == 200
     queued = submit_job(browser_platform, "alice", name="waits", min_workers=4, max_workers=4)
     page = log_in(chromium, browser_platform, "alice")
     waiting = page.locator(f'.job-row[data-job="{queued}"] .bar')
