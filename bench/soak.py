@@ -748,6 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         "BUNGEE_CHECKPOINT_EVERY_S": "1",
         "BUNGEE_POLICY": settings.policy,
         "BUNGEE_MAX_RESTARTS": str(settings.max_restarts),
+        "BUNGEE_SIM_PACE": "1",  # flat out, not the test platform's pace of 4: the steps are what is timed
     }
     work = Path(tempfile.mkdtemp(prefix="bungee-bench-soak-"))
     print(f"logs in {work / 'logs'}", flush=True)
