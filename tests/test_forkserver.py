@@ -103,9 +103,17 @@ def test_children_draw_different_random_numbers(server: ForkServer) -> None:
     assert len(numbers) == 3, "numpy's generator reseeded in each child, as in a fresh process"
 
 
-def test_a_start_up_variable_that_differs_is_refused(server: ForkServer) -> None:
-    with pytest.raises(ForkServerError, match="PYTHONPATH"):
-        Child(server, {"PYTHONPATH": "/elsewhere"})
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("PYTHONPATH", "/elsewhere"),
+        # torch reads it at its first allocation, in the server: a child could not change it
+        ("THP_MEM_ALLOC_ENABLE", "0" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else "1"),
+    ],
+)
+def test_a_start_up_variable_that_differs_is_refused(server: ForkServer, name: str, value: str) -> None:
+    with pytest.raises(ForkServerError, match=name):
+        Child(server, {name: value})
     child = Child(server)  # the server goes on
     child.said()
     assert child.finish("0")[0] == 0

@@ -6,12 +6,14 @@ in the tests with real workers: test_worker_resize_in_place, test_worker_failure
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from elastic.worker.transfer import (
+    HUGE_PAGE,
     TensorSlot,
     apply_outline,
     assign_sources,
@@ -19,9 +21,45 @@ from elastic.worker.transfer import (
     move_state,
     outline,
     plan_chunks,
+    receive_buffer,
     relay_routes,
     state_tensors,
 )
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_kib(tensor: torch.Tensor) -> int:
+    """The huge pages (kB) of the mapping that holds `tensor`'s first byte (/proc/self/smaps)."""
+    start, inside = tensor.data_ptr(), False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if head:
+                low, high = (int(part, 16) for part in head.groups())
+                inside = low <= start < high
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_a_large_receive_buffer_lies_on_huge_pages_and_saves_as_its_bytes(tmp_path: Path) -> None:
+    """A joiner's optimiser tensors are made at the switch and first touched by the receive,
+    inside the pause: large ones lie on huge pages, so that touch costs 512x fewer faults."""
+    cpu = torch.device("cpu")
+    small = receive_buffer((100,), torch.float32, cpu)
+    assert small.shape == (100,) and small.dtype == torch.float32
+    large = receive_buffer((3, 1024, 1024), torch.float32, cpu)  # 12 MiB
+    assert large.shape == (3, 1024, 1024) and large.dtype == torch.float32 and large.is_contiguous()
+    assert large.data_ptr() % HUGE_PAGE == 0
+    large.copy_(torch.arange(large.numel(), dtype=torch.float32).view_as(large))
+    torch.save(large, tmp_path / "large.pt")
+    assert (tmp_path / "large.pt").stat().st_size < large.numel() * 4 + 4096, "only its own bytes are saved"
+    assert torch.equal(torch.load(tmp_path / "large.pt"), large)
+    mode = THP_MODE.read_text() if THP_MODE.exists() else ""
+    if "[never]" in mode or not mode:
+        pytest.skip(f"transparent huge pages are off on this machine ({THP_MODE}: {mode.strip() or 'absent'})")
+    assert huge_kib(large) >= 8 * 1024, "most of it on huge pages"
 
 
 def test_large_tensors_are_sliced_small_ones_packed_every_byte_once() -> None:
@@ -56,21 +94,25 @@ def test_sources_share_the_bytes_evenly() -> None:
 
 def test_the_outline_gives_a_fresh_optimiser_the_same_layout() -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+    # The last weight's momentum (2.4 MB) gets a receive buffer on huge pages.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2), torch.nn.Linear(2, 300_000))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 16)).sum().backward()
     optimizer.step()
     device = torch.device("cpu")
     sent = outline(7, optimizer, device)
     kinds = [type(entries["momentum_buffer"]) for _, entries in sorted(sent.optimizer["state"].items())]
-    # Only the 16x16 weight is large enough to travel point to point; the rest rides along.
-    assert kinds == [TensorSlot, torch.Tensor, torch.Tensor, torch.Tensor]
+    # Only the 16x16 weight and the last layer are large enough to travel point to point; the
+    # rest rides along.
+    assert kinds == [TensorSlot, torch.Tensor, torch.Tensor, torch.Tensor, TensorSlot, TensorSlot]
     assert sent.step == 7 and sent.optimizer["param_groups"][0]["lr"] == 0.1
 
-    twin = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+    twin = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2), torch.nn.Linear(2, 300_000))
     fresh = torch.optim.SGD(twin.parameters(), lr=0.5, momentum=0.9)
     apply_outline(fresh, sent, device)
     assert fresh.param_groups[0]["lr"] == 0.1
+    large = fresh.state[twin[2].weight]["momentum_buffer"]
+    assert large.data_ptr() % HUGE_PAGE == 0, "the optimiser holds the receive buffer itself, not a copy"
     mine, theirs = state_tensors(model, optimizer, device), state_tensors(twin, fresh, device)
     assert [t.shape for t in mine] == [t.shape for t in theirs]
     assert [t.dtype for t in mine] == [t.dtype for t in theirs]
@@ -104,18 +146,25 @@ def _move(rank: int, world: int, init: str, sources: list[int], receivers: list[
 
     import torch.distributed as dist
 
+    # One thread, as a worker has: this process is forked from pytest's, whose OpenMP threads
+    # (from an earlier test's large tensor op) do not exist here, and a parallel op would wait
+    # for them forever.
+    torch.set_num_threads(1)
     # A receive that never comes fails the test in 30 s, not gloo's 30 minutes.
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
     try:
         generator = torch.Generator().manual_seed(7)
         expected = [
-            torch.randn(1000, generator=generator),  # sliced
-            torch.randn(3, 5, generator=generator),  # packed with the next ones
+            torch.randn(1000, generator=generator),  # packed with the next ones
+            torch.randn(3, 5, generator=generator),
             torch.arange(7, dtype=torch.int64),
             torch.randn(10, generator=generator).to(torch.float16),
+            torch.randn(600_000, generator=generator),  # sliced; a receiver's lies on huge pages (receive_buffer)
         ]
-        tensors = [t.clone() if rank in sources else torch.zeros_like(t) for t in expected]
-        moved = move_state(tensors, sources, receivers, rank, chunk_bytes=512, relay=relay)
+        tensors = [
+            t.clone() if rank in sources else receive_buffer(tuple(t.shape), t.dtype, t.device) for t in expected
+        ]
+        moved = move_state(tensors, sources, receivers, rank, chunk_bytes=256 * 1024, relay=relay)
         assert moved.state_bytes == sum(t.numel() * t.element_size() for t in expected)
         if rank in receivers:
             torch.save(tensors, f"{out}/{rank}.pt")
@@ -144,6 +193,7 @@ def test_the_state_arrives_whole_at_every_receiver(
         torch.randn(3, 5, generator=generator),
         torch.arange(7, dtype=torch.int64),
         torch.randn(10, generator=generator).to(torch.float16),
+        torch.randn(600_000, generator=generator),
     ]
     for rank in receivers:
         got = torch.load(tmp_path / f"{rank}.pt")

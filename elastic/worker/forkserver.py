@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict
 
 log = logging.getLogger(__name__)
 
-STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GOMP_", "KMP_", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA_")
+STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GOMP_", "KMP_", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA_", "THP_")
 """Variables that a process reads while it starts or loads its libraries: a forked child must
 have the server's values (OMP_NUM_THREADS excepted: the worker sets its threads itself;
 PYTHONUNBUFFERED excepted: the child sets its streams up as it says)."""
