@@ -6,14 +6,12 @@ in the tests with real workers: test_worker_resize_in_place, test_worker_failure
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from elastic.worker.transfer import (
-    HUGE_PAGE,
     TensorSlot,
     apply_outline,
     assign_sources,
@@ -21,45 +19,9 @@ from elastic.worker.transfer import (
     move_state,
     outline,
     plan_chunks,
-    receive_buffer,
     relay_routes,
     state_tensors,
 )
-
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def huge_kib(tensor: torch.Tensor) -> int:
-    """The huge pages (kB) of the mapping that holds `tensor`'s first byte (/proc/self/smaps)."""
-    start, inside = tensor.data_ptr(), False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-            if head:
-                low, high = (int(part, 16) for part in head.groups())
-                inside = low <= start < high
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    return 0
-
-
-def test_a_large_receive_buffer_lies_on_huge_pages_and_saves_as_its_bytes(tmp_path: Path) -> None:
-    """A joiner's optimiser tensors are made at the switch and first touched by the receive,
-    inside the pause: large ones lie on huge pages, so that touch costs 512x fewer faults."""
-    cpu = torch.device("cpu")
-    small = receive_buffer((100,), torch.float32, cpu)
-    assert small.shape == (100,) and small.dtype == torch.float32
-    large = receive_buffer((3, 1024, 1024), torch.float32, cpu)  # 12 MiB
-    assert large.shape == (3, 1024, 1024) and large.dtype == torch.float32 and large.is_contiguous()
-    assert large.data_ptr() % HUGE_PAGE == 0
-    large.copy_(torch.arange(large.numel(), dtype=torch.float32).view_as(large))
-    torch.save(large, tmp_path / "large.pt")
-    assert (tmp_path / "large.pt").stat().st_size < large.numel() * 4 + 4096, "only its own bytes are saved"
-    assert torch.equal(torch.load(tmp_path / "large.pt"), large)
-    mode = THP_MODE.read_text() if THP_MODE.exists() else ""
-    if "[never]" in mode or not mode:
-        pytest.skip(f"transparent huge pages are off on this machine ({THP_MODE}: {mode.strip() or 'absent'})")
-    assert huge_kib(large) >= 8 * 1024, "most of it on huge pages"
 
 
 def test_large_tensors_are_sliced_small_ones_packed_every_byte_once() -> None:
@@ -94,7 +56,6 @@ def test_sources_share_the_bytes_evenly() -> None:
 
 def test_the_outline_gives_a_fresh_optimiser_the_same_layout() -> None:
     torch.manual_seed(0)
-    # The last weight's momentum (2.4 MB) gets a receive buffer on huge pages.
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2), torch.nn.Linear(2, 300_000))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 16)).sum().backward()
@@ -111,8 +72,6 @@ def test_the_outline_gives_a_fresh_optimiser_the_same_layout() -> None:
     fresh = torch.optim.SGD(twin.parameters(), lr=0.5, momentum=0.9)
     apply_outline(fresh, sent, device)
     assert fresh.param_groups[0]["lr"] == 0.1
-    large = fresh.state[twin[2].weight]["momentum_buffer"]
-    assert large.data_ptr() % HUGE_PAGE == 0, "the optimiser holds the receive buffer itself, not a copy"
     mine, theirs = state_tensors(model, optimizer, device), state_tensors(twin, fresh, device)
     assert [t.shape for t in mine] == [t.shape for t in theirs]
     assert [t.dtype for t in mine] == [t.dtype for t in theirs]
@@ -159,10 +118,10 @@ def _move(rank: int, world: int, init: str, sources: list[int], receivers: list[
             torch.randn(3, 5, generator=generator),
             torch.arange(7, dtype=torch.int64),
             torch.randn(10, generator=generator).to(torch.float16),
-            torch.randn(600_000, generator=generator),  # sliced; a receiver's lies on huge pages (receive_buffer)
+            torch.randn(600_000, generator=generator),  # sliced
         ]
         tensors = [
-            t.clone() if rank in sources else receive_buffer(tuple(t.shape), t.dtype, t.device) for t in expected
+            t.clone() if rank in sources else torch.empty_like(t) for t in expected
         ]
         moved = move_state(tensors, sources, receivers, rank, chunk_bytes=256 * 1024, relay=relay)
         assert moved.state_bytes == sum(t.numel() * t.element_size() for t in expected)

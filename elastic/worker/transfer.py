@@ -27,9 +27,7 @@ built the same way), so both cut the same chunks.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,36 +77,16 @@ def outline(step: int, optimizer: torch.optim.Optimizer, device: torch.device) -
     return StateOutline(step=step, optimizer={"state": state, "param_groups": state_dict["param_groups"]})
 
 
-HUGE_PAGE = 2 * 2**20
-
-
-def receive_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty tensor for bytes that arrive at a resize. On CPU, one of 2 MB and more lies on
-    transparent huge pages (madvise): its memory is first touched by the receive, inside the
-    pause, and with 4 kB pages that touch took longer than the bytes' travel (205 MB over gloo on
-    a 2-core VM: 0.125 s into fresh memory, 0.048 s into touched memory, 0.057 s into fresh huge
-    pages; bench/receive_pages.py). Only these tensors: torch's own switch for all of them
-    (THP_MEM_ALLOC_ENABLE) made two joiners' transfer slower on the same machine. The region is
-    unmapped when the tensor is freed."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype, device=device)
-    # Private (the default is shared memory, which gets no huge pages); room to start on one.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    offset = -start % HUGE_PAGE
-    # The tensor holds the region (torch.frombuffer keeps its buffer alive).
-    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
-    return flat.view(dtype).view(shape)
-
-
 def apply_outline(optimizer: torch.optim.Optimizer, state: StateOutline, device: torch.device) -> None:
     """Gives `optimizer` the outline's learning rates, small values, and empty tensors of the
-    right shape where the bulk will arrive (see state_tensors, receive_buffer)."""
+    right shape where the bulk will arrive (see state_tensors). They are plain torch.empty, on
+    4 kB pages first touched by the receive: fresh transparent huge pages (madvise) received
+    faster in a benchmark that reused one process, but a joiner is a new process each time, and
+    in the platform its first huge pages made one joiner's transfer 2-3x slower
+    (bench/results/land-receive-pages-ab-cpu-2core-amd-2026-11-26.txt)."""
     entries = {
         index: {
-            name: receive_buffer(value.shape, value.dtype, device)
+            name: torch.empty(value.shape, dtype=value.dtype, device=device)
             if isinstance(value, TensorSlot)
             else value
             for name, value in values.items()
