@@ -157,3 +157,45 @@ def test_the_state_arrives_whole_at_every_receiver(
     for rank in receivers:
         got = torch.load(tmp_path / f"{rank}.pt")
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), rank
+
+
+LATE_S = 1.0
+"""How late the chain's last receiver comes to the transfer in the test below."""
+
+
+def _move_to_a_late_receiver(rank: int, init: str, out: str) -> None:
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3, timeout=timedelta(seconds=30))
+    try:
+        tensors = [torch.arange(100, dtype=torch.float32) if rank == 0 else torch.zeros(100)]
+        if rank == 2:
+            time.sleep(LATE_S)
+        began = time.time()
+        move_state(tensors, [0], [1, 2], rank, relay=True)  # one chunk: 0 -> 1 -> 2
+        Path(f"{out}/{rank}.json").write_text(f"[{began}, {time.time()}, {float(tensors[0].sum())}]")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_transfer_ends_on_every_rank_once_the_last_receiver_holds_the_state(tmp_path: Path) -> None:
+    """The source's sends are done once the first receiver has the chunk; it is the first
+    receiver that forwards it to the second, which comes late. The transfer (the phase rank 0
+    reports) ends on the source only after the second one took part."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _move_to_a_late_receiver, args=(f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=3, start_method="fork"
+    )
+    times = {rank: json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(3)}
+    assert times[1][2] == times[2][2] == float(torch.arange(100).sum()), "both receivers hold the state"
+    source_done, late_began = times[0][1], times[2][0]
+    assert source_done >= late_began, (
+        f"the source's transfer ended {late_began - source_done:.3f} s before the last receiver came to it"
+    )

@@ -220,15 +220,28 @@ def move_state(
 ) -> TransferResult:
     """Copies `tensors` from the ranks in `sources` (which hold them) into the same tensors on
     the ranks in `receivers`, over the default process group, each chunk relayed down a chain of
-    the receivers or (`relay` False) sent to each of them. Every rank in either list calls it
-    with the same list layout and the same `relay`; others need not call it. Raises what
-    torch.distributed raises if a peer fails."""
+    the receivers or (`relay` False) sent to each of them. Every rank of the group calls it, with
+    the same list layout and the same `relay`, and it returns on every rank once every receiver
+    holds the state: a source's own sends are done while the chains still carry its last chunks,
+    so without that wait a source's transfer phase left their tail to the first step. Raises
+    what torch.distributed raises if a peer fails."""
     views = [_bytes_of(tensor) for tensor in tensors]
     chunks = plan_chunks([view.numel() for view in views], chunk_bytes)
     state_bytes = sum(chunk.size for chunk in chunks)
     result = TransferResult(bytes_moved=state_bytes * len(receivers), state_bytes=state_bytes)
-    if not receivers or not chunks or (rank not in sources and rank not in receivers):
+    if not receivers or not chunks:
         return result
+    if rank in sources or rank in receivers:
+        _exchange(views, chunks, sources, receivers, rank, relay)
+    dist.barrier()
+    return result
+
+
+def _exchange(
+    views: list[torch.Tensor], chunks: list[Chunk], sources: list[int], receivers: list[int], rank: int, relay: bool
+) -> None:
+    """This rank's part of move_state: its sends, receives and forwards of `chunks` of the
+    byte `views`, done when its own are."""
     owners = assign_sources(chunks, sources)
     chains = chunk_chains(len(chunks), sorted(receivers), relay)
     sends: list[tuple[Any, torch.Tensor]] = []  # each send's buffer lives until it is done
@@ -272,7 +285,6 @@ def move_state(
         for piece in chunk.pieces:
             views[piece.tensor][piece.start : piece.stop].copy_(buffer[offset : offset + piece.size])
             offset += piece.size
-    return result
 
 
 def gigabytes_per_second(byte_count: int, seconds: float) -> float:
