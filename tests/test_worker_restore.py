@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 
 from elastic.membership.codec import decode
-from elastic.wire import Membership, WorkerEvent
+from elastic.wire import Member, Membership, WorkerEvent
 from elastic.worker.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
 from elastic.worker.events import EventWriter
 from elastic.worker.local import free_port
 from elastic.worker.loop import CheckpointSaver, ResizeMeter
 from elastic.worker.position import WorkerPosition
 from elastic.worker.rendezvous import GroupInfo, Rendezvous
-from elastic.worker.restore import StateRestore, newest_holders
+from elastic.worker.restore import StateRestore, newest_holders, relayed
 from elastic.worker.settings import WorkerSettings
 from elastic.worker.stop import StopRequest
 from elastic.worker.transfer import StateOutline
@@ -238,3 +238,18 @@ def test_a_new_rank_0_counts_to_its_first_save_from_now(tmp_path: Path) -> None:
         assert worker.saver.last_save == 0.0  # it was rank 0 already
     finally:
         worker.close()
+
+
+def test_the_state_is_relayed_down_chains_only_across_nodes() -> None:
+    """Auto relays when the group spans several nodes (a chain crosses the sources' links once
+    per chunk), and sends to each joiner on one node; a setting of relay or direct holds."""
+    one_node = record(4, [0, 1, 2, 3], joiners=[2, 3])
+    elsewhere = Member(node="node-b", device_index=0, address="10.0.0.2", joiner=True)
+    two_nodes = one_node.model_copy(update={"members": [*one_node.members[:3], elsewhere]})
+    donor_away = record(5, [0, 1], joiners=[1]).model_copy(
+        update={"donor": elsewhere.model_copy(update={"joiner": False})}
+    )
+    assert not relayed("auto", one_node)
+    assert relayed("auto", two_nodes)
+    assert relayed("auto", donor_away)
+    assert relayed("relay", one_node) and not relayed("direct", two_nodes)

@@ -19,6 +19,7 @@ def test_defaults_need_no_environment() -> None:
         rendezvous_timeout_s=10.0,
         membership_poll_s=0.05,
     )
+    assert WorkerSettings.from_env({}).state_route == "auto"
 
 
 def test_values_are_read() -> None:

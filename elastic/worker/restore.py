@@ -29,6 +29,20 @@ from elastic.worker.trainer import SampleRecorder, Trainer
 from elastic.worker.transfer import StateOutline, apply_outline, move_state, outline, state_tensors
 
 
+def relayed(route: str, record: Membership) -> bool:
+    """Whether the state of generation `record` goes down chains of the joiners rather than
+    from the sources to each, for the setting `route` ("auto", "relay" or "direct"). Auto
+    relays only when the group (its donor included) spans several nodes: a chain sends each
+    chunk over the sources' links once, whatever the number of joiners. On one node every byte
+    is a copy through loopback on the same cores either way, and there the chain's forwarding
+    made two joiners' transfer 2.36x one joiner's against 1.49x sent to each
+    (bench/results/resize-routes-barrier-cpu-2core-amd-2026-11-26.txt)."""
+    if route != "auto":
+        return route == "relay"
+    members = [*record.members, *([record.donor] if record.donor is not None else [])]
+    return len({member.node for member in members}) > 1
+
+
 def newest_holders(infos: list[GroupInfo]) -> list[int]:
     """The ranks that hold the newest training state (the most steps), or [] if none holds any."""
     holders = [rank for rank, info in enumerate(infos) if info.holds_state]
@@ -110,7 +124,9 @@ class StateRestore:
                 self.receive_outline(source_outline)
             tensors = state_tensors(self.model, self.optimizer, self.device) + self.trainer.bulk_state()
             try:
-                moved = move_state(tensors, sources, receivers, rank, relay=self.settings.state_route == "relay")
+                moved = move_state(
+                    tensors, sources, receivers, rank, relay=relayed(self.settings.state_route, record)
+                )
             except RuntimeError as err:
                 raise RendezvousError(f"the state transfer failed: {err}") from err
             bytes_moved = moved.bytes_moved

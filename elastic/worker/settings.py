@@ -21,7 +21,7 @@ BUCKET_BYTES = 25 * 2**20
 the first ones travel while backward computes the rest."""
 STATE_ROUTE_ENV = "BUNGEE_STATE_ROUTE"
 BUCKET_MB_ENV = "BUNGEE_BUCKET_MB"
-STATE_ROUTES = ("relay", "direct")
+STATE_ROUTES = ("auto", "relay", "direct")
 
 
 class WorkerSettingsError(ValueError):
@@ -69,7 +69,7 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 
 
 def _state_route(env: Mapping[str, str]) -> str:
-    raw = env.get(STATE_ROUTE_ENV) or "relay"
+    raw = env.get(STATE_ROUTE_ENV) or "auto"
     if raw not in STATE_ROUTES:
         raise WorkerSettingsError(f"{STATE_ROUTE_ENV}={raw!r} must be one of {', '.join(STATE_ROUTES)}")
     return raw
@@ -120,9 +120,10 @@ class WorkerSettings:
     bucket_bytes: int = BUCKET_BYTES
     """The gradient's all-reduce goes in buckets of this size, overlapped with backward
     (elastic.worker.trainer.GradientBuckets); 0: one all-reduce after the whole backward."""
-    state_route: str = "relay"
+    state_route: str = "auto"
     """How the state reaches several joiners (elastic.worker.transfer): "relay" down a chain of
-    them, or "direct" from the sources to each (slower: the benchmark's baseline)."""
+    them, "direct" from the sources to each, or "auto": relay when the group spans several
+    nodes, direct when it is on one (elastic.worker.restore.relayed)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
