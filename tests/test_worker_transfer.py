@@ -21,6 +21,7 @@ from elastic.worker.transfer import (
     plan_chunks,
     relay_routes,
     state_tensors,
+    touched_like,
 )
 
 
@@ -82,6 +83,39 @@ def test_the_outline_gives_a_fresh_optimiser_the_same_layout() -> None:
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         if optimizer.state[a]["momentum_buffer"].numel() > 64:
             assert torch.equal(optimizer.state[a]["momentum_buffer"], fresh.state[b]["momentum_buffer"])
+
+
+def test_the_state_arrives_in_memory_touched_ahead_where_it_fits() -> None:
+    """A joiner's build makes a zeroed tensor like each parameter (touched_like); the outline
+    gives each parameter's first large tensor of its shape and dtype that memory, the optimiser
+    holds it (no copy), and what does not fit (Adam's second moment) gets memory of its own. Each touched tensor serves once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 100), torch.nn.Linear(100, 300))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    device = torch.device("cpu")
+    sent = outline(3, optimizer, device)
+
+    twin = torch.nn.Sequential(torch.nn.Linear(16, 100), torch.nn.Linear(100, 300))
+    fresh = torch.optim.Adam(twin.parameters(), lr=0.5)
+    touched = touched_like(fresh, device)
+    assert [t.shape for t in touched if t is not None] == [p.shape for p in twin.parameters()]
+    assert all(t is not None and not t.any() for t in touched), "zeroed: every page touched"
+    pointers = [t.data_ptr() for t in touched if t is not None]
+    apply_outline(fresh, sent, device, touched)
+    assert touched == [None] * 4, "used up"
+    for parameter, pointer in zip(twin.parameters(), pointers, strict=True):
+        state = fresh.state[parameter]
+        assert state["exp_avg"].data_ptr() == pointer, "the first moment lies in the touched memory"
+        assert state["exp_avg_sq"].data_ptr() != pointer
+    mine, theirs = state_tensors(model, optimizer, device), state_tensors(twin, fresh, device)
+    for source, target in zip(mine, theirs, strict=True):
+        target.copy_(source)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[a][name], fresh.state[b][name])
+    assert touched_like(fresh, torch.device("meta")) == [], "only a CPU's memory is touched ahead"
 
 
 def test_each_chunk_reaches_every_receiver_once_down_a_rotating_chain() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from elastic.worker.hybrid import HybridSchedule, HybridTrainer
 from elastic.worker.settings import WorkerSettings
 from elastic.worker.strict import StrictTrainer
 from elastic.worker.trainer import Trainer
+from elastic.worker.transfer import touched_like
 from elastic.workloads import CATALOGUE
 
 BUILD_FIELDS = frozenset(
@@ -80,12 +81,15 @@ class Build:
     """How long each part took: code, model, optimiser, warm_up."""
     prepared: bool = False
     """Made by a standby before its worker was asked for."""
+    touched: list[torch.Tensor | None] = field(default_factory=list)
+    """Memory for the optimiser state, should this worker receive it at its first switch
+    (elastic.worker.transfer.touched_like); the switch uses it up or drops it."""
 
     def describe(self) -> str:
         s = self.seconds
         return (
             f"the task's code {s['code']:.2f} s, the model and data {s['model']:.2f} s, the optimiser and "
-            f"trainer {s['optimiser']:.2f} s, a warm-up pass {s['warm_up']:.2f} s"
+            f"trainer {s['optimiser']:.2f} s, a warm-up pass and the optimiser state's memory {s['warm_up']:.2f} s"
         )
 
 
@@ -172,6 +176,7 @@ def build(config: WorkerConfig, settings: WorkerSettings) -> Build:
         start, stop = share_bounds(problem.batch_size, config.world_size, config.rank)
         optimised = time.monotonic()
         trainer.warm_up(stop - start)
+        touched = touched_like(optimizer, device)
     except BaseException:
         problem.close()
         raise
@@ -185,6 +190,7 @@ def build(config: WorkerConfig, settings: WorkerSettings) -> Build:
         scheduler=scheduler,
         trainer=trainer,
         seconds={"code": loaded - began, "model": built - loaded, "optimiser": optimised - built, "warm_up": warm - optimised},
+        touched=touched,
     )
 
 

@@ -72,6 +72,7 @@ class StateRestore:
         settings: WorkerSettings,
         resizes: ResizeMeter,
         saver: CheckpointSaver,
+        touched: list[torch.Tensor | None] | None = None,
     ) -> None:
         self.rendezvous = rendezvous
         self.position = position
@@ -88,6 +89,9 @@ class StateRestore:
         self.saver = saver
         self.device = rendezvous.device
         self.me = rendezvous.me
+        self.touched = touched
+        """Memory made ahead for the optimiser state this worker may receive at its first
+        switch (elastic.worker.transfer.touched_like); dropped after that switch."""
 
     def enter(self, record: Membership) -> None:
         """Forms `record`'s group and brings every member the training state. Raises
@@ -133,6 +137,7 @@ class StateRestore:
             if rank in receivers:
                 self.trainer.state_arrived()
         transferred = time.perf_counter()
+        self.touched = None  # used up, or never to be: a worker receives at its first switch only
         if record.donor is not None:
             self.rendezvous.leave_group()
             if is_donor:
@@ -216,7 +221,7 @@ class StateRestore:
     def receive_outline(self, source: StateOutline) -> None:
         """A receiver takes on the outline of the state on its way (elastic.worker.transfer):
         the step, the mode's small values, and the optimiser's tensors ready for the bulk."""
-        apply_outline(self.optimizer, source, self.device)
+        apply_outline(self.optimizer, source, self.device, self.touched)
         self.trainer.load_small_state(source.trainer)
         self.position.step = source.step
 

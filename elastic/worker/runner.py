@@ -195,6 +195,7 @@ class WorkerRun:
             self.settings,
             self.resizes,
             self._saver,
+            made.touched,
         )
         outputs = ArtifactExporter(
             self.config.run_dir,

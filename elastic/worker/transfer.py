@@ -77,18 +77,44 @@ def outline(step: int, optimizer: torch.optim.Optimizer, device: torch.device) -
     return StateOutline(step=step, optimizer={"state": state, "param_groups": state_dict["param_groups"]})
 
 
-def apply_outline(optimizer: torch.optim.Optimizer, state: StateOutline, device: torch.device) -> None:
+def touched_like(optimizer: torch.optim.Optimizer, device: torch.device) -> list[torch.Tensor | None]:
+    """Memory for the optimiser state a joiner will receive, made and first touched while the
+    job still trains: a zeroed tensor shaped like each of `optimizer`'s parameters (in the
+    state_dict's order), as momentum and Adam's first moment are. On a CPU a receive into fresh
+    memory pays a page fault per 4 kB inside the pause: 205 MB took 0.094 s into fresh pages and
+    0.041 s into touched ones, each in a new process (bench/receive_pages.py --new-process). Not
+    on a GPU, whose memory has no such first touch (and a standby's device memory stays free)."""
+    if device.type != "cpu":
+        return []
+    return [torch.zeros_like(p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def apply_outline(
+    optimizer: torch.optim.Optimizer,
+    state: StateOutline,
+    device: torch.device,
+    touched: list[torch.Tensor | None] | None = None,
+) -> None:
     """Gives `optimizer` the outline's learning rates, small values, and empty tensors of the
-    right shape where the bulk will arrive (see state_tensors). They are plain torch.empty, on
-    4 kB pages first touched by the receive: fresh transparent huge pages (madvise) received
-    faster in a benchmark that reused one process, but a joiner is a new process each time, and
-    in the platform its first huge pages made one joiner's transfer 2-3x slower
-    (bench/results/land-receive-pages-ab-cpu-2core-amd-2026-11-26.txt)."""
+    right shape where the bulk will arrive (see state_tensors). A parameter's first large tensor
+    of its parameter's shape and dtype takes that parameter's entry of `touched` (touched_like),
+    which it uses up; the others are plain torch.empty, on 4 kB pages first touched by the
+    receive. (Fresh transparent huge pages received faster in a benchmark that reused one
+    process, but a joiner is a new process each time, and in the platform its first huge pages
+    made one joiner's transfer 2-3x slower:
+    bench/results/land-receive-pages-ab-cpu-2core-amd-2026-11-26.txt.)"""
+    spare = touched if touched is not None else []
+
+    def memory_for(index: int, slot: TensorSlot) -> torch.Tensor:
+        ready = spare[index] if isinstance(index, int) and 0 <= index < len(spare) else None
+        if ready is not None and tuple(ready.shape) == slot.shape and ready.dtype == slot.dtype:
+            spare[index] = None
+            return ready
+        return torch.empty(slot.shape, dtype=slot.dtype, device=device)
+
     entries = {
         index: {
-            name: torch.empty(value.shape, dtype=value.dtype, device=device)
-            if isinstance(value, TensorSlot)
-            else value
+            name: memory_for(index, value) if isinstance(value, TensorSlot) else value
             for name, value in values.items()
         }
         for index, values in state.optimizer["state"].items()
