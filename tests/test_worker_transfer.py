@@ -116,6 +116,10 @@ def test_the_state_arrives_in_memory_touched_ahead_where_it_fits() -> None:
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizer.state[a][name], fresh.state[b][name])
     assert touched_like(fresh, torch.device("meta")) == [], "only a CPU's memory is touched ahead"
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    assert not conv.weight.is_contiguous()
+    (made,) = touched_like(torch.optim.SGD([conv.weight], lr=0.1), device)
+    assert made is not None and made.is_contiguous(), "the transfer moves contiguous tensors only"
 
 
 def test_each_chunk_reaches_every_receiver_once_down_a_rotating_chain() -> None:

@@ -86,7 +86,11 @@ def touched_like(optimizer: torch.optim.Optimizer, device: torch.device) -> list
     on a GPU, whose memory has no such first touch (and a standby's device memory stays free)."""
     if device.type != "cpu":
         return []
-    return [torch.zeros_like(p) for group in optimizer.param_groups for p in group["params"]]
+    # Contiguous whatever the parameter's layout (a channels-last weight's zeros_like is not),
+    # as the torch.empty it stands in for: the transfer moves a tensor as its bytes in order.
+    return [
+        torch.zeros(p.shape, dtype=p.dtype, device=p.device) for group in optimizer.param_groups for p in group["params"]
+    ]
 
 
 def apply_outline(
