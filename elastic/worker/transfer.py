@@ -9,20 +9,21 @@ sources send with the group's first collective. Everything else, the bulk, goes 
   `chunk_bytes`: a large tensor becomes several slices, small tensors are packed together.
 - Chunks are dealt to the sources so that each sends about the same number of bytes, and the
   sources send concurrently (asynchronous sends and receives, every receive posted at once).
-- A source sends a chunk once, whatever the number of receivers (`relay`, the default): the
-  chunk goes down a chain of the receivers, each forwarding it to the next as soon as it has it
-  (while it receives the next chunks), as Elan's replication relays the state along the
-  devices. The chain starts at a different receiver for each chunk, so every receiver forwards
-  an equal share. With two joiners the sources send the state once, not twice; the receivers'
-  forwarding shares the sending. Even on one host, over loopback, that pays: two joiners' transfer
-  took 1.09x one joiner's relayed, 1.72x sent by the sources to each receiver
-  (bench/results/resize-routes-cpu-2core-quiet.txt). Without `relay` (the benchmark's baseline),
-  each source sends its chunks to every receiver.
+- With `relay`, a source sends a chunk once, whatever the number of receivers: the chunk goes
+  down a chain of the receivers, each forwarding it to the next as soon as it has it (while it
+  receives the next chunks), as Elan's replication relays the state along the devices. The
+  chain starts at a different receiver for each chunk, so every receiver forwards an equal
+  share; the sources' links carry the state once. Without it, each source sends its chunks to
+  every receiver. Which one a resize takes is the worker's setting (`auto`: relay only across
+  nodes, elastic.worker.restore.relayed): on one host the chain was the slower, two joiners'
+  whole transfer 2.2-2.4x one joiner's against 1.5-1.6x sent to each
+  (bench/results/resize-routes-barrier-cpu-2core-amd-2026-11-26.txt).
 - A receiver receives a slice straight into its own, already built tensor; only packed small
   tensors pass through a temporary buffer. Memory therefore does not double on either side.
 
-Sources and receivers call `move_state` with the same tensor list (same model, same optimiser
-built the same way), so both cut the same chunks.
+Every rank of the group calls `move_state` with the same tensor list (same model, same optimiser
+built the same way), so all cut the same chunks, and it ends on every rank once every receiver
+holds the state.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def apply_outline(
     spare = touched if touched is not None else []
 
     def memory_for(index: int, slot: TensorSlot) -> torch.Tensor:
-        ready = spare[index] if isinstance(index, int) and 0 <= index < len(spare) else None
+        ready = spare[index] if index < len(spare) else None
         if ready is not None and tuple(ready.shape) == slot.shape and ready.dtype == slot.dtype:
             spare[index] = None
             return ready
