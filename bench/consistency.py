@@ -14,9 +14,16 @@
    Strict adds the MAX all-reduce of per-tensor magnitudes and the fixed-point conversion; its
    SUM all-reduce is int32 (the bytes of the float one) up to 32 virtual workers. A step's time is
    the gap between consecutive step ends on rank 0; a pair's overhead is the ratio of its two
-   medians, and the figure is the median over pairs, printed with their min and max and the load
-   average of each pair (on a shared machine the spread of the pairs says what the figure is
-   worth). Then torch.profiler's top operators of strict steps of the same model in this process.
+   medians, printed per pair with its min and max and the load average of each pair. Then
+   torch.profiler's top operators of strict steps of the same model in this process.
+   On CPU with the digits MLP, the step alone is measured a second way
+   (`strict_step_overhead_pct`): a process group per arm, each process holding only its own
+   trainer as a worker does, the arms taking turns of 5 steps for 60 rounds (120 in the full
+   run; bench.profile_step.interleaved), the median over rounds of each round's ratio of
+   medians. Pairs of separate runs see different minutes of a shared VM, where the same matrix
+   product's speed drifts by half between runs (1.6 to 3.1 ms a call in one profile); turns a
+   few steps apart share the drift. It leaves out the worker's loop around the step (the same
+   code in both modes), which the pairs of whole-worker runs include.
 2. The largest absolute parameter difference between a run resized in place and a fixed run of
    the same number of steps, for strict (must be 0), hybrid and plain averaging. The digits CNN
    (batch norm and dropout), 4 virtual workers.
@@ -47,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.conditions import PYTHON_PATH, REDIS_URL, TaskModel, machine, shared_gpu_env, show  # noqa: E402
-from bench.profile_step import strict_profile  # noqa: E402
+from bench.profile_step import interleaved, strict_profile  # noqa: E402
 from elastic.tasks.runtime import bind_task  # noqa: E402
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint  # noqa: E402
 from elastic.worker.local import LocalJob  # noqa: E402
@@ -185,6 +192,7 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
     pct = statistics.median(per_pair)
     pooled = (statistics.median(strict) / statistics.median(averaged) - 1) * 100
+    steady = interleaved_overhead(args, spec) if TASK is None and DEVICE == "cpu" else None
     print(
         f"\nstep time: {spec.get('workload') or spec.get('entrypoint')} {parameters / 1e6:.4f}M parameters, "
         f"global batch {hp['batch_size']}, "
@@ -195,11 +203,22 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     print(f"  strict step: {show(strict, 's', 4)}")
     print(f"  plain step:  {show(averaged, 's', 4)}")
     print(
-        f"  strict overhead, per pair (min / median / max): {min(per_pair):+.1f} / {pct:+.1f} / "
+        f"  strict overhead, per pair of runs (min / median / max): {min(per_pair):+.1f} / {pct:+.1f} / "
         f"{max(per_pair):+.1f}%, the pairs agree within {max(per_pair) - min(per_pair):.1f} points; "
         f"ratio of the pooled medians {pooled:+.1f}%"
     )
+    figures: dict[str, Any] = {}
+    if steady is not None:
+        figures = steady
+        rounds = steady["step_overhead_per_round_pct"]
+        print(
+            f"  the step alone, arms in turns (min / median / max over rounds): {min(rounds):+.1f} / "
+            f"{steady['strict_step_overhead_pct']:+.1f} / {max(rounds):+.1f}%, half the rounds within "
+            f"{steady['step_overhead_round_iqr_points']:.1f} points; ratio of the pooled medians "
+            f"{steady['strict_step_overhead_pooled_pct']:+.1f}%"
+        )
     return {
+        **figures,
         "strict_overhead_pct": pct,
         "strict_overhead_pooled_pct": pooled,
         "overhead_load_average_per_pair": loads,
@@ -207,6 +226,36 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "plain_step_median_s": statistics.median(averaged),
         "overhead_per_pair_pct": per_pair,
         "overhead_model_params": parameters,
+    }
+
+
+def interleaved_overhead(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
+    """The strict step against the plain one alone, the arms taking turns a few steps at a time
+    (bench.profile_step.interleaved)."""
+    rounds, block = (60, 5) if args.quick else (120, 5)
+    load_before = os.getloadavg()[0]
+    per_round = interleaved(spec["hyperparameters"], args.workers, rounds, block)
+    load_after = os.getloadavg()[0]
+    ratios = [(statistics.median(r["strict"]) / statistics.median(r["plain"]) - 1) * 100 for r in per_round]
+    strict = [t for r in per_round for t in r["strict"]]
+    plain_times = [t for r in per_round for t in r["plain"]]
+    pooled = (statistics.median(strict) / statistics.median(plain_times) - 1) * 100
+    quartiles = statistics.quantiles(ratios, n=4)
+    print(
+        f"\n  the step alone, in turns: a process group of {args.workers} per arm, each process with its own "
+        f"trainer; {rounds} rounds of {block} steps of each arm (the first alternating; the first step of each "
+        f"block left out), load average {load_before:.2f} -> {load_after:.2f}"
+    )
+    print(f"  strict step: {show(strict, 's', 4)}")
+    print(f"  plain step:  {show(plain_times, 's', 4)}")
+    return {
+        "strict_step_overhead_pct": statistics.median(ratios),
+        "strict_step_overhead_pooled_pct": pooled,
+        "step_overhead_per_round_pct": ratios,
+        "step_overhead_round_iqr_points": quartiles[2] - quartiles[0],
+        "turns_strict_step_median_s": statistics.median(strict),
+        "turns_plain_step_median_s": statistics.median(plain_times),
+        "turns_load_average": [round(load_before, 2), round(load_after, 2)],
     }
 
 

@@ -18,6 +18,7 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,11 +41,19 @@ from elastic.workloads import CATALOGUE  # noqa: E402
 
 HYPERPARAMETERS = {"batch_size": 256, "hidden": 512, "layers": 7, "dropout": 0.0}
 SEED = 5
+WARMUP_STEPS = 5
 
 
 def trainer(
-    kind: str, device: torch.device, hyperparameters: dict[str, Any] = HYPERPARAMETERS
+    kind: str,
+    device: torch.device,
+    hyperparameters: dict[str, Any] = HYPERPARAMETERS,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> StrictTrainer | HybridTrainer:
+    """A strict trainer (one virtual worker a rank) or a plain-averaging one (hybrid with its
+    batch held: one float all-reduce of the gradient mean, in the worker's default buckets) of
+    the digits MLP, as `rank` of `world_size` of the default process group."""
     info = CATALOGUE["digits-mlp"]
     source = (info.path, info.entrypoint)
     problem = BoundTask(load_task_class(*source), hyperparameters, SEED, device, source)
@@ -53,13 +62,13 @@ def trainer(
     batch = problem.batch_size
     made: StrictTrainer | HybridTrainer
     if kind == "strict":
-        made = StrictTrainer(problem, optimizer, stream, batch_size=batch, seed=SEED, rank=0, world_size=1,
-                             virtual_workers=1)  # fmt: skip
+        made = StrictTrainer(problem, optimizer, stream, batch_size=batch, seed=SEED, rank=rank,
+                             world_size=world_size, virtual_workers=world_size)  # fmt: skip
     else:
         schedule = HybridSchedule(base_lr=problem.lr, base_batch=batch, batch_per_worker=batch, min_batch=batch,
                                   max_batch=batch, lr_scaling="linear", warmup_steps=0)  # fmt: skip
-        made = HybridTrainer(problem, optimizer, stream, schedule, seed=SEED, rank=0, world_size=1)
-    made.rebind_members(0, 1, None, 0)  # as a worker does when its first group forms
+        made = HybridTrainer(problem, optimizer, stream, schedule, seed=SEED, rank=rank, world_size=world_size)
+    made.rebind_members(rank, world_size, None, 0)  # as a worker does when its first group forms
     return made
 
 
@@ -105,6 +114,91 @@ def strict_profile(hyperparameters: dict[str, Any], rows: int = 8) -> str:
         return top_operators(run, 5, device, rows)
     finally:
         dist.destroy_process_group()
+
+
+def _interleaved_rank(
+    index: int,
+    kinds: list[str],
+    world_size: int,
+    inits: list[str],
+    hyperparameters: dict[str, Any],
+    rounds: int,
+    block: int,
+    turn: Any,
+    changed: Any,
+    out: str,
+) -> None:
+    """One rank of one arm of `interleaved`: process `index` is rank index % world_size of arm
+    kinds[index // world_size]. Arm a's block of round r runs when the shared `turn` reads
+    2r + a (a blocking wait on `changed`); its rank 0 passes the turn on once the whole group
+    has ended the block."""
+    arm, rank = divmod(index, world_size)
+    kind = kinds[arm]
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=inits[arm], rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
+    try:
+        device = torch.device("cpu")
+        run = trainer(kind, device, hyperparameters, rank, world_size)
+        step = 0
+        times: list[list[float]] = []
+        for round_index in range(-1, rounds):  # round -1: the warm-up
+            order = kinds if round_index % 2 == 0 else list(reversed(kinds))
+            mine = 2 * (round_index + 1) + order.index(kind)
+            with changed:
+                if not changed.wait_for(lambda mine=mine: turn.value == mine, timeout=120):
+                    raise TimeoutError(f"{kind} rank {rank} waited 120 s for turn {mine} (at {turn.value})")
+            count = WARMUP_STEPS if round_index < 0 else block + 1
+            took = timed_steps(run, step, count, device)
+            step += count
+            if round_index >= 0:
+                times.append(took[1:])  # the first step after the other arm's block is left out
+            dist.barrier()  # the whole group has ended its block
+            if rank == 0:
+                with changed:
+                    turn.value += 1
+                    changed.notify_all()
+        if rank == 0:
+            Path(out, f"{kind}.json").write_text(json.dumps(times))
+    finally:
+        dist.destroy_process_group()
+
+
+def interleaved(
+    hyperparameters: dict[str, Any], world_size: int = 2, rounds: int = 60, block: int = 5
+) -> list[dict[str, list[float]]]:
+    """Strict against plain averaging, in turns: two process groups of `world_size` processes
+    (gloo on this machine's CPU, one torch thread each), one per arm, each holding only its own
+    trainer of the digits MLP with `hyperparameters`, as a worker does. After a warm-up each, the
+    arms take turns: `rounds` rounds of `block` + 1 steps of each, the arm that goes first
+    alternating, the other group asleep (on a shared condition) while one steps. The first step of each block, which finds the caches holding the other arm's
+    data, is left out. Returns rank 0's step times, a dict of both arms' for each round. Both arms
+    see the same minutes of the machine, a few steps apart, where pairs of separate runs see
+    different ones: on a shared VM the speed of the same matrix product drifts by half from one
+    run to the next (1.6 to 3.1 ms a call in one profile)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    kinds = ["strict", "plain"]
+    inits = []
+    for _ in kinds:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            inits.append(f"tcp://127.0.0.1:{probe.getsockname()[1]}")
+    context = multiprocessing.get_context("spawn")
+    turn = context.Value("i", 0, lock=False)
+    changed = context.Condition()
+    with tempfile.TemporaryDirectory(prefix="bungee-bench-interleaved-") as work:
+        mp.start_processes(
+            _interleaved_rank,
+            args=(kinds, world_size, inits, hyperparameters, rounds, block, turn, changed, work),
+            nprocs=len(kinds) * world_size,
+            start_method="spawn",
+        )
+        per_arm = {kind: json.loads(Path(work, f"{kind}.json").read_text()) for kind in kinds}
+    return [{kind: per_arm[kind][index] for kind in kinds} for index in range(rounds)]
 
 
 def main() -> int:

@@ -159,8 +159,9 @@ class StrictTrainer(Trainer):
         self._total = torch.zeros(
             self._contexts_at + virtual_workers * words * per_word, dtype=self._fixed, device=self._device
         )
-        self._result = torch.zeros(ends[-1], dtype=self._dtype, device=self._device)
-        """The step's exact sum, as floats: the gradient the optimiser reads, then the loss."""
+        self._result: torch.Tensor | None = None
+        """The step's exact sum, as floats, for a worker that hosts no vw (else the first row of
+        the terms holds it: see _result_row)."""
         self.hosted = range(0)
         self.rebind(rank, world_size)
 
@@ -320,8 +321,8 @@ class StrictTrainer(Trainer):
             self.state_arrived()  # the model's buffers back to vw 0's committed context
             step_loss = math.nan
         else:
-            exact = self._result
-            exact.copy_(total[:width])  # int64 to float, rounded once
+            exact = self._result_row(terms)
+            exact.copy_(total[:width])  # integers to float, rounded once
             torch._foreach_mul_(self._segments(exact), [1.0 / scale for scale in scales])  # powers of two: exact
             self._point_gradients_at(exact[:g])
             self.optimizer.step()
@@ -359,6 +360,18 @@ class StrictTrainer(Trainer):
         terms = self._terms[:rows]
         terms.zero_()
         return terms, self._total
+
+    def _result_row(self, terms: torch.Tensor) -> torch.Tensor:
+        """Where the step's exact sum goes back to floats (the gradient the optimiser reads, then
+        the loss and metrics): the first row of the terms, free once the sum is accepted (a
+        rejected prediction is scaled again from the terms before this), so that a strict worker
+        holds two gradient-sized buffers of its own (the terms, the integers) rather than three. A
+        worker that hosts no vw has no rows and gets a buffer of its own."""
+        if len(terms):
+            return terms[0]
+        if self._result is None:
+            self._result = torch.zeros(self._row_width, dtype=self._dtype, device=self._device)
+        return self._result
 
     def warm_up(self, rows: int) -> None:
         """Runs one forward and backward pass on `rows` samples into the step's own buffers (the
