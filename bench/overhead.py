@@ -3,6 +3,7 @@ against plain DDP on the same model, data and world size.
 
     python bench/overhead.py            # 25.6M model, 2 workers, 10 rounds of 30-step runs
     python bench/overhead.py --quick    # 6 rounds of 20-step runs, no unpolled arm (about 9 minutes)
+    python bench/overhead.py --quick --turns-only   # the arms in turns alone (about 2 minutes)
     python bench/overhead.py --device cuda
 
 The elastic arm is the real worker (elastic.worker.local.LocalJob, membership board in Redis,
@@ -50,9 +51,21 @@ backward passes already take both cores, so the all-reduce finds none idle.
 Single pairs of long runs then read as -13% or +25% depending on the hour: that figure
 said nothing. The method above (rotated order, per-round ratios, their spread) is what makes a
 figure readable; on the loaded machine of issue 14 (load 7 to 10 from other work) the rounds
-still disagreed by tens of points (README).
+still disagreed by tens of points (README), and by 45 points on a quiet 2-core VM.
 
-The last line is one JSON object: {"bench": "overhead", "overhead_pct": ...}.
+In turns, the figure to read (`turns_overhead_pct`, `turns_overhead_vs_bucket_view_pct`). Runs
+one after the other see different minutes of a shared VM, and there the speed of the same matrix
+product drifts by half from one run to the next. So each of three arms (elastic, DDP, DDP bucket
+view) is started once, warmed up, and stopped (SIGSTOP to every process of the job, the
+torchrun launcher's workers included); then the arms run in turns of TURN_S seconds, the order
+rotating from round to round, the others stopped. A step counts if it begins and ends inside its
+arm's turn, the first of each turn left out (the caches then hold another arm's data). A round's
+figure is the ratio of its turns' medians; the median over rounds is printed with the min, the
+max and the interquartile range, and the pooled ratio. Stopping the elastic worker stops its
+watcher and heartbeat threads too: what they cost falls inside its turns, as it does in a run.
+
+The last line is one JSON object: {"bench": "overhead", "overhead_pct": ...} (with
+"turns_overhead_pct" and the rest of the turns' figures).
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -75,6 +89,9 @@ from bench.conditions import PYTHON_PATH, REDIS_URL, RESNET50_SIZED, ROOT, Bench
 from elastic.worker.local import LocalJob  # noqa: E402
 
 WARMUP_STEPS = 5
+TURN_S = 3.0
+"""How long each arm runs in its turn (about 10 steps of the 25.6M model on 2 cores)."""
+ENDLESS = 10_000_000
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 """Every worker of every arm: one intra-op thread (both workers call torch.set_num_threads
 with OMP_NUM_THREADS)."""
@@ -148,6 +165,189 @@ def rotated(arms: list[str], round_index: int) -> list[str]:
     return arms[shift:] + arms[:shift]
 
 
+class Arm:
+    """A job kept for the turns: started once, then run while its turn lasts and stopped
+    (SIGSTOP) while the other arms have theirs."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.windows: list[tuple[float, float]] = []
+        """(resumed, stopped) of each turn, time.time()."""
+
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def step_ends(self) -> list[float]:
+        """Rank 0's step end times so far, time.time()."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def signal(self, number: int) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, number)
+            except ProcessLookupError:
+                raise RuntimeError(f"{self.name}: process {pid} is gone") from None
+
+    def warm(self, steps: int, timeout_s: float = 300.0) -> None:
+        """Waits until `steps` steps have ended (the arm running alone), then stops it."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.step_ends()) < steps:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not reach {steps} steps in {timeout_s} s")
+            time.sleep(0.1)
+        self.signal(signal.SIGSTOP)
+
+    def turn(self, seconds: float) -> None:
+        self.signal(signal.SIGCONT)
+        resumed = time.time()
+        time.sleep(seconds)
+        self.signal(signal.SIGSTOP)
+        self.windows.append((resumed, time.time()))
+
+    def gaps_per_turn(self) -> list[list[float]]:
+        """Each turn's step times: gaps between consecutive step ends that both fall inside the
+        turn, the turn's first step (begun before it, or just after the other arms' turns
+        filled the caches with theirs) left out."""
+        ends = self.step_ends()
+        turns = []
+        for resumed, stopped in self.windows:
+            inside = [end for end in ends if resumed <= end <= stopped]
+            turns.append([later - earlier for earlier, later in zip(inside, inside[1:], strict=False)][1:])
+        return turns
+
+
+class ElasticArm(Arm):
+    def __init__(self, name: str, model: BenchModel, workers: int, device: str, work: Path) -> None:
+        super().__init__(name)
+        env = {
+            **os.environ,
+            **THREADS,
+            "BUNGEE_PROGRESS_EVERY_S": "0.001",
+            "BUNGEE_CHECKPOINT_EVERY_S": "86400",
+            "PYTHONPATH": PYTHON_PATH,
+        }
+        self.job = LocalJob(
+            model.spec(ENDLESS), Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=env, heal=False, device=device
+        )
+        self.job.start(list(range(workers)))
+
+    def pids(self) -> list[int]:
+        return [output.pid for output in self.job.live()]
+
+    def step_ends(self) -> list[float]:
+        return [event.at for event in self.job.worker_on(0).of_kind("progress")]
+
+    def close(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.job.kill()
+
+
+class DdpArm(Arm):
+    def __init__(self, name: str, model: BenchModel, workers: int, device: str, work: Path, bucket_view: bool) -> None:
+        super().__init__(name)
+        folder = Path(tempfile.mkdtemp(dir=work))
+        self.timeline = folder / "timeline"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+            str(ROOT / "bench" / "torchrun_train.py"), "--spec", json.dumps(model.spec(ENDLESS)),
+            "--checkpoint", str(folder / "checkpoint.pt"), "--timeline", str(self.timeline),
+            "--device", device, "--no-stop-flag", *(["--bucket-view"] if bucket_view else []),
+        ]  # fmt: skip
+        env = {**os.environ, **THREADS, "PYTHONPATH": PYTHON_PATH}
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def pids(self) -> list[int]:
+        # The launcher and every process under it: torchrun starts its workers in sessions of
+        # their own, so the launcher's process group does not reach them.
+        return [self.process.pid, *descendants(self.process.pid)]
+
+    def step_ends(self) -> list[float]:
+        if not self.timeline.exists():
+            return []
+        return [float(line.split()[1]) for line in self.timeline.read_text().splitlines() if line.count(" ") == 2]
+
+    def close(self) -> None:
+        for number in (signal.SIGCONT, signal.SIGKILL):
+            for pid in self.pids():
+                try:
+                    os.kill(pid, number)
+                except ProcessLookupError:
+                    pass
+        self.process.wait(timeout=60)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (Linux: /proc/PID/task/TID/children)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(child) for child in (task / "children").read_text().split()]
+            except OSError:  # the task ended meanwhile
+                continue
+            found += children
+            pending += children
+    return found
+
+
+def in_turns(args: argparse.Namespace, model: BenchModel, work: Path) -> dict[str, Any]:
+    """The elastic worker against DDP, each arm's job started once and kept, the arms running
+    in turns of TURN_S while the others are stopped: every round sees the same minute of the
+    machine, where runs one after the other see different ones."""
+    rounds = 10 if args.quick else 24
+    arms: list[Arm] = []
+    load_before = os.getloadavg()[0]
+    try:
+        for make in (
+            lambda: ElasticArm("elastic", model, args.workers, args.device, work),
+            lambda: DdpArm("ddp", model, args.workers, args.device, work, bucket_view=False),
+            lambda: DdpArm("ddp_bucket_view", model, args.workers, args.device, work, bucket_view=True),
+        ):
+            arm = make()
+            arms.append(arm)
+            arm.warm(WARMUP_STEPS + 1)
+        for index in range(rounds):
+            for arm in rotated(arms, index):
+                arm.turn(TURN_S)
+    finally:
+        for arm in arms:
+            arm.close()
+    load_after = os.getloadavg()[0]
+    per_turn = {arm.name: arm.gaps_per_turn() for arm in arms}
+    result: dict[str, Any] = {"turns": rounds, "turn_s": TURN_S, "turns_load_average": [load_before, load_after]}
+    print(
+        f"\n  in turns: each arm's job started once; {rounds} rounds of a {TURN_S} s turn each (order rotating), "
+        f"the others stopped (SIGSTOP); load average {load_before:.2f} -> {load_after:.2f}"
+    )
+    for arm in arms:
+        print(f"  {arm.name:18s} step: {show([gap for turn in per_turn[arm.name] for gap in turn])}")
+    for baseline, key in (("ddp", "turns_overhead_pct"), ("ddp_bucket_view", "turns_overhead_vs_bucket_view_pct")):
+        ratios = [
+            ratio_pct(ours, theirs)
+            for ours, theirs in zip(per_turn["elastic"], per_turn[baseline], strict=True)
+            if ours and theirs
+        ]
+        quartiles = statistics.quantiles(ratios, n=4)
+        pooled = ratio_pct(
+            [gap for turn in per_turn["elastic"] for gap in turn], [gap for turn in per_turn[baseline] for gap in turn]
+        )
+        print(
+            f"  elastic vs {baseline}, per round (min / median / max): {min(ratios):+.2f} / "
+            f"{statistics.median(ratios):+.2f} / {max(ratios):+.2f}%; half the rounds within "
+            f"{quartiles[2] - quartiles[0]:.1f} points; ratio of the pooled medians {pooled:+.2f}%"
+        )
+        result[key] = statistics.median(ratios)
+        result[key.replace("_pct", "_per_round_pct")] = ratios
+        result[key.replace("_pct", "_pooled_pct")] = pooled
+        result[key.replace("_pct", "_iqr_points")] = quartiles[2] - quartiles[0]
+    return result
+
+
 def ratio_pct(ours: list[float], theirs: list[float]) -> float:
     return (statistics.median(ours) / statistics.median(theirs) - 1) * 100
 
@@ -161,6 +361,13 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     rounds, steps = (6, 20) if args.quick else (10, 30)
     work = Path(tempfile.mkdtemp(prefix="bungee-bench-overhead-"))
     model = RESNET50_SIZED
+    if args.turns_only:
+        print(f"\n{model.label} model ({model.parameters / 1e6:.1f}M parameters), {args.workers} workers, device {args.device}")
+        return {
+            "bench": "overhead", **in_turns(args, model, work), "model_params": model.parameters,
+            "workers": args.workers, "device": args.device, "threads": THREADS, "cpu_affinity": cores,
+            "conditions": conditions, "wall_s": round(time.monotonic() - began, 1),
+        }  # fmt: skip
     runs: dict[str, Callable[[], list[float]]] = {
         "elastic": lambda: elastic_steps(model, steps, args.workers, args.device, work),
         "ddp": lambda: ddp_steps(model, steps, args.workers, args.device, work),
@@ -237,6 +444,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_of_pooled_medians_pct": ratio_pct(times["elastic"], times["ddp"]),
         "step_median_s": {arm: statistics.median(gaps) for arm, gaps in times.items()},
     }
+    result.update(in_turns(args, model, work))
     if "elastic_unpolled" in times:
         coordination = ratio_pct(times["elastic"], times["elastic_unpolled"])
         print(f"  of which the coordination (rank 0 reading the board every 50 ms): {coordination:+.2f}%")
@@ -263,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "--cpus", type=lambda text: {int(core) for core in text.split(",")},
         help="cores every worker of every arm is pinned to, as 0,1 (default: the bench's own mask)",
     )
+    parser.add_argument("--turns-only", action="store_true", help="the arms in turns alone (about 4 minutes)")
     args = parser.parse_args(argv)
     print(json.dumps(report(args)))
     return 0
