@@ -51,7 +51,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from elastic.consistency.exact_sum import spare_bits, tensor_scales
 from elastic.consistency.placement import check_shares, even_shares, hosted
 from elastic.tasks.runtime import BoundTask
-from elastic.worker.data import SampleStream, derive_seed, share_bounds
+from elastic.worker.data import SampleStream, derive_seed, seed_torch, share_bounds
 from elastic.worker.trainer import (
     METRIC_SLOTS,
     CollectiveError,
@@ -249,7 +249,7 @@ class StrictTrainer(Trainer):
             if words:
                 self._unpack(self.contexts[vw])
             vw_seed = virtual_worker_seed(self.seed, step, vw)
-            torch.manual_seed(vw_seed)
+            seed_torch(vw_seed, self._device)
             numpy.random.seed(vw_seed)
             random.seed(vw_seed)
             try:

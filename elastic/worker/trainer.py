@@ -30,7 +30,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
 from elastic.wording import counted
-from elastic.worker.data import SampleStream, derive_seed, share_bounds
+from elastic.worker.data import SampleStream, derive_seed, seed_torch, share_bounds
 from elastic.worker.settings import BUCKET_BYTES
 
 METRIC_SLOTS = 8
@@ -290,7 +290,7 @@ class Trainer:
         every rank must call it with the same `step`; `switch_to` is the generation this rank
         asks to switch to (0: none), or a function that says it, asked once the step's compute
         is done (see SwitchVote). Raises CollectiveError if a peer fails or times out."""
-        torch.manual_seed(step_seed(self.seed, step, self.rank))
+        seed_torch(step_seed(self.seed, step, self.rank), self._device)
         first = self.batch_start(step)
         start, stop = share_bounds(self.batch_size, self.world_size, self.rank)
         indices = self.stream.positions(first + start, first + stop)
