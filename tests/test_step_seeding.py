@@ -42,7 +42,8 @@ def test_a_cpu_step_takes_no_stack_trace(strict: bool, group_of_one: None, monke
     def refuse(*args: object, **kwargs: object) -> list[str]:
         raise AssertionError("a step took a stack trace (torch.manual_seed's lazy CUDA seeding)")
 
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is initialised in this process: torch.manual_seed takes no stack trace then")
     monkeypatch.setattr(traceback, "format_stack", refuse)
-    assert not torch.cuda.is_initialized()
     for step in range(1, 4):
         trainer.step(step, False)
