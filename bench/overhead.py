@@ -81,7 +81,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -92,6 +92,7 @@ WARMUP_STEPS = 5
 TURN_S = 3.0
 """How long each arm runs in its turn (about 10 steps of the 25.6M model on 2 cores)."""
 ENDLESS = 10_000_000
+T = TypeVar("T")
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 """Every worker of every arm: one intra-op thread (both workers call torch.set_num_threads
 with OMP_NUM_THREADS)."""
@@ -159,7 +160,7 @@ def ddp_steps(
     return _gaps([float(line.split()[1]) for line in timeline.read_text().splitlines()])
 
 
-def rotated(arms: list[str], round_index: int) -> list[str]:
+def rotated(arms: list[T], round_index: int) -> list[T]:
     """`arms` starting at a different one each round."""
     shift = round_index % len(arms)
     return arms[shift:] + arms[:shift]
@@ -308,9 +309,9 @@ def in_turns(args: argparse.Namespace, model: BenchModel, work: Path) -> dict[st
             lambda: DdpArm("ddp", model, args.workers, args.device, work, bucket_view=False),
             lambda: DdpArm("ddp_bucket_view", model, args.workers, args.device, work, bucket_view=True),
         ):
-            arm = make()
-            arms.append(arm)
-            arm.warm(WARMUP_STEPS + 1)
+            started: Arm = make()
+            arms.append(started)
+            started.warm(WARMUP_STEPS + 1)
         for index in range(rounds):
             for arm in rotated(arms, index):
                 arm.turn(TURN_S)
