@@ -173,3 +173,38 @@ def show(values: list[float], unit: str = "s", digits: int = 3) -> str:
         f"{stats['min']:.{digits}f} / {stats['median']:.{digits}f} / {stats['max']:.{digits}f} {unit} "
         f"(n={stats['n']})"
     )
+
+
+@dataclass(frozen=True)
+class RoundRatios:
+    """Ours against a baseline over rounds that each ran both: each round's ratio of medians
+    (percent over the baseline), their median, the ratio of the pooled medians, and the
+    interquartile range of the rounds' ratios (how far the middle half agree)."""
+
+    per_round: list[float]
+    median: float
+    pooled: float
+    iqr: float
+
+    @classmethod
+    def of(cls, ours: list[list[float]], theirs: list[list[float]]) -> RoundRatios:
+        """From each round's times of ours and the baseline's; a round where either has none is
+        left out."""
+        pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if a and b]
+        per_round = [(statistics.median(a) / statistics.median(b) - 1) * 100 for a, b in pairs]
+        pooled_ours = [time for a, _ in pairs for time in a]
+        pooled_theirs = [time for _, b in pairs for time in b]
+        quartiles = statistics.quantiles(per_round, n=4)
+        return cls(
+            per_round=per_round,
+            median=statistics.median(per_round),
+            pooled=(statistics.median(pooled_ours) / statistics.median(pooled_theirs) - 1) * 100,
+            iqr=quartiles[2] - quartiles[0],
+        )
+
+    def describe(self) -> str:
+        return (
+            f"per round (min / median / max): {min(self.per_round):+.2f} / {self.median:+.2f} / "
+            f"{max(self.per_round):+.2f}%; half the rounds within {self.iqr:.1f} points; ratio of the "
+            f"pooled medians {self.pooled:+.2f}%"
+        )

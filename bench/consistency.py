@@ -58,7 +58,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.conditions import PYTHON_PATH, REDIS_URL, TaskModel, machine, shared_gpu_env, show  # noqa: E402
+from bench.conditions import (  # noqa: E402
+    PYTHON_PATH,
+    REDIS_URL,
+    RoundRatios,
+    TaskModel,
+    machine,
+    shared_gpu_env,
+    show,
+)
 from bench.profile_step import interleaved, strict_profile  # noqa: E402
 from elastic.tasks.runtime import bind_task  # noqa: E402
 from elastic.worker.checkpoint import TrainingState, checkpoint_path, load_checkpoint  # noqa: E402
@@ -214,14 +222,8 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     figures: dict[str, Any] = {}
     if steady is not None:
-        figures = steady
-        rounds = steady["step_overhead_per_round_pct"]
-        print(
-            f"  the step alone, arms in turns (min / median / max over rounds): {min(rounds):+.1f} / "
-            f"{steady['strict_step_overhead_pct']:+.1f} / {max(rounds):+.1f}%, half the rounds within "
-            f"{steady['step_overhead_round_iqr_points']:.1f} points; ratio of the pooled medians "
-            f"{steady['strict_step_overhead_pooled_pct']:+.1f}% (the figure: strict_overhead_pct)"
-        )
+        figures, compared = steady
+        print(f"  the step alone, arms in turns, {compared.describe()} (the figure: strict_overhead_pct)")
     return {
         # The figure: the step alone in turns where it was measured (see part 1 of the docstring),
         # else the pairs of whole-worker runs.
@@ -237,18 +239,16 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
-def interleaved_overhead(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
+def interleaved_overhead(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[str, Any], RoundRatios]:
     """The strict step against the plain one alone, the arms taking turns a few steps at a time
-    (bench.profile_step.interleaved)."""
+    (bench.profile_step.interleaved): its figures for the JSON, and the rounds compared."""
     rounds, block = (60, 5) if args.quick else (120, 5)
     load_before = os.getloadavg()[0]
     per_round = interleaved(spec["hyperparameters"], args.workers, rounds, block)
     load_after = os.getloadavg()[0]
-    ratios = [(statistics.median(r["strict"]) / statistics.median(r["plain"]) - 1) * 100 for r in per_round]
+    compared = RoundRatios.of([r["strict"] for r in per_round], [r["plain"] for r in per_round])
     strict = [t for r in per_round for t in r["strict"]]
     plain_times = [t for r in per_round for t in r["plain"]]
-    pooled = (statistics.median(strict) / statistics.median(plain_times) - 1) * 100
-    quartiles = statistics.quantiles(ratios, n=4)
     print(
         f"\n  the step alone, in turns: a process group of {args.workers} per arm, each process with its own "
         f"trainer; {rounds} rounds of {block} steps of each arm (the first alternating; the first step of each "
@@ -257,14 +257,14 @@ def interleaved_overhead(args: argparse.Namespace, spec: dict[str, Any]) -> dict
     print(f"  strict step: {show(strict, 's', 4)}")
     print(f"  plain step:  {show(plain_times, 's', 4)}")
     return {
-        "strict_step_overhead_pct": statistics.median(ratios),
-        "strict_step_overhead_pooled_pct": pooled,
-        "step_overhead_per_round_pct": ratios,
-        "step_overhead_round_iqr_points": quartiles[2] - quartiles[0],
+        "strict_step_overhead_pct": compared.median,
+        "strict_step_overhead_pooled_pct": compared.pooled,
+        "step_overhead_per_round_pct": compared.per_round,
+        "step_overhead_round_iqr_points": compared.iqr,
         "turns_strict_step_median_s": statistics.median(strict),
         "turns_plain_step_median_s": statistics.median(plain_times),
         "turns_load_average": [round(load_before, 2), round(load_after, 2)],
-    }
+    }, compared
 
 
 # --- 2. parameter differences after resizes ----------------------------------------------------

@@ -85,7 +85,16 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.conditions import PYTHON_PATH, REDIS_URL, RESNET50_SIZED, ROOT, BenchModel, machine, show  # noqa: E402
+from bench.conditions import (  # noqa: E402
+    PYTHON_PATH,
+    REDIS_URL,
+    RESNET50_SIZED,
+    ROOT,
+    BenchModel,
+    RoundRatios,
+    machine,
+    show,
+)
 from elastic.worker.local import LocalJob  # noqa: E402
 
 WARMUP_STEPS = 5
@@ -102,12 +111,9 @@ def _gaps(ends: list[float]) -> list[float]:
     return [later - earlier for earlier, later in zip(ends, ends[1:], strict=False)][WARMUP_STEPS:]
 
 
-def elastic_steps(
-    model: BenchModel, steps: int, workers: int, device: str, work: Path, poll_s: float = 0.05, overlap: bool = True
-) -> list[float]:
-    """Step times of the elastic runtime; rank 0 reads the membership board every `poll_s`;
-    without `overlap`, the gradient's all-reduce waits for the whole backward (one bucket)."""
-    env = {
+def elastic_env(poll_s: float = 0.05, overlap: bool = True) -> dict[str, str]:
+    """The elastic workers' environment: a progress event every step, no periodic checkpoint."""
+    return {
         **os.environ,
         **THREADS,
         **({} if overlap else {"BUNGEE_BUCKET_MB": "0"}),
@@ -116,8 +122,34 @@ def elastic_steps(
         "BUNGEE_MEMBERSHIP_POLL_S": str(poll_s),
         "PYTHONPATH": PYTHON_PATH,
     }
+
+
+def torchrun_command(
+    model: BenchModel, steps: int, workers: int, device: str, folder: Path, bucket_view: bool, one_bucket: bool = False
+) -> list[str]:
+    """bench/torchrun_train.py under `torchrun --standalone`, its checkpoint and timeline in
+    `folder`, without its stop vote."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+        str(ROOT / "bench" / "torchrun_train.py"), "--spec", json.dumps(model.spec(steps)),
+        "--checkpoint", str(folder / "checkpoint.pt"), "--timeline", str(folder / "timeline"),
+        "--device", device, "--no-stop-flag",
+        *(["--bucket-view"] if bucket_view else []), *(["--one-bucket"] if one_bucket else []),
+    ]  # fmt: skip
+
+
+def elastic_steps(
+    model: BenchModel, steps: int, workers: int, device: str, work: Path, poll_s: float = 0.05, overlap: bool = True
+) -> list[float]:
+    """Step times of the elastic runtime; rank 0 reads the membership board every `poll_s`;
+    without `overlap`, the gradient's all-reduce waits for the whole backward (one bucket)."""
     with LocalJob(
-        model.spec(steps), Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=env, heal=False, device=device
+        model.spec(steps),
+        Path(tempfile.mkdtemp(dir=work)),
+        REDIS_URL,
+        env=elastic_env(poll_s, overlap),
+        heal=False,
+        device=device,
     ) as job:
         job.start(list(range(workers)))
         outputs = job.wait(timeout_s=1200)
@@ -132,25 +164,7 @@ def ddp_steps(
     """Step times of torch DDP under torchrun (bench/torchrun_train.py)."""
     folder = Path(tempfile.mkdtemp(dir=work))
     timeline = folder / "timeline"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={workers}",
-        str(ROOT / "bench" / "torchrun_train.py"),
-        "--spec",
-        json.dumps(model.spec(steps)),
-        "--checkpoint",
-        str(folder / "checkpoint.pt"),
-        "--timeline",
-        str(timeline),
-        "--device",
-        device,
-        "--no-stop-flag",
-        *(["--bucket-view"] if bucket_view else []),
-        *(["--one-bucket"] if one_bucket else []),
-    ]
+    command = torchrun_command(model, steps, workers, device, folder, bucket_view, one_bucket)
     env = {**os.environ, **THREADS, "PYTHONPATH": PYTHON_PATH}
     done = subprocess.run(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1200
@@ -223,15 +237,8 @@ class Arm:
 class ElasticArm(Arm):
     def __init__(self, name: str, model: BenchModel, workers: int, device: str, work: Path) -> None:
         super().__init__(name)
-        env = {
-            **os.environ,
-            **THREADS,
-            "BUNGEE_PROGRESS_EVERY_S": "0.001",
-            "BUNGEE_CHECKPOINT_EVERY_S": "86400",
-            "PYTHONPATH": PYTHON_PATH,
-        }
         self.job = LocalJob(
-            model.spec(ENDLESS), Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=env, heal=False, device=device
+            model.spec(ENDLESS), Path(tempfile.mkdtemp(dir=work)), REDIS_URL, env=elastic_env(), heal=False, device=device
         )
         self.job.start(list(range(workers)))
 
@@ -251,12 +258,7 @@ class DdpArm(Arm):
         super().__init__(name)
         folder = Path(tempfile.mkdtemp(dir=work))
         self.timeline = folder / "timeline"
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-            str(ROOT / "bench" / "torchrun_train.py"), "--spec", json.dumps(model.spec(ENDLESS)),
-            "--checkpoint", str(folder / "checkpoint.pt"), "--timeline", str(self.timeline),
-            "--device", device, "--no-stop-flag", *(["--bucket-view"] if bucket_view else []),
-        ]  # fmt: skip
+        command = torchrun_command(model, ENDLESS, workers, device, folder, bucket_view)
         env = {**os.environ, **THREADS, "PYTHONPATH": PYTHON_PATH}
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -328,24 +330,12 @@ def in_turns(args: argparse.Namespace, model: BenchModel, work: Path) -> dict[st
     for arm in arms:
         print(f"  {arm.name:18s} step: {show([gap for turn in per_turn[arm.name] for gap in turn])}")
     for baseline, key in (("ddp", "turns_overhead_pct"), ("ddp_bucket_view", "turns_overhead_vs_bucket_view_pct")):
-        ratios = [
-            ratio_pct(ours, theirs)
-            for ours, theirs in zip(per_turn["elastic"], per_turn[baseline], strict=True)
-            if ours and theirs
-        ]
-        quartiles = statistics.quantiles(ratios, n=4)
-        pooled = ratio_pct(
-            [gap for turn in per_turn["elastic"] for gap in turn], [gap for turn in per_turn[baseline] for gap in turn]
-        )
-        print(
-            f"  elastic vs {baseline}, per round (min / median / max): {min(ratios):+.2f} / "
-            f"{statistics.median(ratios):+.2f} / {max(ratios):+.2f}%; half the rounds within "
-            f"{quartiles[2] - quartiles[0]:.1f} points; ratio of the pooled medians {pooled:+.2f}%"
-        )
-        result[key] = statistics.median(ratios)
-        result[key.replace("_pct", "_per_round_pct")] = ratios
-        result[key.replace("_pct", "_pooled_pct")] = pooled
-        result[key.replace("_pct", "_iqr_points")] = quartiles[2] - quartiles[0]
+        rounds_compared = RoundRatios.of(per_turn["elastic"], per_turn[baseline])
+        print(f"  elastic vs {baseline}, {rounds_compared.describe()}")
+        result[key] = rounds_compared.median
+        result[key.replace("_pct", "_per_round_pct")] = rounds_compared.per_round
+        result[key.replace("_pct", "_pooled_pct")] = rounds_compared.pooled
+        result[key.replace("_pct", "_iqr_points")] = rounds_compared.iqr
     return result
 
 

@@ -172,8 +172,8 @@ def interleaved(
     (gloo on this machine's CPU, one torch thread each), one per arm, each holding only its own
     trainer of the digits MLP with `hyperparameters`, as a worker does. After a warm-up each, the
     arms take turns: `rounds` rounds of `block` + 1 steps of each, the arm that goes first
-    alternating, the other group asleep (on a shared condition) while one steps. The first step of each block, which finds the caches holding the other arm's
-    data, is left out. Returns rank 0's step times, a dict of both arms' for each round. Both arms
+    alternating, the other group asleep (on a shared condition) while one steps. The first step
+    of each block, which finds the caches holding the other arm's data, is left out. Returns rank 0's step times, a dict of both arms' for each round. Both arms
     see the same minutes of the machine, a few steps apart, where pairs of separate runs see
     different ones: on a shared VM the speed of the same matrix product drifts by half from one
     run to the next (1.6 to 3.1 ms a call in one profile)."""
