@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from portal.accounts.models import ApiToken
-from portal.cluster.models import Device, DeviceSample, Node
+from portal.cluster.models import Device, DeviceSample, Node, ReportRefusals
 from portal.errors import ApiError
 from portal.jobs.models import Job, ResizeEvent, Worker
 from portal.jobs.states import ACTIVE_STATES, JobState
@@ -121,6 +121,15 @@ class PlatformCollector(Collector):
         yield utilization
         yield memory
         yield owner
+        refused = CounterMetricFamily(
+            "bungee_agent_report_items_refused",
+            "Items of a node's reports the portal refused: not valid, about a worker the node does not hold, "
+            "or about a job that does not exist",
+            labels=["node", "reason"],
+        )
+        for node_name, reason, count in ReportRefusals.objects.values_list("node__name", "reason", "count"):
+            refused.add_metric([node_name, reason], count)
+        yield refused
         nodes = GaugeMetricFamily("bungee_nodes", "Nodes by state", labels=["state"])
         counts = dict(Node.objects.values_list("state").annotate(n=Count("pk")).values_list("state", "n"))
         for state in Node.State:

@@ -11,11 +11,12 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 from pydantic import TypeAdapter
 
 from elastic.wire import DeviceSample, NodeRegistration, RegistrationReply
-from portal.cluster.models import Device, Node
+from portal.cluster.models import Device, Node, ReportRefusals
 from portal.cluster.models import DeviceSample as DeviceSampleRow
 from portal.cluster.state import latest_key
 from portal.dispatch import stream_for
@@ -97,6 +98,14 @@ def node_seen(node: Node) -> None:
     overdue = Node.objects.filter(state__in=silent_states, last_seen_at__lt=deadline).exclude(pk=node.pk)
     if overdue.exists():
         request_schedule(f"node(s) {', '.join(overdue.values_list('name', flat=True)[:5])} silent past the timeout")
+
+
+def count_refused(node: Node, reason: ReportRefusals.Reason, count: int) -> None:
+    """Adds `count` refused items of `node`'s reports to its count for `reason` (/metrics)."""
+    if count <= 0:
+        return
+    ReportRefusals.objects.get_or_create(node=node, reason=reason)
+    ReportRefusals.objects.filter(node=node, reason=reason).update(count=F("count") + count)
 
 
 def ingest_samples(node: Node, samples: list[DeviceSample]) -> None:

@@ -40,6 +40,24 @@ class Node(models.Model):
         return self.name
 
 
+class ReportRefusals(models.Model):
+    """How many items of a node's reports the portal refused, by why: a count per node and
+    reason, kept so that `/metrics` can say it (portal.cluster.ingest.count_refused writes it)."""
+
+    class Reason(models.TextChoices):
+        INVALID = "invalid", "not a valid item"
+        NOT_ITS_WORKER = "not_its_worker", "about a worker the node does not hold"
+        UNKNOWN_JOB = "unknown_job", "about a job that does not exist"
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="refusals")
+    reason = models.CharField(max_length=20, choices=Reason.choices)
+    count = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["node", "reason"]
+        constraints = [models.UniqueConstraint(fields=["node", "reason"], name="report_refusals_unique_reason")]
+
+
 class Device(models.Model):
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="devices")
     index = models.PositiveIntegerField()

@@ -26,12 +26,12 @@ from elastic.wire import (
 from portal.auth import agent_auth, user_auth
 from portal.bodies import MESSAGE_CHARS, cut, shown
 from portal.cluster.binding import bind, check_claim, reporting_node
-from portal.cluster.ingest import ingest_samples, node_seen, register_node
-from portal.cluster.models import Node
+from portal.cluster.ingest import count_refused, ingest_samples, node_seen, register_node
+from portal.cluster.models import Node, ReportRefusals
 from portal.errors import forbidden, not_found
 from portal.jobs import artifacts, lifecycle
 from portal.jobs.board import cluster_state
-from portal.jobs.ingest import ingest_events
+from portal.jobs.ingest import Refused, ingest_events
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
@@ -52,11 +52,16 @@ def register(registration: NodeRegistration) -> tuple[Node, RegistrationReply]:
     return node, reply
 
 
-def ingest_report(node: Node, report: AgentReport) -> None:
+def ingest_report(node: Node, report: AgentReport) -> list[Refused]:
+    """Takes the node's report; returns the worker events refused (portal.jobs.ingest), counted
+    per reason for /metrics."""
     node_seen(node)
     if report.samples:
         ingest_samples(node, report.samples)
-    ingest_events(node, report.events)
+    refused = ingest_events(node, report.events)
+    for reason in ReportRefusals.Reason:
+        count_refused(node, reason, sum(1 for r in refused if r.reason == reason))
+    return refused
 
 
 @board_router.get("/cluster", summary="Nodes, devices, latest samples, who holds each device, and the active jobs")
@@ -104,15 +109,19 @@ def _list_of(model: type[M]) -> TypeAdapter[list[M]]:
     return TypeAdapter(list[model])  # type: ignore[valid-type]
 
 
-def _checked(kind: str, items: list[dict[str, Any]], model: type[M], refused: list[dict[str, Any]]) -> list[M]:
+def _checked(
+    kind: str, items: list[dict[str, Any]], model: type[M], refused: list[dict[str, Any]]
+) -> tuple[list[M], list[int]]:
+    """The valid items of `items`, and where each was in it; each invalid one goes to `refused`."""
     try:  # the usual report, every item valid: checked in one call (1,024 calls took 10-20 ms)
-        return _list_of(model).validate_python(items)
+        return _list_of(model).validate_python(items), list(range(len(items)))
     except PydanticValidationError:
         pass
-    valid = []
+    valid, positions = [], []
     for index, item in enumerate(items):
         try:
             valid.append(model.model_validate(item))
+            positions.append(index)
         except PydanticValidationError as err:
             problem = err.errors()[0]
             where = ".".join(str(part) for part in problem["loc"])
@@ -121,25 +130,32 @@ def _checked(kind: str, items: list[dict[str, Any]], model: type[M], refused: li
                 "message": cut(f"{where}: {problem['msg']}" if where else problem["msg"], MESSAGE_CHARS),
                 "value": shown(problem.get("input")),
             })
-    return valid
+    return valid, positions
 
 
 @agent_router.post("/report", response=ReportOut, summary="An agent's periodic report")
 def report(request: HttpRequest, payload: ReportIn) -> dict[str, Any]:
     """403 if the report names a node other than the token's; 409 "unknown_node" if the token
     has not registered it and no other token holds it (the agent then registers). Items that
-    are not valid are refused one by one in the reply (`refused`); the others are stored."""
+    are not valid are refused one by one in the reply (`refused`), and so is every worker event
+    about a worker the node does not hold (its generation's plan put that rank elsewhere) or a
+    job that does not exist; the others are stored."""
     node = reporting_node(payload.node, request.api_token)  # type: ignore[attr-defined]
     refused: list[dict[str, Any]] = []
-    checked = AgentReport(
-        node=payload.node,
-        samples=_checked("samples", payload.samples, DeviceSample, refused),
-        events=_checked("events", payload.events, WorkerEvent, refused),
-        running=_checked("running", payload.running, RunningWorker, refused),
-    )
+    samples, _ = _checked("samples", payload.samples, DeviceSample, refused)
+    events, event_positions = _checked("events", payload.events, WorkerEvent, refused)
+    running, _ = _checked("running", payload.running, RunningWorker, refused)
+    count_refused(node, ReportRefusals.Reason.INVALID, len(refused))
+    checked = AgentReport(node=payload.node, samples=samples, events=events, running=running)
+    for item in ingest_report(node, checked):
+        event = events[item.index]
+        refused.append({
+            "item": f"events[{event_positions[item.index]}]",
+            "message": cut(item.message, MESSAGE_CHARS),
+            "value": {"job_id": event.job_id, "generation": event.generation, "rank": event.rank, "kind": event.kind},
+        })
     if refused:
         log.warning("node %s: refused %d item(s) of a report, the first %s", node.name, len(refused), refused[0])
-    ingest_report(node, checked)
     return {"ok": True, "refused": refused}
 
 

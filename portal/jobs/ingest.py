@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from django.db.models import F
 
 from elastic.wire import WorkerEvent
-from portal.cluster.models import Node
+from portal.cluster.models import Node, ReportRefusals
 from portal.jobs import lifecycle
-from portal.jobs.models import Job, JobEvaluation, JobLog, JobMetric, ResizeEvent, Worker
+from portal.jobs.models import Job, JobEvaluation, JobLog, JobMetric, ResizeEvent
 from portal.live import broadcast
 from portal.redis import client, key
 
@@ -30,39 +31,46 @@ def _at(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp, tz=UTC)
 
 
-def ingest_events(node: Node, events: list[WorkerEvent]) -> None:
-    for event in events:
+@dataclass(frozen=True)
+class Refused:
+    """A worker event the portal did not take, and why."""
+
+    index: int
+    """Where it was in the events given."""
+    reason: ReportRefusals.Reason
+    message: str
+
+
+def ingest_events(node: Node, events: list[WorkerEvent]) -> list[Refused]:
+    """Takes each event whose worker `node` holds (portal.jobs.lifecycle.ranks_held: the plan of
+    the event's generation put its rank on one of the node's devices); refuses the others, and
+    those about a job that does not exist. A node speaks only for its own workers: another
+    node's progress, log lines, evaluations or exits are never its to report. Returns the
+    refused, in order."""
+    refused: list[Refused] = []
+    held: dict[tuple[int, int], frozenset[int]] = {}
+    for index, event in enumerate(events):
+        handler = _HANDLERS.get(event.kind)
+        if handler is None:  # the worker-to-agent kinds (exiting, artifacts) stay on the node
+            refused.append(Refused(index, ReportRefusals.Reason.INVALID, f"kind: a report carries no {event.kind!r} event"))
+            continue
         job = Job.objects.select_related("owner").filter(pk=event.job_id).first()
         if job is None:
-            log.warning("event for unknown job %s from %s", event.job_id, node.name)
+            refused.append(Refused(index, ReportRefusals.Reason.UNKNOWN_JOB, f"no job {event.job_id}"))
             continue
-        if not _worker_is_on(node, job, event):
+        ranks = held.get((job.pk, event.generation))
+        if ranks is None:
+            ranks = held[job.pk, event.generation] = lifecycle.ranks_held(node, job.pk, event.generation)
+        if event.rank not in ranks:
+            refused.append(Refused(
+                index, ReportRefusals.Reason.NOT_ITS_WORKER,
+                f"node {node.name} does not hold rank {event.rank} of job {job.pk}'s generation {event.generation}",
+            ))
             continue
-        _HANDLERS[event.kind](node, job, event)
-
-
-_WORKER_ROW_EVENTS = frozenset({"started", "joined", "exited"})
-
-
-def _worker_is_on(node: Node, job: Job, event: WorkerEvent) -> bool:
-    """False, with a warning, for an event that writes a worker's row when the database places
-    that worker (its job, generation and rank) on another node: a node speaks only for its own
-    workers, and must not move or end another node's."""
-    if event.kind not in _WORKER_ROW_EVENTS:
-        return True
-    elsewhere = (
-        Worker.objects.filter(job=job, generation=event.generation, rank=event.rank)
-        .exclude(node=node)
-        .select_related("node")
-        .first()
-    )
-    if elsewhere is None:
-        return True
-    log.warning(
-        "ignored a %r event from %s for job %s generation %s rank %s: that worker is on %s",
-        event.kind, node.name, job.pk, event.generation, event.rank, elsewhere.node.name,
-    )
-    return False
+        handler(node, job, event)
+    if refused:
+        log.warning("node %s: refused %d worker event(s), the first: %s", node.name, len(refused), refused[0].message)
+    return refused
 
 
 def _service_since_last_report(job: Job, generation: int, at: datetime) -> float:

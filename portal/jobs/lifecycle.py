@@ -131,6 +131,16 @@ def live_workers(job_id: int) -> dict[tuple[int, int], Worker]:
     return {(row.node_id, row.device_index): row for row in rows.order_by("generation")}
 
 
+def ranks_held(node: Node, job_id: int, generation: int) -> frozenset[int]:
+    """The ranks of job `job_id`'s generation `generation` that `node` holds: those the
+    generation's plan placed on the node's devices (its resize record names each rank's device,
+    in rank order). A node speaks for these workers only. Empty for a generation never planned."""
+    planned = (
+        ResizeEvent.objects.filter(job_id=job_id, generation=generation).values_list("devices_after", flat=True).first()
+    )
+    return frozenset(rank for rank, device in enumerate(planned or []) if device.rpartition("/")[0] == node.name)
+
+
 def allocation_rows() -> list[dict[str, Any]]:
     """Every device held by a job, for the board."""
     return [
