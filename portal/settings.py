@@ -180,8 +180,12 @@ BUNGEE = {
     "NODE_TIMEOUT_S": env_float("BUNGEE_NODE_TIMEOUT_S", 15.0),
     # Device samples are kept in the database at most once per this many seconds per device.
     "SAMPLE_HISTORY_EVERY_S": env_float("BUNGEE_SAMPLE_HISTORY_EVERY_S", 10.0),
-    # A job whose workers fail more often than this is failed instead of restarted.
+    # The restart budget (portal.jobs.restarts): a job whose workers fail more than MAX_RESTARTS
+    # times in a stretch is failed instead of restarted; a failure counts for RESTART_WINDOW_S,
+    # and training RESTART_HEALTHY_S since the previous failure (with steps done) clears the count.
     "MAX_RESTARTS": env_int("BUNGEE_MAX_RESTARTS", 3),
+    "RESTART_WINDOW_S": env_float("BUNGEE_RESTART_WINDOW_S", 600.0),
+    "RESTART_HEALTHY_S": env_float("BUNGEE_RESTART_HEALTHY_S", 30.0),
     # The deadlines of a generation's phases (portal.jobs.lifecycle, elastic.membership).
     # Planned -> published: the job's stopping workers must have exited (their agent gives
     # them 30 s after SIGTERM, then kills them).

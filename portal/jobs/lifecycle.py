@@ -51,6 +51,7 @@ from portal import dispatch
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating
 from portal.jobs.models import Allocation, Generation, Job, JobArtifacts, JobLog, ResizeEvent, Worker
+from portal.jobs.restarts import RestartBudget
 from portal.jobs.states import ACTIVE_STATES, JobState
 from portal.live import broadcast
 from portal.trigger import request_schedule
@@ -685,8 +686,15 @@ def _stopped_late_joiner(job: Job, row: Worker | None, event: WorkerEvent) -> bo
     )
 
 
+def restart_budget() -> RestartBudget:
+    return RestartBudget(
+        settings.BUNGEE["MAX_RESTARTS"], settings.BUNGEE["RESTART_WINDOW_S"], settings.BUNGEE["RESTART_HEALTHY_S"]
+    )
+
+
 def _worker_failed(job: Job, event: WorkerEvent, device: int | None) -> None:
-    """Every generation a failure ends counts once towards MAX_RESTARTS."""
+    """Every generation a failure ends counts once against the job's restart budget
+    (portal.jobs.restarts); a spent budget fails the job."""
     what = f"worker rank {event.rank} of generation {event.generation} failed (exit code {event.exit_code})"
     with transaction.atomic():
         locked = Job.objects.select_for_update().get(pk=job.pk)
@@ -698,10 +706,12 @@ def _worker_failed(job: Job, event: WorkerEvent, device: int | None) -> None:
         )
         if not first:
             return
+        budget = restart_budget()
+        counted = budget.charge([(at, steps) for at, steps in locked.counted_failures], event.at, locked.steps_done)
         locked.restarts += 1
-        Job.objects.filter(pk=job.pk).update(restarts=locked.restarts)
-    if locked.restarts > settings.BUNGEE["MAX_RESTARTS"]:
-        _end(locked, JobState.FAILED, "finished", message=f"{what}; gave up after {locked.restarts - 1} restarts")
+        Job.objects.filter(pk=job.pk).update(restarts=locked.restarts, counted_failures=counted)
+    if budget.spent(counted):
+        _end(locked, JobState.FAILED, "finished", message=f"{what}; {budget.describe(counted)}")
     broadcast.job_changed(locked)
 
 

@@ -47,6 +47,11 @@ class Job(models.Model):
         null=True, blank=True, help_text="when the newest pin was asked for: a manual resize's land time starts here"
     )
     restarts = models.PositiveIntegerField(default=0, help_text="generations that lost a worker")
+    counted_failures = models.JSONField(
+        default=list, blank=True,
+        help_text="the failures that count against the restart budget: [Unix time, steps done] "
+        "(portal.jobs.restarts)",
+    )
     batch_size = models.PositiveIntegerField(
         null=True, blank=True, help_text="hybrid jobs: the global batch size the scheduler chose"
     )
