@@ -178,6 +178,9 @@ BUNGEE = {
     "REPORT_INTERVAL_S": env_float("BUNGEE_REPORT_INTERVAL_S", 1.0),
     # A node silent for this long is lost: its devices leave the pool.
     "NODE_TIMEOUT_S": env_float("BUNGEE_NODE_TIMEOUT_S", 15.0),
+    # A node whose agent is silent while its workers beat is "agent unreachable" (its workers
+    # train on); past this much silence it is lost all the same and its workers are told to leave.
+    "UNREACHABLE_TIMEOUT_S": env_float("BUNGEE_UNREACHABLE_TIMEOUT_S", 600.0),
     # Device samples are kept in the database at most once per this many seconds per device.
     "SAMPLE_HISTORY_EVERY_S": env_float("BUNGEE_SAMPLE_HISTORY_EVERY_S", 10.0),
     # The restart budget (portal.jobs.restarts): a job whose workers fail more than MAX_RESTARTS

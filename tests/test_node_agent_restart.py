@@ -34,12 +34,12 @@ def formed(node: Any, job: Job, pid_base: int) -> list[tuple[int, int]]:
     return [(index, pid_base + rank) for rank, index in enumerate(devices)]
 
 
-def silence(node: Any) -> None:
+def silence(node: Any, minutes: float = 5) -> None:
     from django.utils import timezone
 
     from portal.cluster.models import Node
 
-    Node.objects.filter(pk=node.pk).update(last_seen_at=timezone.now() - timedelta(minutes=5))
+    Node.objects.filter(pk=node.pk).update(last_seen_at=timezone.now() - timedelta(minutes=minutes))
 
 
 def running_rows(job: Job) -> list[tuple[int, int | None]]:
@@ -88,6 +88,36 @@ def test_a_silent_node_without_heartbeats_is_lost(api: dict, cluster: Any, redis
     assert nodes_lost() == ["node-a"]
     cluster.refresh_from_db()
     assert cluster.state == "lost"
+
+
+def test_an_agent_silent_past_the_unreachable_timeout_loses_its_node_and_its_workers_are_told_to_leave(
+    api: dict, cluster: Any, redis_client: Any, settings: Any
+) -> None:
+    """The workers beat on, but the agent has been silent longer than UNREACHABLE_TIMEOUT_S: the
+    node is lost (it no longer stays "agent unreachable" without limit), the job is planned
+    again, and each worker still beating reads at its next beat that it must leave."""
+    settings.BUNGEE = {**settings.BUNGEE, "UNREACHABLE_TIMEOUT_S": 120.0}
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    workers = formed(cluster, job, 1000)
+    silence(cluster, minutes=1)
+    for index, pid in workers:
+        assert not board(job.pk).beat(f"node-a/{index}", pid), "nobody was told to leave yet"
+    assert nodes_lost() == []
+    cluster.refresh_from_db()
+    assert cluster.state == "unreachable"
+
+    silence(cluster, minutes=3)
+    assert nodes_lost() == ["node-a"]
+    cluster.refresh_from_db()
+    job.refresh_from_db()
+    assert cluster.state == "lost" and running_rows(job) == []
+    assert lifecycle.needs_replan(lifecycle.current(job))
+    assert "agent unreachable for 180 s" in lifecycle.current(job).note
+    for index, pid in workers:
+        assert board(job.pk).beat(f"node-a/{index}", pid), "the worker reads that it must leave"
+        assert not board(job.pk).beat(f"node-a/{index}", pid + 1), "another process on the device is not told"
 
 
 def test_a_report_brings_an_unreachable_node_back(api: dict, cluster: Any, redis_client: Any) -> None:

@@ -90,6 +90,17 @@ def heartbeat_key(key: str, member: str) -> str:
     return f"{key}:alive:{member}"
 
 
+def leave_key(key: str, member: str) -> str:
+    """The key by which the portal tells the worker `member` of the job whose coordination key is
+    `key` to leave: it holds the pid of the process told (its agent is gone, so no signal can
+    reach it any other way)."""
+    return f"{key}:leave:{member}"
+
+
+LEAVE_TTL_S = 600.0
+"""How long a word to leave waits for its worker to beat and read it."""
+
+
 def retrying_client(url: str) -> redis.Redis:
     """A client of the Redis at `url` that retries a call that does not answer (see RETRIES)."""
     return redis.Redis.from_url(
@@ -220,10 +231,20 @@ class RedisBoard(Board):
 
     # --- heartbeats ---------------------------------------------------------------------------
 
-    def beat(self, member: str, pid: int, ttl_s: float = HEARTBEAT_TTL_S) -> None:
-        """Says that the worker `member`, process `pid`, lives, for the next `ttl_s` seconds.
+    def beat(self, member: str, pid: int, ttl_s: float = HEARTBEAT_TTL_S) -> bool:
+        """Says that the worker `member`, process `pid`, lives, for the next `ttl_s` seconds;
+        returns whether that process was told to leave (tell_to_leave), in the same round trip.
         Raises redis.RedisError (the heartbeat's client does not retry: the next beat does)."""
-        self.client.set(heartbeat_key(self.key, member), pid, px=int(ttl_s * 1000))
+        pipeline = self.client.pipeline(transaction=False)
+        pipeline.set(heartbeat_key(self.key, member), pid, px=int(ttl_s * 1000))
+        pipeline.get(leave_key(self.key, member))
+        _, told = pipeline.execute()
+        return told is not None and _text(told) == str(pid)
+
+    def tell_to_leave(self, member: str, pid: int, ttl_s: float = LEAVE_TTL_S) -> None:
+        """Tells the worker `member`, process `pid`, to leave at its next beat (it stops as on
+        SIGTERM). A later process on the same device is not told."""
+        self.client.set(leave_key(self.key, member), pid, px=int(ttl_s * 1000))
 
     def alive(self, member: str) -> int | None:
         """Returns the pid of `member` if its heartbeat is fresh, else None."""

@@ -3,14 +3,18 @@ membership board (elastic.membership.redis, K:alive:<member>) for as long as the
 
 The agent reports its workers to the portal; when the agent dies, its workers train on, and the
 heartbeat is how the portal tells a node whose agent is silent but whose workers live from a
-node that is gone. It runs beside the training loop on a Redis connection of its own, so that a
+node that is gone. Its answer is also how the portal reaches such workers: a worker told to
+leave (the portal gave up on its silent agent) stops as on SIGTERM, the graceful stop every rank
+agrees on at the next step boundary. It runs beside the training loop on a Redis connection of its own, so that a
 slow or absent Redis never holds up a step; a beat that fails is tried again at the next one.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
+from collections.abc import Callable
 
 import redis
 
@@ -21,7 +25,8 @@ _REDIS_TIMEOUT_S = 2.0
 
 class Heartbeat:
     """Beats for `member` (this process's pid) every `every_s` seconds from a daemon thread,
-    from `start()` until `stop()`."""
+    from `start()` until `stop()`; calls `told_to_leave` once if a beat's answer says this
+    process was told to leave (by default: SIGTERM to itself)."""
 
     def __init__(
         self,
@@ -29,11 +34,13 @@ class Heartbeat:
         member: str,
         every_s: float = HEARTBEAT_EVERY_S,
         ttl_s: float = HEARTBEAT_TTL_S,
+        told_to_leave: Callable[[], None] | None = None,
     ) -> None:
         self._board = board
         self._member = member
         self._every_s = every_s
         self._ttl_s = ttl_s
+        self._told_to_leave = told_to_leave or (lambda: os.kill(os.getpid(), signal.SIGTERM))
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -57,9 +64,12 @@ class Heartbeat:
 
     def _run(self) -> None:
         pid = os.getpid()
+        told = False
         while True:
             try:
-                self._board.beat(self._member, pid, self._ttl_s)
+                if self._board.beat(self._member, pid, self._ttl_s) and not told:
+                    told = True
+                    self._told_to_leave()
             except redis.RedisError:
                 pass  # Redis is away: the next beat tries again; the membership code reports it
             if self._stopping.wait(self._every_s):

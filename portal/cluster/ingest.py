@@ -88,6 +88,8 @@ def node_seen(node: Node) -> None:
     came_back = node.state == Node.State.LOST
     now = timezone.now()
     Node.objects.filter(pk=node.pk).update(last_seen_at=now, state=Node.State.ONLINE)
+    if came_back or node.state == Node.State.UNREACHABLE:
+        broadcast.node_changed(node.name, Node.State.ONLINE.value, now)
     if came_back:
         request_schedule(f"node {node.name} is back")
     if time.monotonic() - _overdue_checked_at < OVERDUE_CHECK_EVERY_S:

@@ -48,6 +48,7 @@ def register(registration: NodeRegistration) -> tuple[Node, RegistrationReply]:
     with transaction.atomic():
         node, reply = register_node(registration)
         lifecycle.node_registered(node, registration.running)
+    broadcast.node_changed(node.name, node.state, node.last_seen_at)
     broadcast.allocation_changed(lifecycle.allocation_rows())
     return node, reply
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
+
 from portal.cluster.models import Device, Node
 from portal.cluster.state import device_holder, latest_samples
 from portal.jobs.models import Allocation, Job, listed
@@ -52,4 +54,8 @@ def cluster_state() -> dict[str, Any]:
         )
     # The live socket sends this after it joined its groups: a board that was away (its socket
     # reconnected) or loaded just before takes its jobs from here, and misses no change between.
-    return {"nodes": list(nodes.values()), "jobs": active_jobs()}
+    return {
+        "nodes": list(nodes.values()),
+        "jobs": active_jobs(),
+        "unreachable_timeout_s": settings.BUNGEE["UNREACHABLE_TIMEOUT_S"],
+    }

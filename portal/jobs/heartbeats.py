@@ -9,7 +9,7 @@ import logging
 import redis
 from django.conf import settings
 
-from elastic.membership.redis import heartbeat_key
+from elastic.membership.redis import RedisBoard, heartbeat_key
 from elastic.wire import coordination_key, member_key
 from portal.redis import client
 
@@ -37,3 +37,16 @@ def beating(node: str, workers: list[tuple[int, int, int | None]]) -> set[tuple[
         for (job_id, index, pid), beat in zip(workers, pids, strict=True)
         if beat is not None and pid is not None and int(beat) == pid
     }
+
+
+def tell_to_leave(node: str, workers: list[tuple[int, int, int]]) -> None:
+    """Tells each of `workers` (job id, device index, pid) on the node named `node` to leave: it
+    reads that at its next heartbeat and stops as on SIGTERM (elastic.worker.heartbeat). For
+    workers whose agent is gone, which no signal reaches. Redis not answering is logged: the
+    node is lost all the same, and a job planned again elsewhere makes its old workers leave."""
+    prefix = settings.BUNGEE["REDIS_PREFIX"]
+    try:
+        for job_id, index, pid in workers:
+            RedisBoard(client(), coordination_key(job_id, prefix)).tell_to_leave(member_key(node, index), pid)
+    except redis.RedisError as err:
+        log.warning("cannot tell the workers of %s to leave: %s", node, err)

@@ -49,7 +49,7 @@ from elastic.wire import (
 from elastic.wording import counted
 from portal import dispatch
 from portal.cluster.models import Device, Node
-from portal.jobs.heartbeats import beating
+from portal.jobs.heartbeats import beating, tell_to_leave
 from portal.jobs.models import Allocation, Generation, Job, JobArtifacts, JobLog, ResizeEvent, Worker
 from portal.jobs.restarts import RestartBudget
 from portal.jobs.states import ACTIVE_STATES, JobState
@@ -780,12 +780,6 @@ def node_registered(node: Node, adopted: list[RunningWorker]) -> None:
         _end_generation(job, Phase.LOST, "agent restarted", note)
 
 
-def node_lost(node: Node) -> list[int]:
-    """The node is gone, its workers with it. Returns the jobs planned again."""
-    note = f"node {node.name} lost: no report for {settings.BUNGEE['NODE_TIMEOUT_S']:.0f} s; planning again"
-    return _workers_gone(Worker.objects.filter(node=node), "node lost", "node lost", note)
-
-
 # --- deadlines -----------------------------------------------------------------------------------
 
 
@@ -884,19 +878,41 @@ def nodes_lost() -> list[str]:
     """Nodes silent for longer than NODE_TIMEOUT_S become lost, and their workers gone, unless a
     worker of theirs still beats (portal.jobs.heartbeats): then only the agent is gone, the
     workers train on, and the node is unreachable, its workers and plan untouched, until the
-    agent reports again or the heartbeats stop too. Returns the names of the nodes this call
-    marked lost."""
-    deadline = timezone.now() - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
+    agent reports again, the heartbeats stop too, or the silence passes UNREACHABLE_TIMEOUT_S.
+    Then the node is lost all the same, and the workers still beating there are told to leave
+    (a job with workers elsewhere is planned again without them, which makes them leave too).
+    Returns the names of the nodes this call marked lost."""
+    now = timezone.now()
+    deadline = now - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
+    given_up = now - timedelta(seconds=settings.BUNGEE["UNREACHABLE_TIMEOUT_S"])
     silent = Node.objects.filter(state__in=(Node.State.ONLINE, Node.State.UNREACHABLE), last_seen_at__lt=deadline)
     marked = []
     for node in silent:
-        running = Worker.objects.filter(node=node, state=Worker.State.RUNNING)
-        if beating(node.name, list(running.values_list("job_id", "device_index", "pid"))):
+        running = list(
+            Worker.objects.filter(node=node, state=Worker.State.RUNNING).values_list("job_id", "device_index", "pid")
+        )
+        alive = beating(node.name, running)
+        if alive and node.last_seen_at >= given_up:
             if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.UNREACHABLE):
                 log.warning("node %s: agent unreachable, its workers train on", node.name)
+                broadcast.node_changed(node.name, Node.State.UNREACHABLE.value, node.last_seen_at)
             continue
-        if Node.objects.filter(pk=node.pk, state=node.state).update(state=Node.State.LOST) == 1:
-            log.warning("node %s lost: no report for %ss", node.name, settings.BUNGEE["NODE_TIMEOUT_S"])
-            node_lost(node)
-            marked.append(node.name)
+        if Node.objects.filter(pk=node.pk, state=node.state).update(state=Node.State.LOST) != 1:
+            continue
+        silence_s = (now - node.last_seen_at).total_seconds()
+        if alive:
+            note = (f"node {node.name} lost: its agent unreachable for {silence_s:.0f} s "
+                    f"(BUNGEE_UNREACHABLE_TIMEOUT_S); its workers are told to leave; planning again")
+            orphans = [(job_id, index, pid) for job_id, index, pid in running if (job_id, index) in alive and pid]
+            elsewhere = set(
+                Worker.objects.filter(job_id__in={job_id for job_id, _, _ in orphans}, state=Worker.State.RUNNING)
+                .exclude(node=node).values_list("job_id", flat=True)
+            )
+            tell_to_leave(node.name, [orphan for orphan in orphans if orphan[0] not in elsewhere])
+        else:
+            note = f"node {node.name} lost: no report for {settings.BUNGEE['NODE_TIMEOUT_S']:.0f} s; planning again"
+        log.warning("%s", note)
+        _workers_gone(Worker.objects.filter(node=node), "node lost", "node lost", note)
+        broadcast.node_changed(node.name, Node.State.LOST.value, node.last_seen_at)
+        marked.append(node.name)
     return marked

@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -130,3 +131,9 @@ def _in_order(job_id: int) -> Iterator[None]:
 def allocation_changed(allocations: list[dict[str, Any]]) -> None:
     """Every device held by a job (portal.jobs.lifecycle.allocation_rows) to every board."""
     send(CLUSTER_GROUP, {"type": "allocations", "allocations": allocations})
+
+
+def node_changed(name: str, state: str, last_seen_at: datetime) -> None:
+    """A node's state changed (online, agent unreachable, lost): to every board, which says how
+    long a node has been silent."""
+    send(CLUSTER_GROUP, {"type": "node", "name": name, "state": state, "last_seen_at": last_seen_at.isoformat()})

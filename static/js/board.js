@@ -35,8 +35,39 @@
     return device.job ? "job" : (device.holder === "owner" ? "owner" : "free");
   }
 
+  // --- nodes ---------------------------------------------------------------------------------
+  // A node whose agent is silent says for how long, and what happens next: its workers train on
+  // until the portal gives up on the agent (unreachable_timeout_s), then the node is lost.
+  const nodes = new Map();
+  let unreachableTimeoutS = null;
+
+  function duration(seconds) {
+    const s = Math.max(0, Math.round(seconds));
+    return s < 60 ? s + " s" : s < 3600 ? Math.floor(s / 60) + " min " + (s % 60) + " s" : Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+  }
+
+  const since = (iso) => duration((Date.now() - Date.parse(iso)) / 1000);
+
+  function renderNodeNotes() {
+    const list = $("#node-notes");
+    const silent = [...nodes.values()].filter((n) => n.state !== "online");
+    list.replaceChildren(...silent.map((n) => {
+      const limit = unreachableTimeoutS === null ? "" : "; the node is lost after " + duration(unreachableTimeoutS) + " of silence";
+      const text = n.state === "unreachable"
+        ? n.name + ": agent unreachable for " + since(n.last_seen_at) + " — its workers train on" + limit
+        : n.name + ": lost, silent for " + since(n.last_seen_at) + " — its workers were planned out";
+      return el("li", { class: "node-note node-" + n.state, "data-node": n.name }, text);
+    }));
+    list.hidden = silent.length === 0;
+  }
+  setInterval(() => { if (!$("#node-notes").hidden) renderNodeNotes(); }, 1000);
+
   // --- devices -------------------------------------------------------------------------------
   function loadCluster(cluster) {
+    if (cluster.unreachable_timeout_s !== undefined) unreachableTimeoutS = cluster.unreachable_timeout_s;
+    nodes.clear();
+    cluster.nodes.forEach((node) => nodes.set(node.name, { name: node.name, state: node.state, last_seen_at: node.last_seen_at }));
+    renderNodeNotes();
     const seen = new Set();
     cluster.nodes.forEach((node) => node.devices.forEach((d) => {
       const old = devices.get(d.id);
@@ -460,6 +491,9 @@
       if (pending.has(job.id) && job.workers === pending.get(job.id) && job.state === "running") pending.delete(job.id);
       if (FINAL.has(job.state)) pending.delete(job.id);
       redrawLive();
+    } else if (msg.type === "node") {
+      nodes.set(msg.name, { name: msg.name, state: msg.state, last_seen_at: msg.last_seen_at });
+      renderNodeNotes();
     } else if (msg.type === "job_progress") {
       const job = jobs.get(msg.job_id);
       if (job) {
