@@ -119,8 +119,8 @@ class LoginThrottleBackend:
 
 def count_failed_login(sender: Any, credentials: dict[str, Any], request: HttpRequest | None = None,
                        **_: Any) -> None:
-    """user_login_failed: every failure counts against its address, except the throttle's own
-    refusals (they would keep the window open for ever)."""
+    """user_login_failed: every failure counts against its address (a wrong password, a locked
+    user), except the throttle's own refusals, where no password was tried."""
     if request is not None and not _refused_by_throttle(request):
         count_failure(request)
 
