@@ -33,14 +33,21 @@ def _beat_schedule(sender: Celery, **_: object) -> None:
 
 @signals.worker_init.connect
 @signals.beat_init.connect
-def _check_policy(**_: object) -> None:
-    """A policy setting that names no policy stops the worker and beat at start. SystemExit,
-    because Celery logs and swallows any Exception a signal handler raises."""
+def _refuse_bad_settings(**_: object) -> None:
+    """The worker and beat stop at start on what stops the portal (portal.asgi), with the same
+    message: a policy setting that names no policy, or, with DEBUG off, a SECRET_KEY anyone can
+    read (portal.secrets_check), so that a deployment on the public key does not half start.
+    SystemExit, because Celery logs and swallows any Exception a signal handler raises."""
+    from django.conf import settings
     from django.core.exceptions import ImproperlyConfigured
 
     from portal.scheduling.policy import configured_policy
+    from portal.secrets_check import secret_key_problem
 
     try:
         configured_policy()
     except ImproperlyConfigured as err:
         raise SystemExit(f"bungee: {err}") from None
+    weak_key = secret_key_problem(settings.SECRET_KEY, settings.DEBUG)
+    if weak_key is not None:
+        raise SystemExit(f"bungee: {weak_key}")

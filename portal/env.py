@@ -34,14 +34,17 @@ def env_float(name: str, default: float) -> float:
         raise ImproperlyConfigured(f"{name}={raw!r} is not a number") from None
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name}={raw!r} is below {minimum}")
+    return value
 
 
 def env_list(name: str, default: list[str]) -> list[str]:

@@ -41,14 +41,32 @@ INSTALLED_APPS = [
     "axes",
 ]
 
-# Brute force at the login page: django-axes counts failed logins per (username, address) and
-# per address, and refuses (429, templates/login_locked.html) after BUNGEE_LOGIN_FAILURE_LIMIT
-# of them for BUNGEE_LOGIN_COOLOFF_MIN minutes. API tokens are not passwords: they do not count.
-AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
-AXES_FAILURE_LIMIT = env_int("BUNGEE_LOGIN_FAILURE_LIMIT", 5)
-AXES_COOLOFF_TIME = timedelta(minutes=env_int("BUNGEE_LOGIN_COOLOFF_MIN", 15))
-AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"], "ip_address"]
+# Password guessing (portal.accounts.login_throttle): django-axes locks a user after
+# BUNGEE_LOGIN_FAILURE_LIMIT failed logins, from any address, for BUNGEE_LOGIN_COOLOFF_MIN
+# minutes from the failure that locked it (failures during the lock do not extend it, or anyone
+# could keep a user locked with one guess a quarter of an hour); the page says how to lift it
+# (templates/login_locked.html). A lock on (user, address) as well would add nothing: a user's
+# failures from one address are among its failures from all. An address is never locked out,
+# since many people may share one behind a proxy or a NAT: past BUNGEE_LOGIN_ADDRESS_FAILURES
+# failed logins within BUNGEE_LOGIN_ADDRESS_WINDOW_S it is answered 429 with Retry-After for the
+# rest of that window. The address is REMOTE_ADDR alone (what the ASGI server took from a trusted
+# proxy), never a header the client sends: axes asks our function, so an installed django-ipware
+# is not consulted. API tokens are not passwords (random, 256 bits): they do not count.
+AUTHENTICATION_BACKENDS = [
+    "portal.accounts.login_throttle.LoginThrottleBackend",
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("BUNGEE_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("BUNGEE_LOGIN_COOLOFF_MIN", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = ["username"]
+# axes warns (W006) of a lock without the address: one by user agent or cookie could be dodged by
+# changing them. A lock by user cannot, and the address has its own throttle.
+SILENCED_SYSTEM_CHECKS = ["axes.W006"]
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
 AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = "portal.accounts.login_throttle.client_address"
+AXES_HANDLER = "portal.accounts.login_throttle.AxesHandler"
 AXES_LOCKOUT_TEMPLATE = "login_locked.html"
 
 MIDDLEWARE = [
@@ -62,6 +80,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "axes.middleware.AxesMiddleware",
+    "portal.accounts.login_throttle.ThrottledLoginResponse",
 ]
 
 ROOT_URLCONF = "portal.urls"
@@ -213,6 +232,10 @@ BUNGEE = {
     # What one resize costs a job, in seconds of its progress: the policy weighs every move
     # against it. 1 s is the order of our in-place resize's pause; bench/resize.py measures it.
     "RESIZE_COST_S": env_float("BUNGEE_RESIZE_COST_S", 1.0),
+    # Failed logins from one address (an IPv6 /64) within a window opened by the first of them,
+    # past which its logins are answered 429 until the window ends (portal.accounts.login_throttle).
+    "LOGIN_ADDRESS_FAILURES": env_int("BUNGEE_LOGIN_ADDRESS_FAILURES", 20, minimum=1),
+    "LOGIN_ADDRESS_WINDOW_S": env_int("BUNGEE_LOGIN_ADDRESS_WINDOW_S", 60, minimum=1),
     # How many scheduling decisions the admin page keeps.
     "DECISIONS_KEPT": env_int("BUNGEE_DECISIONS_KEPT", 50),
     # A job's own code (elastic.codepack): the largest upload, what it may unpack to, how many

@@ -211,24 +211,6 @@ def test_the_asgi_portal_will_not_start_on_the_development_key() -> None:
     assert started.returncode != 0 and "SECRET_KEY is 'bungee-development-key-change-me-in-production'" in started.stderr
 
 
-def test_login_is_locked_after_repeated_failures(users: dict) -> None:
-    """django-axes: the fifth wrong password for a user from one address locks it out, and the
-    next try, right or wrong, is refused (429) with a page that says why."""
-    from django.test import Client
-
-    browser = Client(REMOTE_ADDR="203.0.113.7")
-    assert browser.post("/login/", {"username": "alice", "password": "alice-pass"}).status_code == 302
-    for _ in range(4):
-        wrong = Client(REMOTE_ADDR="203.0.113.7").post("/login/", {"username": "alice", "password": "guess"})
-        assert wrong.status_code == 200 and b"didn't match" in wrong.content
-    fifth = Client(REMOTE_ADDR="203.0.113.7").post("/login/", {"username": "alice", "password": "guess"})
-    assert fifth.status_code == 429
-    locked = Client(REMOTE_ADDR="203.0.113.7").post("/login/", {"username": "alice", "password": "alice-pass"})
-    assert locked.status_code == 429 and b"Too many failed logins" in locked.content
-    elsewhere = Client(REMOTE_ADDR="198.51.100.2").post("/login/", {"username": "alice", "password": "alice-pass"})
-    assert elsewhere.status_code == 302, "another address is not locked out"
-
-
 def test_bounds_in_the_openapi_document_are_enforced_with_the_value(api: dict) -> None:
     error = error_of(api["alice"].get("/api/cluster/history", minutes=5000), 400)
     assert error["fields"] == [{"field": "minutes", "message": "Input should be less than or equal to 1440",
