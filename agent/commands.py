@@ -22,9 +22,11 @@ from pydantic import ValidationError
 
 from agent.code import CodeCache, CodeUnavailable
 from agent.devices import DeviceBackend, DeviceError
+from agent.drain import Drain
 from agent.export import CheckpointExporter
 from agent.supervisor import WorkerSupervisor
 from elastic.wire import (
+    DrainCommand,
     ExportCommand,
     LaunchCommand,
     SimulateOwnerCommand,
@@ -41,7 +43,9 @@ CLOCK_MARGIN_S = 0.1
 """Read this much further back than the registration began, when the position had to be
 worked out from Redis's clock: a command is idempotent, a missed one is lost."""
 
-AgentCommand = LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand
+AgentCommand = (
+    LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand | DrainCommand
+)
 StreamReplies = list[tuple[str, list[tuple[str, dict[str, str]]]]] | None
 """What XREAD answers on a client that decodes responses."""
 
@@ -112,7 +116,8 @@ class StreamMark:
 
 class CommandDispatcher:
     """Hands each kind of command to its handler: launch and stop to the supervisor, an export to
-    the checkpoint exporter, a played owner to the device backend. A handler's failure is logged, never raised. `redis_url` is
+    the checkpoint exporter, a played owner to the device backend, a drain to the agent's drain
+    (while it drains, a launch starts no new worker here). A handler's failure is logged, never raised. `redis_url` is
     the Redis the commands come from; the workers' membership board lives there too."""
 
     def __init__(
@@ -120,14 +125,16 @@ class CommandDispatcher:
         supervisor: WorkerSupervisor,
         backend: DeviceBackend,
         redis_url: str = "",
-        on_owner_change: Callable[[], None] | None = None,
+        report_now: Callable[[], None] | None = None,
         code: CodeCache | None = None,
         exporter: CheckpointExporter | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self.redis_url = redis_url
+        self._drain = drain
         self._exporter = exporter
         self._backend = backend
-        self._on_owner_change = on_owner_change
+        self._report_now = report_now
         self._supervisor = supervisor
         self._code = code
         self._handlers: Mapping[type[Any], Callable[[Any], object]] = {
@@ -136,6 +143,7 @@ class CommandDispatcher:
             ExportCommand: self._export,
             SimulateOwnerCommand: self._play_owner,
             SimulateSlowdownCommand: lambda command: backend.set_slowdown(command.device_index, command.factor),
+            DrainCommand: self._start_drain,
         }
 
     def _launch(self, command: LaunchCommand) -> None:
@@ -143,6 +151,13 @@ class CommandDispatcher:
         checked once per digest), and one that starts from another job's model gets that; if
         either fails, its workers here are reported as failed to
         start."""
+        if self._drain is not None and self._drain.notice is not None and command.workers:
+            # The portal plans this node's jobs without it once it reads the drain notice; a
+            # generation published before that starts no worker here (its survivors and leavers
+            # still follow it).
+            log.info("job %d generation %d: draining, so none of its %d new workers starts here",
+                     command.job_id, command.generation, len(command.workers))
+            command = command.model_copy(update={"workers": []})
         digest = command.spec.get("code")
         code_dir = initial_model = None
         if command.workers and (digest or command.spec.get("init_from")):
@@ -158,6 +173,14 @@ class CommandDispatcher:
                 return
         self._supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model)
 
+    def _start_drain(self, command: DrainCommand) -> None:
+        if self._drain is None:
+            log.warning("cannot drain: this agent has no drain")
+            return
+        self._drain.ask(command.cause, command.deadline_s)
+        if self._report_now is not None:  # at once: the portal plans without the node
+            self._report_now()
+
     def _export(self, command: ExportCommand) -> None:
         if self._exporter is None:
             log.warning("job %d: cannot export its checkpoint: this agent has no exporter", command.job_id)
@@ -168,8 +191,8 @@ class CommandDispatcher:
         """Plays the owner, then has the agent report at once: the portal takes a device back
         on the report, and the borrowing worker has seconds to leave."""
         self._backend.set_owner_present(command.device_index, command.present)
-        if self._on_owner_change is not None:
-            self._on_owner_change()
+        if self._report_now is not None:
+            self._report_now()
 
     def dispatch(self, command: AgentCommand) -> None:
         handler = self._handlers[type(command)]

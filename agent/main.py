@@ -6,8 +6,10 @@ portal answers), follows the node's command stream, and every report interval se
 fresh device samples, the workers' events and the running workers; a worker's exit is reported
 at once, since the job's survivors wait for the portal's next generation. The portal may go away
 and come back: events wait in a bounded buffer meanwhile, and nothing stops the agent but a
-signal or a refused token. A SIGTERM stops the workers; an agent that dies (SIGKILL, a crash)
-leaves them training, for the next agent to take back.
+signal, a drain or a refused token. A SIGTERM drains the node (agent.drain: its jobs move off
+it in place, then the agent exits) unless `--on-term stop`; SIGINT, or a second SIGTERM, stops
+the workers at once; an agent that dies (SIGKILL, a crash) leaves them training, for the next
+agent to take back.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from agent.code import CodeCache
 from agent.commands import CommandDispatcher, CommandReader, StreamMark
 from agent.devices import DeviceBackend, DeviceError, backend_names, make_backend
 from agent.devices.simulated import MAX_PACE
+from agent.drain import Drain, term_cause
 from agent.events import EventBuffer, PoisonIsolation
 from agent.export import CheckpointExporter
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
@@ -104,6 +107,11 @@ class AgentConfig:
     the worker runtime once) or "exec" (a new interpreter that imports it)."""
     sim_pace: float = 1.0
     """Simulated slots only: the factor by which every step's compute is stretched (1: none)."""
+    on_term: str = "drain"
+    """What SIGTERM does: "drain" (the node leaves gracefully: agent.drain) or "stop" (the
+    workers save and exit at once)."""
+    drain_deadline_s: float = 60.0
+    """How long a drain may take before the agent stops what is left."""
 
 
 def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
@@ -148,6 +156,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
     return value
+
+
+def _on_term(text: str) -> str:
+    """`drain` or `stop`."""
+    if text not in ("drain", "stop"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither drain nor stop")
+    return text
 
 
 def _pace(text: str) -> float:
@@ -247,6 +262,25 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=_seconds(minimum_exclusive=False),
     )
     flag(
+        "--on-term",
+        "BUNGEE_AGENT_ON_TERM",
+        "drain",
+        "what SIGTERM does: drain (the node leaves gracefully: the portal moves its jobs off it, each "
+        "shrinking in place at its next step, and the agent exits once its workers are gone or at "
+        "--drain-deadline; what Slurm's preemption and time limit and a Kubernetes eviction need) or "
+        "stop (the workers save their step and exit at once); SIGINT always stops, and so does a "
+        "second SIGTERM",
+        type=_on_term,
+    )
+    flag(
+        "--drain-deadline",
+        "BUNGEE_DRAIN_DEADLINE_S",
+        "60",
+        "seconds a drain may take; then the workers still here save and exit (give the cluster "
+        "engine's grace period this plus --stop-grace)",
+        type=_seconds(minimum_exclusive=True),
+    )
+    flag(
         "--worker-module",
         "BUNGEE_WORKER_MODULE",
         "elastic.worker",
@@ -327,6 +361,8 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         redis_url=args.redis_url or None,
         report_interval_s=args.report_interval,
         stop_grace_s=args.stop_grace,
+        on_term=args.on_term,
+        drain_deadline_s=args.drain_deadline,
         worker_module=args.worker_module,
         log_level=args.log_level,
         standbys=args.standbys,
@@ -370,8 +406,10 @@ class Agent:
         supervisor: WorkerSupervisor,
         stopping: threading.Event,
         report_now: threading.Event | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self.config = config
+        self.drain = drain or Drain()
         self.backend = backend
         self.client = client
         self.supervisor = supervisor
@@ -384,9 +422,10 @@ class Agent:
         self._dispatcher = CommandDispatcher(
             supervisor,
             backend,
-            on_owner_change=self.report_now.set,
+            report_now=self.report_now.set,
             code=self.code,
             exporter=CheckpointExporter(supervisor.running, self.code, self.uploader.submit),
+            drain=self.drain,
         )
         self._next_sweep = 0.0
         self._registration = NodeRegistration(
@@ -431,6 +470,8 @@ class Agent:
                 except Exception:
                     # A bug in one report must not take the node's workers down with the agent.
                     log.exception("a report failed unexpectedly; going on")
+                if self._drained():
+                    break
         except AgentAuthError as err:
             log.error("%s; check --token-file / BUNGEE_AGENT_TOKEN_FILE. Exiting.", err)
             return ExitCode.USAGE_OR_TOKEN_REFUSED
@@ -438,6 +479,20 @@ class Agent:
             log.error("the portal refused the registration: %s. Exiting.", err)
             return ExitCode.REGISTRATION_REJECTED
         return ExitCode.OK
+
+    # --- draining ----------------------------------------------------------------------------
+
+    def _drained(self) -> bool:
+        """Whether a drain is over: every worker here gone and its exit reported (the agent then
+        leaves), or the deadline passed (it stops what is left on its way out)."""
+        notice = self.drain.notice
+        if notice is None:
+            return False
+        if self.drain.overdue():
+            running = self.supervisor.running()
+            log.warning("the drain's deadline passed with %d worker(s) still here: stopping them", len(running))
+            return True
+        return not self.supervisor.running() and not len(self._pending)
 
     # --- registration ------------------------------------------------------------------------
 
@@ -447,6 +502,9 @@ class Agent:
         failures = _FailureLog(f"registering with {self.client.base_url}")
         delay = 0.5
         while not self.stopping.is_set():
+            if self.drain.notice is not None and not self.supervisor.running():
+                log.info("drained before the portal answered: nothing here to move")
+                return None
             known_url: str | None
             if self._reader is not None:
                 known_url, known_stream = self._reader.redis_url, self._reader.stream
@@ -504,11 +562,15 @@ class Agent:
             log.warning("could not sample the devices: %s", err)
             samples = []
         else:
-            # After the reading: a device whose owner came back loses its standby at once.
-            self.supervisor.keep_standbys(self.backend, {s.index for s in samples if s.owner_present})
+            # After the reading: a device whose owner came back loses its standby at once, and a
+            # draining node keeps none.
+            taken = {s.index for s in samples if s.owner_present or self.drain.notice is not None}
+            self.supervisor.keep_standbys(self.backend, taken)
         self._pending.extend(self._uploads_taken(self.supervisor.drain_events()))
         events = self._pending.peek(self._isolation.batch_size())
-        report = AgentReport(node=self.config.node_name, samples=samples, events=events, running=running)
+        report = AgentReport(
+            node=self.config.node_name, samples=samples, events=events, running=running, drain=self.drain.notice
+        )
         try:
             refused = self.client.report(report)
         except PortalUnavailableError as err:
@@ -575,11 +637,15 @@ class Agent:
             log.info("stopping %d workers", len(running))
         self.supervisor.shutdown()
         self._pending.extend(self._uploads_taken(self.supervisor.drain_events()))
-        if len(self._pending):
-            # One try, so that the portal learns of the exits now rather than by timeout.
+        leaving = self.drain.notice is not None
+        if len(self._pending) or leaving:
+            # One try, so that the portal learns of the exits now rather than by timeout, and
+            # of a drained node's leaving.
             events = self._pending.peek(MAX_EVENTS_PER_REPORT)
             try:
-                self.client.report(AgentReport(node=self.config.node_name, events=events))
+                self.client.report(AgentReport(
+                    node=self.config.node_name, events=events, drain=self.drain.notice, leaving=leaving
+                ))
             except (PortalUnavailableError, PortalRejectedError, AgentAuthError) as err:
                 log.warning("could not send the final report (the next agent sends it): %s", err)
             else:
@@ -600,12 +666,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     # httpx logs every request at INFO: one line a second per agent says nothing.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     stopping = threading.Event()
-
     report_now = threading.Event()
+    drain = Drain()
+    terms: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGTERM and config.on_term == "drain" and not terms:
+            terms.append(signum)
+            # What the TERM means may ask Slurm (squeue, bounded): not in the handler.
+            threading.Thread(target=start_drain, name="drain", daemon=True).start()
+            return
         log.info("%s: stopping", signal.Signals(signum).name)
         stopping.set()
+        report_now.set()
+
+    def start_drain() -> None:
+        drain.ask(term_cause(os.environ, config.drain_deadline_s), config.drain_deadline_s)
         report_now.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -631,5 +707,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         on_exit=report_now.set,
     )
     client = PortalClient(config.portal_url, config.token)
-    agent = Agent(config, backend, client, supervisor, stopping, report_now)
+    agent = Agent(config, backend, client, supervisor, stopping, report_now, drain)
     return agent.run()

@@ -4,6 +4,7 @@ for tables and progress bars).
     bungee login http://portal:8000            # asks for an API token; keeps both, mode 0600
     bungee submit job.yaml --code ./mytask --follow
     bungee list | status N | logs N -f | resize N K | unpin N | cancel N | download N
+    bungee node list | node drain NAME [--deadline S]     # staff: a node leaves gracefully
 
 Every command takes `--output json` (machine-readable, one JSON document). Exit codes: 0 done,
 1 refused or failed (a 4xx names the field and the value), 2 wrong usage; `submit --follow`
@@ -320,6 +321,43 @@ def download(
             saved.append({"name": entry["name"], "path": str(target), "sha256": digest.hexdigest()})
     _emit(output, {"job": job_id, "step": listed["step"], "files": saved},
           "\n".join(f"{s['path']} (sha256 {s['sha256'][:12]})" for s in saved))  # fmt: skip
+
+
+node_app = typer.Typer(help="The cluster's nodes: list them; drain one (staff).", no_args_is_help=True)
+app.add_typer(node_app, name="node")
+
+
+def _node_row(node: dict[str, Any]) -> tuple[str, ...]:
+    drain = node.get("drain_cause") or ""
+    if node["state"] == "draining" and node.get("drain_deadline_at"):
+        drain += f" (devices leave by {node['drain_deadline_at']})"
+    return node["name"], node["state"], drain, str(node["last_seen_at"])
+
+
+@node_app.command("list")
+def list_nodes(output: OutputOption = Output.TEXT) -> None:
+    """Every node: online, agent unreachable, draining (why, and by when), drained or lost."""
+    nodes = _portal().get("/api/nodes")
+    table = Table("node", "state", "drain", "last seen", box=None)
+    for node in nodes:
+        table.add_row(*(escape(cell) for cell in _node_row(node)))
+    _emit(output, nodes, table if nodes else "no nodes")
+
+
+@node_app.command("drain")
+def drain_node(
+    name: Annotated[str, typer.Argument(help="the node's name, as `bungee node list` shows it")],
+    deadline: Annotated[
+        float, typer.Option(min=0.001, help="seconds the node's jobs have to move off it before its agent stops "
+                            "what is left and exits")
+    ] = 60.0,
+    output: OutputOption = Output.TEXT,
+) -> None:
+    """Drain a node (staff): its jobs shrink in place off it, or save their step and wait for
+    devices; its agent exits once its workers are gone."""
+    node = _portal().post(f"/api/nodes/{name}/drain", {"deadline_s": deadline})
+    _emit(output, node, f"node {escape(node['name'])} is {node['state']}: {escape(node['drain_cause'])}; "
+          f"its devices leave by {node['drain_deadline_at']}")
 
 
 def main() -> None:

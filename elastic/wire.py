@@ -171,13 +171,37 @@ class WorkerEvent(WorkerKey):
     )
 
 
+DrainCause = Literal["slurm_preemption", "slurm_time_limit", "pod_eviction", "operator", "agent_stop"]
+DRAIN_CAUSES: dict[str, str] = {
+    "slurm_preemption": "node preempted by Slurm",
+    "slurm_time_limit": "Slurm time limit",
+    "pod_eviction": "pod evicted",
+    "operator": "node drained by an operator",
+    "agent_stop": "node's agent stopped",
+}
+"""Why a node drains, as a job's timeline names it (each at most 40 characters, a resize reason)."""
+MAX_DRAIN_S = 86_400.0
+
+
+class DrainNotice(_Message):
+    """A node is leaving: its devices go by `deadline_at` (Unix time), for `cause`. The agent
+    repeats it in every report while it drains; the portal plans the node's jobs without it."""
+
+    cause: DrainCause
+    deadline_at: float = Field(ge=0, le=LATEST_AT)
+
+
 class AgentReport(_Message):
-    """What an agent sends every report interval: fresh samples, new events, live workers."""
+    """What an agent sends every report interval: fresh samples, new events, live workers; while
+    it drains, its notice; and in its last report after a drain, `leaving`: its workers are gone
+    and so is the agent."""
 
     node: str = Field(max_length=100)
     samples: list[DeviceSample] = Field(default_factory=list, max_length=MAX_LIST)
     events: list[WorkerEvent] = Field(default_factory=list, max_length=10_000)
     running: list[RunningWorker] = Field(default_factory=list, max_length=MAX_LIST)
+    drain: DrainNotice | None = None
+    leaving: bool = False
 
 
 # --- portal to agent -------------------------------------------------------------------------
@@ -252,8 +276,17 @@ class SimulateSlowdownCommand(_Message):
     factor: float = Field(ge=1.0, le=100.0)
 
 
+class DrainCommand(_Message):
+    """Drain this node (an operator asked, through the portal): its jobs move off it by
+    `deadline_s` from now, and then the agent exits, as on SIGTERM."""
+
+    kind: Literal["drain"] = "drain"
+    deadline_s: float = Field(gt=0, le=MAX_DRAIN_S)
+    cause: DrainCause = "operator"
+
+
 AgentCommand = Annotated[
-    LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand,
+    LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand | DrainCommand,
     Field(discriminator="kind"),
 ]
 agent_command_adapter: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
@@ -261,7 +294,7 @@ agent_command_adapter: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
 
 def parse_command(
     raw: str | bytes,
-) -> LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand:
+) -> LaunchCommand | StopCommand | ExportCommand | SimulateOwnerCommand | SimulateSlowdownCommand | DrainCommand:
     """Parse one command from its JSON text; raises pydantic.ValidationError if it is not one."""
     return agent_command_adapter.validate_json(raw)
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.http import HttpRequest
 from django.utils import timezone
 from ninja.security import HttpBearer, django_auth
 
 from portal.accounts.models import ApiToken
-from portal.errors import forbidden
+from portal.errors import ApiError, forbidden
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 
@@ -47,3 +48,12 @@ class TokenAuth(HttpBearer):
 
 user_auth = [TokenAuth(ApiToken.Role.USER), django_auth]
 agent_auth = TokenAuth(ApiToken.Role.AGENT, refuse_other_roles=True)
+
+
+def require_staff(user: AbstractBaseUser | AnonymousUser, what: str) -> None:
+    """Raises ApiError 401 for anonymous users and 403 for users who are not staff; `what` says
+    what only staff may do ("see the scheduler's decisions")."""
+    if not user.is_authenticated:
+        raise ApiError(401, "unauthenticated", "log in or send an API token")
+    if not user.is_staff:
+        raise forbidden(f"only staff may {what}, and {user.get_username()} is not staff")

@@ -116,7 +116,8 @@ def main() -> None:
         token_file.write_text(agent_token)
         group.python(
             "agent", "-m", "agent", "--portal", base, "--token-file", str(token_file), "--name", node_name,
-            "--devices", str(args.devices),
+            # Ctrl-C stops the whole platform: the node has nowhere to drain to.
+            "--devices", str(args.devices), "--on-term", "stop",
         )
         if not args.no_jobs:
             for spec in EXAMPLE_JOBS:

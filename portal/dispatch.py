@@ -12,6 +12,7 @@ from django.conf import settings
 
 from elastic.membership.redis import RedisBoard
 from elastic.wire import (
+    DrainCommand,
     ExportCommand,
     LaunchCommand,
     Membership,
@@ -28,7 +29,7 @@ def stream_for(node_name: str) -> str:
     return command_stream(node_name, settings.BUNGEE["REDIS_PREFIX"])
 
 
-def send(node_name: str, command: LaunchCommand | StopCommand | ExportCommand) -> None:
+def send(node_name: str, command: LaunchCommand | StopCommand | ExportCommand | DrainCommand) -> None:
     client().xadd(
         stream_for(node_name), {"command": command.model_dump_json()}, maxlen=STREAM_MAXLEN, approximate=True
     )

@@ -63,9 +63,11 @@ class Platform:
         assert reply.status_code == 200, f"job {job_id}: HTTP {reply.status_code}: {reply.text[:500]}"
         return reply.json()
 
-    def start_agent(self, name: str, devices: int) -> None:
+    def start_agent(self, name: str, devices: int, on_term: str = "stop", *extra: str) -> None:
         """Starts node `name`'s agent with `devices` simulated devices and an agent token of its
-        own, `tokens["agent-NAME"]`, made the first time (an agent token serves one node)."""
+        own, `tokens["agent-NAME"]`, made the first time (an agent token serves one node). Its
+        SIGTERM stops its workers (`on_term`), as the platform's teardown wants; a test of the
+        drain asks for "drain"; `extra` are more of its flags."""
         token = self.tokens.get(f"agent-{name}")
         if token is None:
             token = self.group.run(
@@ -77,7 +79,7 @@ class Platform:
         token_file.write_text(token)
         command = [
             sys.executable, "-m", "agent", "--portal", self.base_url, "--token-file", str(token_file),
-            "--name", name, "--devices", str(devices), "--backend", "simulated",
+            "--name", name, "--devices", str(devices), "--backend", "simulated", "--on-term", on_term, *extra,
         ]
         if self.network is not None:
             command = [*self.network.prefix(name), *command, "--address", self.network.hosts[name].address]

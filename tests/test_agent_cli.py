@@ -34,6 +34,8 @@ def test_the_flags() -> None:
         "--redis-url",
         "--report-interval",
         "--stop-grace",
+        "--on-term",
+        "--drain-deadline",
         "--worker-module",
         "--state-dir",
         "--log-level",

@@ -214,7 +214,7 @@ def test_a_played_owner_makes_the_agent_report_at_once() -> None:
     backend = SimulatedBackend(slots=2)
     supervisor = WorkerSupervisor(SupervisorConfig(worker_module="tests.agent_fake_worker", stop_grace_s=5))
     report_now = threading.Event()
-    dispatcher = CommandDispatcher(supervisor, backend, on_owner_change=report_now.set)
+    dispatcher = CommandDispatcher(supervisor, backend, report_now=report_now.set)
     dispatcher.dispatch(SimulateOwnerCommand(device_index=0, present=True))
     assert report_now.is_set() and [s.owner_present for s in backend.sample({})] == [True, False]
     report_now.clear()

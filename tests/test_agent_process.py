@@ -261,7 +261,8 @@ def test_registers_reports_and_follows_its_commands(
 def test_runs_a_worker_and_stops_it_on_sigterm(
     portal: FakePortal, node: str, start_agent: Callable[..., AgentProcess]
 ) -> None:
-    agent = start_agent()
+    """With --on-term stop, as before the drain (agent.drain; test_agent_drain) was the default."""
+    agent = start_agent("--on-term", "stop")
     portal.wait_for(lambda: portal.reports, "a first report")
     send(node, worker_launch(busy=True, step_s=0.05))
 

@@ -156,8 +156,11 @@ def test_a_report_stores_what_is_valid_and_refuses_the_rest_item_by_item(
     from portal.cluster.models import Node
     from portal.jobs.models import JobLog
 
+    from portal.scheduling.cycle import run_cycle
+
     Node.objects.filter(pk=cluster.pk).update(agent_token=ApiToken.lookup(tokens["agent"]))
     job_id = api["alice"].post("/api/jobs", VALID_SPEC).json()["id"]
+    run_cycle()  # its rank 0 goes to node-a, which may then speak for it
     now = 1.7e9
     sample = {"index": 0, "taken_at": now, "utilization_pct": 50.0, "memory_used_bytes": 1,
               "memory_total_bytes": 2}

@@ -41,6 +41,13 @@ def test_the_commands_and_flags() -> None:
         "unpin": ["--output", "-o", "job_id"],
         "cancel": ["--output", "-o", "job_id"],
         "download": ["--output", "--output-dir", "-d", "-o", "job_id"],
+        "node": [],
+    }
+    node = group.commands["node"]  # type: ignore[attr-defined]
+    assert {name: sorted(o for p in c.params for o in [*p.opts, *p.secondary_opts])
+            for name, c in node.commands.items()} == {
+        "list": ["--output", "-o"],
+        "drain": ["--deadline", "--output", "-o", "name"],
     }
 
 

@@ -185,7 +185,14 @@ def test_a_replayed_report_changes_nothing(api: dict, cluster: Any) -> None:
     job.refresh_from_db()
     assert job.steps_done == 81
     assert list(JobMetric.objects.filter(job=job).values_list("step", flat=True).order_by("at", "pk")) == [26, 54, 81]
-    report(cluster, event(job, "progress", generation=job.generation + 1, step=30, loss=1.0, samples_per_s=10.0))
+    # The worker dies; the job restarts from its checkpoint in a newer generation, whose
+    # progress may go back.
+    report(cluster, event(job, "exited", exit_code=-9, reason="failed", device_index=0))
+    run_cycle()
+    job.refresh_from_db()
+    assert job.generation == 2
+    report(cluster, event(job, "started", pid=1001, device_index=0),
+           event(job, "progress", step=30, loss=1.0, samples_per_s=10.0))
     job.refresh_from_db()
     assert job.steps_done == 30, "a newer generation is not a replay"
 

@@ -1,5 +1,6 @@
-"""Cluster endpoints for people: device history and the workload catalogue. The board's view
-(who holds which device) and the agents' endpoints are in portal.jobs.agents."""
+"""Cluster endpoints for people: device history, the workload catalogue, and draining a node
+(staff). The board's view (who holds which device) and the agents' endpoints are in
+portal.jobs.agents."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from django.http import HttpRequest
 from django.utils import timezone
 from ninja import Field, Router, Schema
 
+from elastic.wire import MAX_DRAIN_S
 from elastic.workloads import CATALOGUE
-from portal.auth import user_auth
-from portal.cluster.models import Device, DeviceSample
-from portal.errors import not_found
+from portal.auth import require_staff, user_auth
+from portal.cluster import drain
+from portal.cluster.models import Device, DeviceSample, Node
+from portal.errors import ApiError, not_found
 
 cluster_router = Router(auth=user_auth, tags=["cluster"])
 
@@ -67,3 +70,49 @@ def workloads(request: HttpRequest) -> list[dict[str, Any]]:
         {"name": w.name, "title": w.title, "description": w.description, "hyperparameters": w.schema()}
         for w in CATALOGUE.values()
     ]
+
+
+class DrainIn(Schema):
+    deadline_s: float = Field(
+        60.0, gt=0, le=MAX_DRAIN_S, description="how long the node's jobs have to move off it before its agent "
+        "stops what is left and exits"
+    )
+
+
+class NodeOut(Schema):
+    name: str
+    state: str = Field(description="online, unreachable, draining, drained or lost")
+    drain_cause: str = Field(description="why it drains or drained, as a job's timeline says it; empty otherwise")
+    drain_deadline_at: Any = Field(description="when a draining node's devices leave")
+    last_seen_at: Any
+
+
+def _node_out(node: Node) -> dict[str, Any]:
+    return {
+        "name": node.name, "state": node.state,
+        "drain_cause": drain.cause_text(node) if node.drain_cause else "",
+        "drain_deadline_at": node.drain_deadline_at, "last_seen_at": node.last_seen_at,
+    }
+
+
+@cluster_router.get("/nodes", response=list[NodeOut], summary="The nodes and their states")
+def nodes(request: HttpRequest) -> list[dict[str, Any]]:
+    return [_node_out(node) for node in Node.objects.all()]
+
+
+@cluster_router.post("/nodes/{name}/drain", response=NodeOut, summary="Drain a node (staff)")
+def drain_node(request: HttpRequest, name: str, payload: DrainIn | None = None) -> dict[str, Any]:
+    """The node leaves gracefully: the scheduler plans its jobs without it at once (each shrinks
+    in place at its next step, or saves its step and waits for devices), and its agent exits
+    once its workers are gone, or at the deadline. 409 if the node is not online."""
+    require_staff(request.user, "drain a node")
+    node = Node.objects.filter(name=name).first()
+    if node is None:
+        raise not_found(f"node {name!r}")
+    deadline_s = payload.deadline_s if payload is not None else DrainIn().deadline_s
+    if not drain.drain(node, deadline_s):
+        node.refresh_from_db()
+        if node.state != Node.State.DRAINING:
+            raise ApiError(409, "conflict", f"node {name!r} is {node.get_state_display()}: only an online node drains")
+    node.refresh_from_db()
+    return _node_out(node)

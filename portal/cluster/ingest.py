@@ -47,6 +47,8 @@ def register_node(registration: NodeRegistration) -> tuple[Node, RegistrationRep
                 "backend": registration.backend,
                 "state": Node.State.ONLINE,
                 "last_seen_at": now,
+                "drain_cause": "",
+                "drain_deadline_at": None,
             },
         )
         # In a few statements whatever the node's size (one a device took over 10 s, the agent's
@@ -80,15 +82,17 @@ _overdue_checked_at = 0.0
 
 
 def node_seen(node: Node) -> None:
-    """The node reported: it is online (again). Its report is also the moment to notice, at
+    """The node reported: it is online (again), unless it drains (a drain ends only with a new
+    registration: portal.cluster.drain). Its report is also the moment to notice, at
     most once a second in this process, that another node has been silent past NODE_TIMEOUT_S:
     the scheduler cycle then marks it lost. The beat's tick does the same; this way a dead beat
     cannot leave a silent node "online" while any other node reports."""
     global _overdue_checked_at
     came_back = node.state == Node.State.LOST
     now = timezone.now()
-    Node.objects.filter(pk=node.pk).update(last_seen_at=now, state=Node.State.ONLINE)
-    if came_back or node.state == Node.State.UNREACHABLE:
+    Node.objects.filter(pk=node.pk).update(last_seen_at=now)
+    silent = (Node.State.UNREACHABLE, Node.State.LOST)
+    if Node.objects.filter(pk=node.pk, state__in=silent).update(state=Node.State.ONLINE):
         broadcast.node_changed(node.name, Node.State.ONLINE.value, now)
     if came_back:
         request_schedule(f"node {node.name} is back")
@@ -96,7 +100,7 @@ def node_seen(node: Node) -> None:
         return
     _overdue_checked_at = time.monotonic()
     deadline = now - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
-    silent_states = (Node.State.ONLINE, Node.State.UNREACHABLE)
+    silent_states = (Node.State.ONLINE, Node.State.UNREACHABLE, Node.State.DRAINING)
     overdue = Node.objects.filter(state__in=silent_states, last_seen_at__lt=deadline).exclude(pk=node.pk)
     if overdue.exists():
         request_schedule(f"node(s) {', '.join(overdue.values_list('name', flat=True)[:5])} silent past the timeout")

@@ -10,12 +10,18 @@ from portal.accounts.models import ApiToken
 class Node(models.Model):
     class State(models.TextChoices):
         """online -> unreachable (its agent is silent but its workers' heartbeats are fresh) ->
-        lost (silent, and no worker beats); unreachable or lost -> online (the agent reports or
-        registers again); online -> lost."""
+        lost (silent, and no worker beats, or silent past UNREACHABLE_TIMEOUT_S); unreachable or
+        lost -> online (the agent reports or registers again); online -> lost.
+        online or unreachable -> draining (the node leaves by `drain_deadline_at`: its agent got
+        SIGTERM, or an operator asked; portal.cluster.drain) -> drained (its agent left with its
+        workers gone); draining -> lost (its agent fell silent mid-drain); draining, drained ->
+        online (an agent registers the node again)."""
 
         ONLINE = "online"
         UNREACHABLE = "unreachable", "agent unreachable"
         LOST = "lost"
+        DRAINING = "draining"
+        DRAINED = "drained"
 
     name = models.CharField(max_length=100, unique=True)
     address = models.CharField(max_length=255)
@@ -23,6 +29,10 @@ class Node(models.Model):
     state = models.CharField(max_length=12, choices=State.choices, default=State.ONLINE)
     registered_at = models.DateTimeField(auto_now_add=True)
     last_seen_at = models.DateTimeField()
+    drain_cause = models.CharField(
+        max_length=20, blank=True, help_text="why it drains or drained (elastic.wire.DRAIN_CAUSES)"
+    )
+    drain_deadline_at = models.DateTimeField(null=True, blank=True, help_text="when a draining node's devices leave")
     agent_token = models.OneToOneField(
         ApiToken,
         on_delete=models.SET_NULL,

@@ -22,7 +22,10 @@ def latest_samples(device_ids: list[int]) -> dict[int, dict[str, Any]]:
 
 
 def device_holder(device: Device, held: bool) -> str:
-    """free, job (held by one of our jobs), owner (its owner took it back) or lost."""
+    """free, job (held by one of our jobs), owner (its owner took it back), drained (its node
+    left gracefully) or lost."""
+    if device.node.state == Node.State.DRAINED:
+        return "drained"
     if not device.present or device.node.state == Node.State.LOST:
         return "lost"
     if device.owner_present:

@@ -18,6 +18,7 @@ from elastic.wire import (
     MAX_LIST,
     AgentReport,
     DeviceSample,
+    DrainNotice,
     NodeRegistration,
     RegistrationReply,
     RunningWorker,
@@ -25,6 +26,7 @@ from elastic.wire import (
 )
 from portal.auth import agent_auth, user_auth
 from portal.bodies import MESSAGE_CHARS, cut, shown
+from portal.cluster import drain
 from portal.cluster.binding import bind, check_claim, reporting_node
 from portal.cluster.ingest import count_refused, ingest_samples, node_seen, register_node
 from portal.cluster.models import Node, ReportRefusals
@@ -57,11 +59,15 @@ def ingest_report(node: Node, report: AgentReport) -> list[Refused]:
     """Takes the node's report; returns the worker events refused (portal.jobs.ingest), counted
     per reason for /metrics."""
     node_seen(node)
+    if report.drain is not None:
+        drain.draining(node, report.drain)
     if report.samples:
         ingest_samples(node, report.samples)
     refused = ingest_events(node, report.events)
     for reason in ReportRefusals.Reason:
         count_refused(node, reason, sum(1 for r in refused if r.reason == reason))
+    if report.leaving:
+        drain.left(node)
     return refused
 
 
@@ -92,6 +98,8 @@ class ReportIn(Schema):
     samples: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)
     events: list[dict[str, Any]] = Field(default_factory=list, max_length=10_000)
     running: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)
+    drain: DrainNotice | None = Field(None, description="while the node drains: why, and when its devices leave")
+    leaving: bool = Field(False, description="the agent's last report after a drain: its workers are gone")
 
 
 class RefusedItem(Schema):
@@ -147,7 +155,10 @@ def report(request: HttpRequest, payload: ReportIn) -> dict[str, Any]:
     events, event_positions = _checked("events", payload.events, WorkerEvent, refused)
     running, _ = _checked("running", payload.running, RunningWorker, refused)
     count_refused(node, ReportRefusals.Reason.INVALID, len(refused))
-    checked = AgentReport(node=payload.node, samples=samples, events=events, running=running)
+    checked = AgentReport(
+        node=payload.node, samples=samples, events=events, running=running, drain=payload.drain,
+        leaving=payload.leaving,
+    )
     for item in ingest_report(node, checked):
         event = events[item.index]
         refused.append({

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.conf import settings
 
+from portal.cluster.drain import cause_text
 from portal.cluster.models import Device, Node
 from portal.cluster.state import device_holder, latest_samples
 from portal.jobs.models import Allocation, Job, listed
@@ -31,6 +32,8 @@ def cluster_state() -> dict[str, Any]:
             "backend": node.backend,
             "state": node.state,
             "last_seen_at": node.last_seen_at.isoformat(),
+            "drain_cause": cause_text(node) if node.drain_cause else "",
+            "drain_deadline_at": node.drain_deadline_at.isoformat() if node.drain_deadline_at else None,
             "devices": [],
         }
     for device in devices:

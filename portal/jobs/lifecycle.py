@@ -310,6 +310,9 @@ class GenerationPlan:
     """Device ids in rank order; empty: the job waits for devices."""
     devices_before: tuple[int, ...]
     reason: str
+    waiting_note: str = ""
+    """What a job planned onto no devices tells its owner before "waiting for N devices" (the
+    node it ran on drained, and why); empty: "waiting for devices"."""
 
 
 def _pin_pending(job: Job, reason: str, previous: ResizeEvent | None) -> bool:
@@ -408,7 +411,10 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
         "master_port": _free_port(job, number) if planned.devices else None,
     }
     if not planned.devices:
-        fields["message"] = "waiting for devices"
+        fields["message"] = (
+            f"{planned.waiting_note}; waiting for {counted(job.min_workers, 'device')}"
+            if planned.waiting_note else "waiting for devices"
+        )
         if job.state != JobState.QUEUED:
             job.claim(JobState.QUEUED, **fields)
         else:
@@ -885,7 +891,8 @@ def nodes_lost() -> list[str]:
     now = timezone.now()
     deadline = now - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
     given_up = now - timedelta(seconds=settings.BUNGEE["UNREACHABLE_TIMEOUT_S"])
-    silent = Node.objects.filter(state__in=(Node.State.ONLINE, Node.State.UNREACHABLE), last_seen_at__lt=deadline)
+    watched = (Node.State.ONLINE, Node.State.UNREACHABLE, Node.State.DRAINING)
+    silent = Node.objects.filter(state__in=watched, last_seen_at__lt=deadline)
     marked = []
     for node in silent:
         running = list(

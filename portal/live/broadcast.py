@@ -133,7 +133,12 @@ def allocation_changed(allocations: list[dict[str, Any]]) -> None:
     send(CLUSTER_GROUP, {"type": "allocations", "allocations": allocations})
 
 
-def node_changed(name: str, state: str, last_seen_at: datetime) -> None:
-    """A node's state changed (online, agent unreachable, lost): to every board, which says how
-    long a node has been silent."""
-    send(CLUSTER_GROUP, {"type": "node", "name": name, "state": state, "last_seen_at": last_seen_at.isoformat()})
+def node_changed(
+    name: str, state: str, last_seen_at: datetime, cause: str = "", deadline_at: datetime | None = None
+) -> None:
+    """A node's state changed (online, agent unreachable, draining, drained, lost): to every
+    board, which says how long a node has been silent, or why and by when it drains."""
+    send(CLUSTER_GROUP, {
+        "type": "node", "name": name, "state": state, "last_seen_at": last_seen_at.isoformat(),
+        "drain_cause": cause, "drain_deadline_at": deadline_at.isoformat() if deadline_at else None,
+    })

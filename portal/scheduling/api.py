@@ -4,25 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.http import HttpRequest
 from ninja import Router
 
-from portal.auth import user_auth
-from portal.errors import ApiError, forbidden, not_found
+from portal.auth import require_staff, user_auth
+from portal.errors import not_found
 from portal.scheduling.models import SchedulerDecision
 
 router = Router(auth=user_auth, tags=["scheduler"])
-
-
-def require_staff(user: AbstractBaseUser | AnonymousUser) -> None:
-    """Raises ApiError 401 for anonymous users and 403 for users who are not staff."""
-    if not user.is_authenticated:
-        raise ApiError(401, "unauthenticated", "log in or send an API token")
-    if not user.is_staff:
-        raise forbidden(
-            f"only staff may see the scheduler's decisions, and {user.get_username()} is not staff"
-        )
 
 
 def decision_view(decision: SchedulerDecision) -> dict[str, Any]:
@@ -42,7 +31,7 @@ def decision_view(decision: SchedulerDecision) -> dict[str, Any]:
 
 @router.get("/decisions/latest", summary="The scheduler's latest decision (staff)")
 def latest_decision(request: HttpRequest) -> dict[str, Any]:
-    require_staff(request.user)
+    require_staff(request.user, "see the scheduler's decisions")
     decision = SchedulerDecision.objects.first()
     if decision is None:
         raise not_found("a scheduling decision")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from django.db.models import Q
 
 from elastic.scheduling import ClusterSnapshot, Plan
+from portal.cluster import drain
 from portal.cluster.models import Device, Node
 from portal.jobs import lifecycle
 from portal.jobs.models import Generation, Job, Worker
@@ -61,22 +62,31 @@ def _target(planned: tuple[int, ...], generation: Generation | None, min_workers
     return tuple(sorted(target, key=lambda d: (0, holders[d]) if d in holders else (1, order[d])))
 
 
+DRAINED_STATES = (Node.State.DRAINING, Node.State.DRAINED)
+
+
 def _resize_reason(job: Job, generation: Generation | None, current: tuple[int, ...],
-                   devices: dict[int, Device], plan: Plan) -> str:
-    """Why the job's membership changes, for its resize history: the true cause, first the
-    generation that ended, then a device that went away (its node lost, or its owner back)."""
+                   devices: dict[int, Device], plan: Plan) -> tuple[str, str]:
+    """Why the job's membership changes, for its resize history, and a sentence for its message
+    if it must wait: the true cause, first the generation that ended, then a device that went
+    away (its owner back, its node draining (the cause of the drain) or lost)."""
     if lifecycle.needs_replan(generation) and generation is not None:
-        return generation.end_reason or str(generation.phase)
+        return generation.end_reason or str(generation.phase), ""
     held = [devices[d] for d in current if d in devices]
     if any(d.owner_present for d in held):
-        return "owner reclaimed a device"
+        return "owner reclaimed a device", ""
+    leaving = sorted({d.node.name: d.node for d in held if d.node.state in DRAINED_STATES}.items())
+    if leaving:
+        cause = drain.cause_text(leaving[0][1])
+        names = ", ".join(name for name, _ in leaving)
+        return cause, f"node {names} drained: {cause.removeprefix('node ')}"
     if any(d.node.state == Node.State.LOST for d in held):
-        return "node lost"
+        return "node lost", ""
     if any(not d.present for d in held):
-        return "device gone"  # its agent does not report it any more
+        return "device gone", ""  # its agent does not report it any more
     if any(action.job_id == job.pk and action.replacement is not None for action in plan.stragglers):
-        return "straggler replaced"
-    return "manual resize" if job.pinned_workers is not None else "scheduler"
+        return "straggler replaced", ""
+    return ("manual resize" if job.pinned_workers is not None else "scheduler"), ""
 
 
 def _unblocked(
@@ -131,11 +141,8 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
         pk__in={d for job_id in changing for d in current[job_id]})}
     plans = [
         lifecycle.GenerationPlan(
-            job_id=job_id,
-            seen_generation=jobs[job_id].generation,
-            devices=targets[job_id],
-            devices_before=current[job_id],
-            reason=_resize_reason(jobs[job_id], newest.get(job_id), current[job_id], devices, plan),
+            job_id, jobs[job_id].generation, targets[job_id], current[job_id],
+            *_resize_reason(jobs[job_id], newest.get(job_id), current[job_id], devices, plan),
         )
         for job_id in changing
     ]

@@ -7,8 +7,9 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
+from portal.auth import require_staff
 from portal.errors import ApiError
-from portal.scheduling.api import decision_view, require_staff
+from portal.scheduling.api import decision_view
 from portal.scheduling.models import SchedulerDecision
 from portal.scheduling.policy import policy_name
 
@@ -18,7 +19,7 @@ RECENT = 20
 @login_required
 def scheduler_page(request: HttpRequest) -> HttpResponse:
     try:
-        require_staff(request.user)
+        require_staff(request.user, "see the scheduler's decisions")
     except ApiError as exc:
         raise PermissionDenied(exc.message) from exc
     recent = list(SchedulerDecision.objects.all()[:RECENT])

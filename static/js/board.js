@@ -30,7 +30,7 @@
   const mayManage = (job) => viewer.is_staff || job.owner === viewer.username;
 
   function holderOf(device) {
-    if (device.holder === "lost") return "lost";
+    if (device.holder === "lost" || device.holder === "drained") return device.holder;
     if (device.sample && device.sample.owner_present) return "owner";
     return device.job ? "job" : (device.holder === "owner" ? "owner" : "free");
   }
@@ -53,9 +53,14 @@
     const silent = [...nodes.values()].filter((n) => n.state !== "online");
     list.replaceChildren(...silent.map((n) => {
       const limit = unreachableTimeoutS === null ? "" : "; the node is lost after " + duration(unreachableTimeoutS) + " of silence";
-      const text = n.state === "unreachable"
-        ? n.name + ": agent unreachable for " + since(n.last_seen_at) + " — its workers train on" + limit
-        : n.name + ": lost, silent for " + since(n.last_seen_at) + " — its workers were planned out";
+      const left = n.drain_deadline_at ? (Date.parse(n.drain_deadline_at) - Date.now()) / 1000 : null;
+      const text = {
+        unreachable: n.name + ": agent unreachable for " + since(n.last_seen_at) + " — its workers train on" + limit,
+        draining: n.name + ": draining (" + n.drain_cause + ") — its jobs move off it" +
+          (left === null ? "" : left > 0 ? "; its devices leave in " + duration(left) : "; its deadline has passed"),
+        drained: n.name + ": drained (" + n.drain_cause + ") — its agent left",
+        lost: n.name + ": lost, silent for " + since(n.last_seen_at) + " — its workers were planned out",
+      }[n.state] || n.name + ": " + n.state;
       return el("li", { class: "node-note node-" + n.state, "data-node": n.name }, text);
     }));
     list.hidden = silent.length === 0;
@@ -66,7 +71,9 @@
   function loadCluster(cluster) {
     if (cluster.unreachable_timeout_s !== undefined) unreachableTimeoutS = cluster.unreachable_timeout_s;
     nodes.clear();
-    cluster.nodes.forEach((node) => nodes.set(node.name, { name: node.name, state: node.state, last_seen_at: node.last_seen_at }));
+    cluster.nodes.forEach((node) => nodes.set(node.name, {
+      name: node.name, state: node.state, last_seen_at: node.last_seen_at,
+      drain_cause: node.drain_cause, drain_deadline_at: node.drain_deadline_at }));
     renderNodeNotes();
     const seen = new Set();
     cluster.nodes.forEach((node) => node.devices.forEach((d) => {
@@ -200,7 +207,7 @@
         "#" + d.job.id + " " + d.job.name + " (" + d.job.owner + ")");
       holder.appendChild(tag);
     } else {
-      holder.appendChild(el("span", { class: "tag tag-" + kind }, { free: "free", owner: "its owner", lost: "lost" }[kind] || kind));
+      holder.appendChild(el("span", { class: "tag tag-" + kind }, { free: "free", owner: "its owner", lost: "lost", drained: "drained" }[kind] || kind));
     }
     $('[data-field="share"]', row).textContent = perJob(s);
   }
@@ -223,7 +230,7 @@
 
   // --- jobs lane -----------------------------------------------------------------------------
   const freeDevices = () => [...devices.values()].filter((d) => holderOf(d) === "free").length;
-  const trackSize = () => Math.max(1, [...devices.values()].filter((d) => holderOf(d) !== "lost").length);
+  const trackSize = () => Math.max(1, [...devices.values()].filter((d) => !["lost", "drained"].includes(holderOf(d))).length);
 
   function message(text) {
     const box = $("#board-message");
@@ -492,8 +499,17 @@
       if (FINAL.has(job.state)) pending.delete(job.id);
       redrawLive();
     } else if (msg.type === "node") {
-      nodes.set(msg.name, { name: msg.name, state: msg.state, last_seen_at: msg.last_seen_at });
+      nodes.set(msg.name, { name: msg.name, state: msg.state, last_seen_at: msg.last_seen_at,
+        drain_cause: msg.drain_cause, drain_deadline_at: msg.drain_deadline_at });
       renderNodeNotes();
+      devices.forEach((d) => {
+        if (d.node !== msg.name) return;
+        d.nodeState = msg.state;
+        if (msg.state === "drained" || msg.state === "lost") d.holder = msg.state;
+        else if (d.holder === "drained" || d.holder === "lost") d.holder = "free";
+        updateDeviceRow(d);
+      });
+      summarise();
     } else if (msg.type === "job_progress") {
       const job = jobs.get(msg.job_id);
       if (job) {
