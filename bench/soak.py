@@ -128,9 +128,12 @@ class SoakSettings:
     pause_s: float
     load: bool
     policy: str
-    max_restarts: int
+    max_restarts: int | None
+    """BUNGEE_MAX_RESTARTS; None: the product's own restart budget."""
     control_plane: bool = False
     """Also restart the portal, beat and the Celery worker (a pin asked while it is down)."""
+    kinds: tuple[str, ...] = ()
+    """Only these kinds of event (empty: every kind possible)."""
 
 
 def live_rows(job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -590,6 +593,10 @@ class Soak:
             possible.append("resize")
         if self.growable():
             possible.append("joiner_kill")
+        if self.settings.kinds:
+            possible = [kind for kind in possible if kind in self.settings.kinds]
+            if not possible:
+                return
         kind = self.rng.choice(sorted(possible))
         getattr(self, kind)()
 
@@ -693,6 +700,8 @@ def summarise(
         "load": settings.load,
         "policy": settings.policy,
         "deadline_s": settings.deadline_s,
+        "max_restarts": "product" if settings.max_restarts is None else settings.max_restarts,
+        "kinds": list(settings.kinds) or "all",
         "cores": conditions["cores"],
         "load_average_start": conditions["load_average_1m"],
         "load_average_end": round(load_end, 2),
@@ -717,9 +726,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="fair", help="the scheduling policy (default fair)")
     parser.add_argument(
         "--max-restarts",
-        type=int,
-        default=100_000,
-        help="BUNGEE_MAX_RESTARTS: kills are on purpose here (default 100000)",
+        default="100000",
+        help="BUNGEE_MAX_RESTARTS: kills are on purpose here (default 100000); 'product': the platform's own "
+        "restart budget (BUNGEE_MAX_RESTARTS, BUNGEE_RESTART_WINDOW_S, BUNGEE_RESTART_HEALTHY_S as configured)",
+    )
+    parser.add_argument(
+        "--kinds", default="", help=f"only these kinds of event, comma-separated, of {', '.join(KINDS)} (default: all)"
     )
     parser.add_argument(
         "--control-plane",
@@ -728,9 +740,14 @@ def main(argv: list[str] | None = None) -> int:
         "while it is down",
     )
     args = parser.parse_args(argv)
+    kinds = tuple(kind for kind in args.kinds.split(",") if kind)
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        parser.error(f"--kinds: unknown kind(s) {unknown}; the kinds are {', '.join(KINDS)}")
+    max_restarts = None if args.max_restarts == "product" else int(args.max_restarts)
     settings = SoakSettings(
-        args.minutes, args.seed, args.deadline_s, args.pause_s, args.load, args.policy, args.max_restarts,
-        args.control_plane,
+        args.minutes, args.seed, args.deadline_s, args.pause_s, args.load, args.policy, max_restarts,
+        args.control_plane, kinds,
     )
     # A SIGTERM ends the run as Ctrl-C does: through the `finally` that stops the platform.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -747,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         **FAST_PROGRESS_ENV,
         "BUNGEE_CHECKPOINT_EVERY_S": "1",
         "BUNGEE_POLICY": settings.policy,
-        "BUNGEE_MAX_RESTARTS": str(settings.max_restarts),
+        **({} if settings.max_restarts is None else {"BUNGEE_MAX_RESTARTS": str(settings.max_restarts)}),
         "BUNGEE_SIM_PACE": "1",  # flat out, not the test platform's pace of 4: the steps are what is timed
     }
     work = Path(tempfile.mkdtemp(prefix="bungee-bench-soak-"))
