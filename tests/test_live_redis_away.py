@@ -1,8 +1,8 @@
-"""The live socket while Redis is away is refused as the API refuses (503 with Retry-After),
-not failed: it closes with 1013, "try again later", which the page's socket backs off from
+"""The live socket while Redis is away is refused as the API refuses (503 with Retry-After), not
+failed: it closes with 1013, "try again later", which the page's socket backs off from
 (static/js/live.js), and the portal logs one line, no traceback (portal.live.unavailable). At
-the handshake (the channel layer's Redis does not answer), and under an open socket (its Redis
-killed)."""
+the handshake (the channel layer's Redis does not answer), under an open socket (its Redis
+killed), through the real server; and the database refusing the snapshot the same way."""
 
 from __future__ import annotations
 
@@ -116,3 +116,33 @@ def test_the_real_server_closes_the_handshake_with_1013_and_logs_no_traceback(tm
         log = portal.group.tail("portal", 500)
     assert "closed with 1013, the portal's Redis is not answering" in log
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+
+
+def test_the_database_away_at_the_snapshot_closes_the_same_way(
+    tokens: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same detection as the API's 503 (portal.error_pages.unavailable_store): the database
+    refusing while the socket's snapshot is read closes it with 1013 too."""
+    from django.db import OperationalError
+
+    from portal.live import consumers
+
+    def refused() -> None:
+        raise OperationalError("connection to server at 127.0.0.1, port 5432 failed: Connection refused")
+
+    monkeypatch.setattr(consumers, "cluster_state", refused)
+
+    async def scenario() -> dict[str, Any]:
+        live = socket(tokens["alice"])
+        connected, _ = await live.connect(timeout=30)
+        assert connected
+        closing = await live.receive_output(timeout=30)
+        await live.wait(timeout=10)
+        return closing
+
+    with caplog.at_level(logging.INFO):
+        closing = async_to_sync(scenario)()
+    assert closing == {"type": "websocket.close", "code": TRY_AGAIN_LATER_CLOSE_CODE,
+                       "reason": "the portal's database is not answering; try again shortly"}
+    [line] = refusals(caplog)
+    assert "the portal's database is not answering" in line
