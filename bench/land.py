@@ -1,5 +1,5 @@
 """Land time: from asking for a resize to the first step of the new generation, on the whole
-platform (tests.platform: PostgreSQL, Redis, daphne, the Celery scheduler, one agent with four
+platform (tests.platform: PostgreSQL, Redis, the portal, the Celery scheduler, one agent with four
 simulated devices, real torch workers), in three arms: warm standby workers, some prepared for
 the job (ours, the agent's default), warm standbys none of which is prepared (the agent with
 --prepared-standbys 0: the baseline for the prepared build), and none at all (cold starts).

@@ -196,7 +196,7 @@ def main() -> None:
     conditions = (
         f"{host.node()}: {psutil.cpu_count()} cores, Python {host.python_version()}; {args.devices} simulated "
         f"devices sampled every 1 s by one agent (no standbys); {args.sockets} clients; {args.repeats} x {args.seconds:.0f} s per "
-        f"approach, interleaved; portal = {'one daphne process' if args.portals == 1 else f'{args.portals} uvicorn worker processes'}; Redis and PostgreSQL on the same machine; "
+        f"approach, interleaved; portal = {'one uvicorn process' if args.portals == 1 else f'{args.portals} uvicorn worker processes'}; Redis and PostgreSQL on the same machine; "
         f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     )
     ours = summary(push)

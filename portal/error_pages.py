@@ -7,7 +7,8 @@ A store that does not answer is no fault of the request: Redis away (after redis
 retries) or the database away (PostgreSQL refusing or down, or no pooled connection free within
 BUNGEE_DB_POOL_TIMEOUT_S: Django's OperationalError) is a 503 with Retry-After, in the API's shape
 under /api/ and as the site's page elsewhere. The request changed nothing: a view's transaction
-rolls back with the error.
+rolls back with the error. The live socket is refused the same way, with its own close code
+(portal.live.unavailable).
 
 A person's 403 and 404 are the site's page (header and navigation) saying why; and a refusal is
 logged as one line, not as a traceback (`OneLineRefusals`)."""
@@ -45,8 +46,9 @@ RETRY_AFTER_S = 5
 """What a 503 asks the client to wait before trying again."""
 
 
-def _unavailable(exception: Exception) -> str | None:
-    """Which store did not answer, if `exception` says one did."""
+def unavailable_store(exception: BaseException) -> str | None:
+    """Which store did not answer ("Redis", "database"), if `exception` says one did; else None.
+    The live socket refuses on the same (portal.live.unavailable)."""
     if isinstance(exception, redis.ConnectionError | redis.TimeoutError):
         return "Redis"
     if isinstance(exception, OperationalError):
@@ -57,7 +59,7 @@ def _unavailable(exception: Exception) -> str | None:
 class ApiErrorShape(MiddlewareMixin):
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         """A store away: 503 with Retry-After, at once (see the module docstring)."""
-        store = _unavailable(exception)
+        store = unavailable_store(exception)
         if store is None:
             return None
         # What failed stays in the log: the error names hosts, ports and databases, and this reply

@@ -135,14 +135,11 @@ def _launch(args: list[str], env: dict[str, str], log_file: IO[bytes]) -> subpro
 
 
 def portal_command(port: int, host: str = "127.0.0.1", processes: int = 1) -> list[str]:
-    """The portal's ASGI server, as arguments after `python`: daphne, or with `processes` > 1
-    uvicorn's workers, that many processes answering on one address (the kernel hands each
-    connection to one of them; they share the Redis channel layer, so an event sent from any
-    process reaches the sockets of all)."""
-    if processes > 1:
-        return ["-m", "uvicorn", "portal.asgi:application", "--host", host, "--port", str(port),
-                "--workers", str(processes), "--ws", "websockets", "--no-access-log"]
-    return ["-m", "daphne", "-b", host, "-p", str(port), "portal.asgi:application"]
+    """The portal's ASGI server (portal.serve: uvicorn, as everywhere the portal runs), as
+    arguments after `python`; with `processes` > 1, that many processes answering on one address
+    (the kernel hands each connection to one of them; they share the Redis channel layer, so an
+    event sent from any process reaches the sockets of all)."""
+    return ["-m", "portal.serve", "--host", host, "--port", str(port), "--processes", str(processes)]
 
 
 def platform_commands(

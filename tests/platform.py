@@ -1,6 +1,7 @@
 """The whole platform as real processes, for integration tests: a fresh PostgreSQL database,
-the machine's Redis under a prefix of its own, daphne, a Celery worker and beat, and agents with
-simulated devices. Tests talk to it only over HTTP and WebSockets, as users and agents do."""
+the machine's Redis under a prefix of its own, the portal (uvicorn, portal.serve), a Celery
+worker and beat, and agents with simulated devices. Tests talk to it only over HTTP and
+WebSockets, as users and agents do."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import httpx
 import psycopg
 import redis
 
-from portal.launcher import ROOT, ProcessGroup, platform_commands
+from portal.launcher import ROOT, ProcessGroup, platform_commands, portal_command
 from tests.netns import Network
 
 POSTGRES_URL = os.environ.get("TEST_POSTGRES_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -157,6 +158,16 @@ the project's own management commands, in one process (each `manage.py` start co
 loaded machine); prints the tokens as JSON."""
 
 
+def seed_users(group: ProcessGroup, agents: list[str]) -> dict[str, str]:
+    """Makes alice and bob (passwords NAME-pass) with an API token each, and an agent token per
+    name in `agents` ("agent-NAME"), in the database of `group`'s environment; returns the
+    tokens by those names."""
+    tokens: dict[str, str] = json.loads(
+        group.run("manage.py", "shell", "--no-imports", "-c", _SEED.format(agents=sorted(agents)))
+    )
+    return tokens
+
+
 @dataclass
 class RedisServer:
     """A redis-server of a test's own (on `host`, with a password, keeping nothing on disk), which
@@ -247,25 +258,29 @@ def _drop_database(name: str) -> None:
 
 
 @contextmanager
-def running_platform(
-    tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None, network: Network | None = None,
-    portal_processes: int = 1,
-) -> Iterator[Platform]:
-    """The platform with an agent of `agents[name]` simulated devices per name; `extra_env` goes
-    to every process (workers inherit their agent's). With a `network`, each agent runs on its
-    host there, and the portal listens on the network's gateway (Redis must be reachable there
-    too: `extra_env`'s REDIS_URL). `portal_processes` > 1 runs that many portal processes on the
-    one address (portal.launcher.portal_command)."""
-    run_id = uuid.uuid4().hex[:10]
-    database = f"bungee_it_{run_id}"
+def platform_database() -> Iterator[str]:
+    """A fresh database made from the migrated template (migrated_template); its URL. Dropped
+    at the end."""
+    database = f"bungee_it_{uuid.uuid4().hex[:10]}"
     template = migrated_template()
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{database}" TEMPLATE "{template}"')
-    port = free_port()
-    env = {
+    try:
+        yield POSTGRES_URL.rsplit("/", 1)[0] + f"/{database}"
+    finally:
+        _drop_database(database)
+
+
+def platform_env(
+    tmp: Path, database_url: str, port: int, network: Network | None = None, extra_env: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of a platform's processes: `database_url`, the machine's Redis under a
+    prefix of the platform's own, its data under `tmp`; `extra_env` over all."""
+    run_id = uuid.uuid4().hex[:10]
+    return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "portal.settings",
-        "DATABASE_URL": POSTGRES_URL.rsplit("/", 1)[0] + f"/{database}",
+        "DATABASE_URL": database_url,
         "REDIS_URL": REDIS_URL,
         "BUNGEE_REDIS_PREFIX": f"bungee-it-{run_id}",
         "BUNGEE_CHANNEL_PREFIX": f"bungee-it-{run_id}",
@@ -283,23 +298,56 @@ def running_platform(
         **({"ALLOWED_HOSTS": f"127.0.0.1,{network.gateway}"} if network is not None else {}),
         **(extra_env or {}),
     }
-    group = ProcessGroup(log_dir=tmp / "logs", env=env)
-    try:
-        tokens: dict[str, str] = json.loads(
-            group.run("manage.py", "shell", "--no-imports", "-c", _SEED.format(agents=sorted(agents)))
-        )
-        host = network.gateway if network is not None else "127.0.0.1"
-        commands = platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp, host, portal_processes)
-        for name, command in commands.items():
-            group.platform_process(name, command)
-        platform = Platform(f"http://{host}:{port}", group, tokens, env, commands, network)
-        platform.wait_for("the portal", platform.portal_answers, timeout_s=60)
-        for name, devices in agents.items():
-            platform.start_agent(name, devices)
-        yield platform
-    finally:
-        group.stop()
-        _drop_database(database)
+
+
+@contextmanager
+def running_platform(
+    tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None, network: Network | None = None,
+    portal_processes: int = 1,
+) -> Iterator[Platform]:
+    """The platform with an agent of `agents[name]` simulated devices per name; `extra_env` goes
+    to every process (workers inherit their agent's). With a `network`, each agent runs on its
+    host there, and the portal listens on the network's gateway (Redis must be reachable there
+    too: `extra_env`'s REDIS_URL). `portal_processes` > 1 runs that many portal processes on the
+    one address (portal.launcher.portal_command)."""
+    port = free_port()
+    with platform_database() as database_url:
+        env = platform_env(tmp, database_url, port, network, extra_env)
+        group = ProcessGroup(log_dir=tmp / "logs", env=env)
+        try:
+            tokens = seed_users(group, list(agents))
+            host = network.gateway if network is not None else "127.0.0.1"
+            commands = platform_commands(port, env["BUNGEE_CELERY_QUEUE"], tmp, host, portal_processes)
+            for name, command in commands.items():
+                group.platform_process(name, command)
+            platform = Platform(f"http://{host}:{port}", group, tokens, env, commands, network)
+            platform.wait_for("the portal", platform.portal_answers, timeout_s=60)
+            for name, devices in agents.items():
+                platform.start_agent(name, devices)
+            yield platform
+        finally:
+            group.stop()
+
+
+@contextmanager
+def running_portal(
+    tmp: Path, extra_env: dict[str, str] | None = None, server: Callable[[int], list[str]] = portal_command
+) -> Iterator[Platform]:
+    """The portal alone on a database of its own, with no users, no Celery and no agents: for
+    what the ASGI server itself does. `server` gives its command (after `python`) for a port:
+    by default portal.launcher.portal_command, as a platform runs it."""
+    port = free_port()
+    with platform_database() as database_url:
+        env = platform_env(tmp, database_url, port, extra_env=extra_env)
+        group = ProcessGroup(log_dir=tmp / "logs", env=env)
+        try:
+            command = server(port)
+            group.platform_process("portal", command)
+            platform = Platform(f"http://127.0.0.1:{port}", group, {}, env, {"portal": command})
+            platform.wait_for("the portal", platform.portal_answers, timeout_s=60)
+            yield platform
+        finally:
+            group.stop()
 
 
 @dataclass

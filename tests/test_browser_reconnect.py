@@ -1,12 +1,14 @@
 """The portal restarted under an open job page, in real Chromium: the page shows it is offline,
 reconnects by itself once the portal is back, re-subscribes and fetches what it missed (here,
 the job cancelled while it was away). The board and the job list, their socket away for a while,
-catch up too, and a page says it is live only once its socket's snapshot is in. The board draws
+catch up too, and a page says it is live only once its socket's snapshot is in. A socket closed
+with 1013 (the portal's Redis or database away) waits the API's Retry-After. The board draws
 the cluster from its render, before its socket says anything."""
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import pytest
@@ -36,6 +38,36 @@ def test_a_page_reconnects_after_the_portal_restarts_and_catches_up(browser_plat
                            timeout=30_000)
     assert fetched, "after reconnecting the page fetched the job's state"
     screenshot(page, "job-page-after-portal-restart")
+    page.context.close()
+
+
+def test_a_socket_closed_with_try_again_later_waits_as_the_api_asks(browser_platform: Any, chromium: Any) -> None:
+    """While its Redis or database is away the portal accepts the page's socket and closes it
+    with 1013 (portal.live.unavailable). The page says the portal is unavailable and waits the
+    API's Retry-After (5 s) before it tries again; a socket that opened does not reset its
+    backoff, only one whose snapshot came in (before, every accepted socket did, and the page
+    retried after half a second). The next socket, let through, makes it live again."""
+    platform = browser_platform
+    page = log_in(chromium, platform, "alice")
+    attempts: list[float] = []
+
+    def route(socket: Any) -> None:
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            socket.close(code=1013, reason="the portal's Redis is not answering; try again shortly")
+        else:
+            socket.connect_to_server()
+
+    page.route_web_socket(re.compile(r"/ws/live/$"), route)
+    page.reload()
+    page.wait_for_function("() => document.getElementById('conn-state').textContent.startsWith('portal unavailable')",
+                           timeout=30_000)
+    assert page.locator("#conn-state").inner_text() == "portal unavailable — retrying in 5 s"
+    assert page.locator("#conn-state").get_attribute("data-state") == "offline"
+    page.wait_for_selector("#conn-state[data-state=live]", timeout=30_000)
+    assert len(attempts) == 2, attempts
+    # setTimeout never fires early; the margin is for the route callbacks' own delivery.
+    assert attempts[1] - attempts[0] > 4, f"retried {attempts[1] - attempts[0]:.1f} s after a 1013"
     page.context.close()
 
 

@@ -4,12 +4,15 @@ deployment needs, with the agent reserving NVIDIA GPUs."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+
+from portal.launcher import portal_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,11 +47,18 @@ def test_no_secret_has_a_usable_default() -> None:
     assert "change-me" not in text
 
 
-def test_the_portal_runs_several_processes_on_one_port() -> None:
-    """uvicorn's workers (portal.launcher.portal_command), BUNGEE_PORTAL_PROCESSES of them,
-    two unless .env says otherwise; tests/test_live_two_portals.py runs two for real."""
+def test_the_portal_runs_the_one_server_on_several_processes() -> None:
+    """The portal's command is portal.launcher.portal_command, the one `make demo` and the tests'
+    platforms run (uvicorn through portal.serve), with BUNGEE_PORTAL_PROCESSES processes, two
+    unless .env says otherwise (tests/test_live_two_portals.py runs two for real); forwarded
+    headers are believed from BUNGEE_FORWARDED_ALLOW_IPS only, empty unless .env sets it."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    command = compose["services"]["portal"]["command"][-1]
-    assert "-m uvicorn portal.asgi:application" in command
-    assert "--workers ${BUNGEE_PORTAL_PROCESSES:-2}" in command
-    assert compose["services"]["portal"]["ports"] == ["${PORT:-8000}:8000"]
+    portal = compose["services"]["portal"]
+    prepare, _, server = portal["command"][-1].rpartition("&& exec ")
+    assert "manage.py migrate --noinput" in prepare
+    expected = ["python", *portal_command(8000, "0.0.0.0", 2)]
+    expected[expected.index("--processes") + 1] = "${BUNGEE_PORTAL_PROCESSES:-2}"
+    assert shlex.split(server) == expected
+    assert portal["ports"] == ["${PORT:-8000}:8000"]
+    assert portal["environment"]["BUNGEE_FORWARDED_ALLOW_IPS"] == "${BUNGEE_FORWARDED_ALLOW_IPS:-}"
+    assert portal["environment"]["DATABASE_URL"] == compose["services"]["worker"]["environment"]["DATABASE_URL"]

@@ -69,6 +69,16 @@ snapshots = SharedSnapshot(_cluster_text)
 
 
 class LiveConsumer(AsyncJsonWebsocketConsumer):
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # An error (Redis gone under an open socket) ends the consumer without `disconnect`;
+            # its renewals must not go on for a socket that is no more.
+            renewal = getattr(self, "_renewal", None)
+            if renewal is not None:
+                renewal.cancel()
+
     async def connect(self) -> None:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:

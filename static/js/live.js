@@ -2,7 +2,9 @@
 // header ("live" once the socket is open, its snapshot of the cluster is in the page, and every
 // job the page follows is subscribed, so that the page is current and no event of theirs can be
 // missed from then on), re-subscribes after a reconnect, and hands each message to the page's
-// handlers. A
+// handlers. While the portal's Redis or database is away it closes the socket with 1013, "try
+// again later" (portal/live/unavailable.py); the page then says the portal is unavailable and
+// waits at least what the API's 503 asks (Retry-After, 5 s) before it tries again. A
 // page that shows only some devices says which (subscribeSamples), and the portal sends it only
 // those devices' samples; a sample message holds, per device, only what changed since the
 // device's previous one (sampleRows and mergeSample put a device's sample together again).
@@ -15,7 +17,9 @@
   let sentSampleSubscription = null;
   let socket = null;
   let caughtUp = false;  // this socket's snapshot (its first message) has been handed to the page
-  let attempt = 0;
+  let attempt = 0;  // sockets in a row that closed before their snapshot was in
+  const TRY_AGAIN_LATER = 1013;
+  const UNAVAILABLE_WAIT_MS = 5000;  // the API's Retry-After (portal/error_pages.py RETRY_AFTER_S)
   const stateEl = () => document.getElementById("conn-state");
 
   function showState(state, text) {
@@ -30,7 +34,6 @@
     socket = new WebSocket(scheme + "://" + location.host + "/ws/live/");
     showState("connecting", attempt ? "reconnecting…" : "connecting…");
     socket.addEventListener("open", function () {
-      attempt = 0;
       caughtUp = false;
       unconfirmed.clear();
       jobSubscriptions.forEach(subscribe);
@@ -43,16 +46,20 @@
       try { message = JSON.parse(event.data); } catch (err) { return; }
       handlers.forEach((handler) => handler(message));
       if (message.type === "cluster") {
+        attempt = 0;  // not at "open": a socket the portal accepts only to close (1013) backs off too
         caughtUp = true;
         showLive();
       } else if ((message.type === "subscribed" || message.type === "error") && unconfirmed.delete(message.job_id)) {
         showLive();
       }
     });
-    socket.addEventListener("close", function () {
+    socket.addEventListener("close", function (event) {
       attempt += 1;
-      const delay = Math.min(10000, 250 * 2 ** Math.min(attempt, 6));
-      showState("offline", "offline — retrying in " + Math.round(delay / 1000) + " s");
+      const backoff = Math.min(10000, 250 * 2 ** Math.min(attempt, 6));
+      const unavailable = event.code === TRY_AGAIN_LATER;
+      const delay = unavailable ? Math.max(UNAVAILABLE_WAIT_MS, backoff) : backoff;
+      const said = unavailable ? "portal unavailable" : "offline";
+      showState("offline", said + " — retrying in " + Math.round(delay / 1000) + " s");
       setTimeout(connect, delay);
     });
   }

@@ -1,0 +1,98 @@
+"""An upload that lies about its size, over a raw socket, as a client that means harm would send
+it: headers declaring a huge `Content-Length`, then body bytes a chunk at a time, at most
+`max_body_bytes` of them spread over `within_s`, for as long as no answer has come. Used by
+tests/test_body_limit_server.py and bench/body_limit.py against a real portal."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+CHUNK_BYTES = 16 * 1024
+
+
+@dataclass
+class LyingUpload:
+    answered_after_s: float | None
+    """From the headers sent to the first byte of the answer; None: no answer within the bound."""
+    body_bytes_sent: int
+    """How much of the declared body the client had sent when the answer came (or at the bound)."""
+    status: int | None = None
+    headers: dict[str, str] | None = None
+    body: bytes = b""
+    closed: str | None = None
+    """How the server ended the connection after its answer: "eof" (FIN) or "reset" (RST, which
+    the kernel sends when the server closes with body bytes unread); None: it stayed open."""
+
+    def error(self) -> dict[str, Any]:
+        """The answer's body as the API's error shape (its "error" object)."""
+        return dict(json.loads(self.body)["error"])
+
+
+def lying_upload(
+    base_url: str, path: str = "/api/jobs", declared_bytes: int = 2**31, max_body_bytes: int = 1024 * 1024,
+    within_s: float = 16.0,
+) -> LyingUpload:
+    """POSTs to `path` declaring `declared_bytes`, sending a chunk of the body, then waiting for
+    an answer for up to within_s / chunks, and so on, until an answer comes or `max_body_bytes`
+    are sent and `within_s` has passed. Then reads the answer whole and whether the server
+    closed the connection (each read bounded by 10 s). Anonymous: no cookie, no token."""
+    address = urlsplit(base_url)
+    assert address.hostname is not None and address.port is not None, base_url
+    chunks = max_body_bytes // CHUNK_BYTES
+    pace_s = within_s / chunks
+    head = (f"POST {path} HTTP/1.1\r\nHost: {address.hostname}:{address.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {declared_bytes}\r\n\r\n").encode()
+    with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
+        started = time.monotonic()
+        connection.sendall(head)
+        deadline = started + within_s
+        sent = 0
+        while True:
+            readable, _, _ = select.select([connection], [], [], max(0.0, min(pace_s, deadline - time.monotonic())))
+            if readable:
+                upload = LyingUpload(time.monotonic() - started, sent)
+                break
+            if time.monotonic() >= deadline:
+                return LyingUpload(None, sent)
+            if sent < chunks * CHUNK_BYTES:
+                try:
+                    connection.sendall(b"x" * CHUNK_BYTES)
+                except (BrokenPipeError, ConnectionResetError):
+                    upload = LyingUpload(time.monotonic() - started, sent)
+                    break
+                sent += CHUNK_BYTES
+        _read_answer(connection, upload)
+    return upload
+
+
+def _read_answer(connection: socket.socket, upload: LyingUpload) -> None:
+    received = b""
+    try:
+        while b"\r\n\r\n" not in received:
+            data = connection.recv(65536)
+            if not data:
+                upload.closed = "eof"
+                return
+            received += data
+        head, _, body = received.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin1").split("\r\n")
+        upload.status = int(status_line.split()[1])
+        upload.headers = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+        length = int(upload.headers.get("content-length", "0"))
+        while len(body) < length:
+            data = connection.recv(65536)
+            if not data:
+                break
+            body += data
+        upload.body = body[:length]
+        upload.closed = "eof" if connection.recv(65536) == b"" else None
+    except ConnectionResetError:
+        upload.closed = "reset"
+    except TimeoutError:
+        upload.closed = None
