@@ -155,7 +155,6 @@ def test_a_report_stores_what_is_valid_and_refuses_the_rest_item_by_item(
     from portal.accounts.models import ApiToken
     from portal.cluster.models import Node
     from portal.jobs.models import JobLog
-
     from portal.scheduling.cycle import run_cycle
 
     Node.objects.filter(pk=cluster.pk).update(agent_token=ApiToken.lookup(tokens["agent"]))
