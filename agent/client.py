@@ -4,18 +4,26 @@ HTTP with the agent token as a bearer token.
 Errors say whether to try again: PortalUnavailableError (no answer, a timeout, 408, 429 or a
 5xx) is worth retrying; AgentAuthError (401, 403) and PortalRejectedError (any other 4xx) are
 not, since the same request would be refused again.
+
+With a pool token, the first registration's reply carries the node's own token: the client
+keeps it in the node's state directory (agent.node_token) and speaks with it from then on, and
+a client made later on that directory registers with it rather than the pool token.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 import httpx
 from pydantic import ValidationError
 
+from agent.node_token import NODE_TOKEN_FILE, NodeTokenFile
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply
+
+log = logging.getLogger(__name__)
 
 REGISTER_PATH = "/api/agent/register"
 REPORT_PATH = "/api/agent/report"
@@ -60,7 +68,10 @@ class PortalRejectedError(PortalError):
 
 
 class PortalClient:
-    """One portal at `base_url`. Thread-safe (httpx.Client is)."""
+    """One portal at `base_url`. Thread-safe (httpx.Client is). `state_dir`: the node's state
+    directory, where the node token a pool token's registration returns is kept
+    (agent.node_token); if one is kept there already, the client speaks with it instead of
+    `token`."""
 
     def __init__(
         self,
@@ -68,17 +79,60 @@ class PortalClient:
         token: str,
         timeout_s: float = 10.0,
         transport: httpx.BaseTransport | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._token = token
+        self._node_token = NodeTokenFile(state_dir / NODE_TOKEN_FILE) if state_dir is not None else None
+        kept = self._node_token.read() if self._node_token is not None else None
+        self._speaking_with_node_token = kept is not None
         self._http = httpx.Client(
             base_url=self.base_url,
-            headers={"Authorization": f"Bearer {token}"},
+            headers={"Authorization": f"Bearer {kept or token}"},
             timeout=timeout_s,
             transport=transport,
         )
 
     def register(self, registration: NodeRegistration) -> RegistrationReply:
-        """Registers the node; returns the portal's reply. Raises PortalError (see module)."""
+        """Registers the node; returns the portal's reply, less any node token, which the client
+        keeps and speaks with from then on. A node token the portal does not know (401: deleted,
+        or its pool token was) is forgotten, and the registration tried once more with the token
+        the client was made with, which a pool token may do if the node is free now. Raises
+        PortalError (see module)."""
+        try:
+            reply = self._register(registration)
+        except AgentAuthError as err:
+            if err.status != 401 or not self._speaking_with_node_token:
+                raise
+            log.warning(
+                "the portal does not know this node's token any more: forgetting it, registering with the "
+                "agent's token"
+            )
+            if self._node_token is not None:
+                self._node_token.remove()
+            self._use(self._token)
+            reply = self._register(registration)
+        if reply.node_token is None:
+            return reply
+        if self._node_token is not None:
+            try:
+                self._node_token.write(reply.node_token)
+            except OSError as err:
+                log.error(
+                    "could not keep node %r's token in %s (%s): this agent works, but one restarted cannot "
+                    "register the node again",
+                    registration.name,
+                    self._node_token.path,
+                    err,
+                )
+        self._use(reply.node_token)
+        return reply.model_copy(update={"node_token": None})
+
+    def _use(self, token: str) -> None:
+        self._http.headers["Authorization"] = f"Bearer {token}"
+        self._speaking_with_node_token = token != self._token
+
+    def _register(self, registration: NodeRegistration) -> RegistrationReply:
         response = self._post(REGISTER_PATH, registration.model_dump_json())
         try:
             return RegistrationReply.model_validate_json(response.content)

@@ -706,6 +706,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         on_exit=report_now.set,
     )
-    client = PortalClient(config.portal_url, config.token)
+    client = PortalClient(config.portal_url, config.token, state_dir=config.state_dir)
     agent = Agent(config, backend, client, supervisor, stopping, report_now, drain)
     return agent.run()

@@ -105,6 +105,11 @@ class RegistrationReply(_Message):
     commands_redis_url: str
     commands_stream: str
     report_interval_s: float
+    node_token: str | None = Field(
+        None,
+        description="a registration with a pool token: the node's own agent token, sent this once; "
+        "the agent reports, uploads, fetches and registers again with it",
+    )
 
 
 ExitReason = Literal["completed", "stopped", "left", "failed", "user_error"]

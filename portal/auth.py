@@ -1,6 +1,11 @@
 """API authentication: a session (browsers; ninja checks CSRF for it) or a bearer token
-(scripts use a user token, agents an agent token). A user token on an agent endpoint is
-refused with 403: it is a valid token, just not one that may speak for a node."""
+(scripts use a user token, agents an agent token). A token of another role on an agent endpoint
+is refused with 403: it is a valid token, just not one that may speak for a node.
+
+Which token speaks for a node is decided here, in one place: every agent endpoint takes a node's
+own agent token (`agent_auth`), and registration alone (`registration_auth`) also takes a pool
+token, which may only register new nodes of its pool (portal.cluster.binding). A pool token
+never reports, uploads or fetches: the registration hands the node a token of its own for that."""
 
 from __future__ import annotations
 
@@ -17,13 +22,18 @@ from portal.errors import ApiError, forbidden
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 
+_POOL_TOKEN_REFUSED = (
+    "this is a pool token: it only registers new nodes of its pool (POST /api/agent/register); "
+    "report, upload and fetch with the node token that registration returned (node_token)"
+)
+
 
 class TokenAuth(HttpBearer):
-    def __init__(self, role: str, refuse_other_roles: bool = False) -> None:
-        """`refuse_other_roles`: a valid token of another role gets 403 rather than falling
-        through to the next authenticator (and a 401)."""
+    def __init__(self, *roles: str, refuse_other_roles: bool = False) -> None:
+        """Takes a token of any of `roles`. `refuse_other_roles`: a valid token of another role
+        gets 403 rather than falling through to the next authenticator (and a 401)."""
         super().__init__()
-        self.role = str(role)
+        self.roles = tuple(str(role) for role in roles)
         self.refuse_other_roles = refuse_other_roles
 
     def authenticate(self, request: HttpRequest, token: str) -> Any:
@@ -32,10 +42,13 @@ class TokenAuth(HttpBearer):
         found = ApiToken.lookup(token)
         if found is None:
             return None
-        if found.role != self.role:
+        if found.role not in self.roles:
             if self.refuse_other_roles:
+                if found.role == ApiToken.Role.POOL:
+                    raise forbidden(_POOL_TOKEN_REFUSED)
+                wanted = " or ".join(repr(role) for role in self.roles)
                 raise forbidden(
-                    f"this token's role is {found.role!r}; this endpoint takes a token of role {self.role!r}"
+                    f"this token's role is {found.role!r}; this endpoint takes a token of role {wanted}"
                 )
             return None
         now = timezone.now()
@@ -48,6 +61,9 @@ class TokenAuth(HttpBearer):
 
 user_auth = [TokenAuth(ApiToken.Role.USER), django_auth]
 agent_auth = TokenAuth(ApiToken.Role.AGENT, refuse_other_roles=True)
+"""Every agent endpoint but registration: the node's own agent token."""
+registration_auth = TokenAuth(ApiToken.Role.AGENT, ApiToken.Role.POOL, refuse_other_roles=True)
+"""POST /api/agent/register alone: a node's agent token, or a pool token registering a new node."""
 
 
 def require_staff(user: AbstractBaseUser | AnonymousUser, what: str) -> None:

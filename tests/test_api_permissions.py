@@ -65,12 +65,13 @@ def test_user_token_cannot_act_as_agent(api: dict) -> None:
     """A user token is a valid token, just not one that may speak for a node: 403, not 401."""
     body = {"name": "evil", "address": "1.2.3.4", "backend": "simulated", "devices": []}
     report = {"node": "evil", "samples": [], "events": [], "running": []}
+    takes = {"/api/agent/register": "'agent' or 'pool'", "/api/agent/report": "'agent'"}
     for path, payload in (("/api/agent/register", body), ("/api/agent/report", report)):
         for user in ("alice", "staff"):
             reply = api[user].post(path, payload)
             assert reply.status_code == 403, (path, user, reply.content)
             assert reply.json()["error"]["message"] == (
-                "this token's role is 'user'; this endpoint takes a token of role 'agent'"
+                f"this token's role is 'user'; this endpoint takes a token of role {takes[path]}"
             )
     assert not Node.objects.exists()
     assert api["agent"].post("/api/agent/register", body).status_code == 200

@@ -1,12 +1,14 @@
 """`manage.py create_token`: prints a working token; `--replace` deletes the user's earlier tokens
-of that label and role, which frees the node an agent token held for the new one."""
+of that label and role, which frees the node an agent token held for the new one (and, for a
+pool token, deletes the tokens of the nodes it registered); `--role pool --pool NAME`."""
 
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
 from portal.accounts.models import ApiToken
 from portal.cluster.models import Node
@@ -44,3 +46,38 @@ def test_replace_keeps_other_labels_and_roles(users: dict) -> None:
         ("agent of node-a", "user"),
         ("agent of node-b", "agent"),
     ]
+
+
+def test_a_pool_token_registers_nodes_of_its_pool(users: dict) -> None:
+    pool = ApiClient(create_token("alice", "--role", "pool", "--pool", "slurm"))
+    token = ApiToken.objects.get(role="pool")
+    assert (token.pool, token.label, token.user.username) == ("slurm", "pool slurm", "alice")
+    assert pool.post("/api/agent/register", registration("slurm-job1")).status_code == 200
+    assert pool.post("/api/agent/register", registration("node-a")).status_code == 403
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--role", "pool"], "--pool NAME"),
+        (["--role", "agent", "--pool", "slurm"], "role 'pool' and only with it"),
+        (["--role", "pool", "--pool", "slurm-gpu"], "'slurm-gpu' is not a pool name"),
+        (["--role", "pool", "--pool", "x" * 41], "is not a pool name"),
+    ],
+)
+def test_a_pool_name_goes_with_role_pool_alone_and_has_no_dash(
+    users: dict, args: list[str], message: str
+) -> None:
+    with pytest.raises(CommandError, match=re.escape(message)):
+        create_token("alice", *args)
+    assert not ApiToken.objects.exists()
+
+
+def test_replacing_a_pool_token_revokes_its_nodes_tokens(users: dict) -> None:
+    pool = ApiClient(create_token("alice", "--role", "pool", "--pool", "slurm"))
+    node = ApiClient(pool.post("/api/agent/register", registration("slurm-job1")).json()["node_token"])
+    report = {"node": "slurm-job1", "samples": [], "events": [], "running": []}
+    assert node.post("/api/agent/report", report).status_code == 200
+    create_token("alice", "--role", "pool", "--pool", "slurm", "--replace")
+    assert node.post("/api/agent/report", report).status_code == 401
+    assert list(ApiToken.objects.values_list("role", flat=True)) == ["pool"]

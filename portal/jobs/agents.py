@@ -24,7 +24,7 @@ from elastic.wire import (
     RunningWorker,
     WorkerEvent,
 )
-from portal.auth import agent_auth, user_auth
+from portal.auth import agent_auth, registration_auth, user_auth
 from portal.bodies import MESSAGE_CHARS, cut, shown
 from portal.cluster import drain
 from portal.cluster.binding import bind, check_claim, reporting_node
@@ -76,16 +76,26 @@ def get_cluster(request: HttpRequest) -> dict[str, Any]:
     return cluster_state()
 
 
-@agent_router.post("/register", response=RegistrationReply, summary="An agent registers its node")
+# exclude_none: the reply to an agent token has no `node_token` at all, so that an agent older
+# than the field (its messages forbid unknown fields) still reads it.
+@agent_router.post(
+    "/register",
+    auth=registration_auth,
+    response=RegistrationReply,
+    exclude_none=True,
+    summary="An agent registers its node",
+)
 def register_endpoint(request: HttpRequest, payload: NodeRegistration) -> RegistrationReply:
     """The first registration with a token claims the node's name for it; 403 if another token
-    holds the name or this token serves another node (portal.cluster.binding)."""
+    holds the name or this token serves another node. With a pool token: only a new node of
+    its pool, and the reply's `node_token` is the node's own agent token, shown this once
+    (portal.cluster.binding)."""
     token = request.api_token  # type: ignore[attr-defined]
     with transaction.atomic():
         check_claim(payload.name, token)
         node, reply = register(payload)
-        bind(node, token)
-    return reply
+        node_token = bind(node, token)
+    return reply.model_copy(update={"node_token": node_token})
 
 
 class ReportIn(Schema):
