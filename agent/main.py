@@ -41,6 +41,7 @@ from agent.devices.simulated import MAX_PACE
 from agent.events import EventBuffer, PoisonIsolation
 from agent.export import CheckpointExporter
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from elastic.liveness import LivenessFile
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply, WorkerEvent, command_stream
 
 log = logging.getLogger("agent")
@@ -400,6 +401,7 @@ class Agent:
         self._uploads_waiting: list[WorkerEvent] = []
         self._isolation = PoisonIsolation(MAX_EVENTS_PER_REPORT)
         self._report_failures = _FailureLog("reporting to the portal")
+        self.liveness = LivenessFile.from_environ()  # BUNGEE_LIVENESS_FILE, for an exec probe
 
     def run(self) -> ExitCode:
         try:
@@ -419,6 +421,7 @@ class Agent:
             log.info("reporting every %.3g s", interval)
             next_at = time.monotonic()
             while not self.stopping.is_set():
+                self.liveness.beat()
                 self.report_now.wait(max(0.0, next_at - time.monotonic()))
                 self.report_now.clear()
                 if self.stopping.is_set():
@@ -447,6 +450,7 @@ class Agent:
         failures = _FailureLog(f"registering with {self.client.base_url}")
         delay = 0.5
         while not self.stopping.is_set():
+            self.liveness.beat()
             known_url: str | None
             if self._reader is not None:
                 known_url, known_stream = self._reader.redis_url, self._reader.stream
