@@ -5,7 +5,6 @@ meanwhile. The portal stand-in and the agent process are those of tests/test_age
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,23 +14,10 @@ import redis
 
 from elastic.liveness import age_problem
 from elastic.wire import command_stream
+from tests.liveness_support import touched_again
 from tests.test_agent_process import REDIS_URL, AgentProcess, FakePortal
 
 pytestmark = pytest.mark.slow
-
-
-def touched_again(path: Path, after_ns: int, timeout_s: float = 20.0) -> int:
-    """Waits until `path` exists with a modification time after `after_ns`; returns that time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            mtime = path.stat().st_mtime_ns
-        except FileNotFoundError:
-            mtime = 0
-        if mtime > after_ns:
-            return mtime
-        time.sleep(0.05)
-    raise AssertionError(f"{path} was not touched after {after_ns} within {timeout_s} s")
 
 
 @pytest.fixture
@@ -57,8 +43,7 @@ def test_the_agent_beats_while_registering_and_while_reporting(
         assert not portal.registrations
         assert age_problem(alive, 30) is None
 
-        with portal._lock:
-            portal.available = True
+        portal.available = True
         portal.wait_for(lambda: len(portal.reports) >= 2, "two reports")
         reporting = touched_again(alive, alive.stat().st_mtime_ns)
         touched_again(alive, reporting)

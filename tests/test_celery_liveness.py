@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from elastic.liveness import age_problem
-from tests.test_agent_liveness import touched_again
+from tests.liveness_support import touched_again
 
 pytestmark = pytest.mark.slow
 
