@@ -44,6 +44,7 @@ from agent.drain import Drain, term_cause
 from agent.events import EventBuffer, PoisonIsolation
 from agent.export import CheckpointExporter
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from elastic.liveness import LivenessFile
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply, WorkerEvent, command_stream
 
 log = logging.getLogger("agent")
@@ -439,6 +440,7 @@ class Agent:
         self._uploads_waiting: list[WorkerEvent] = []
         self._isolation = PoisonIsolation(MAX_EVENTS_PER_REPORT)
         self._report_failures = _FailureLog("reporting to the portal")
+        self.liveness = LivenessFile.from_environ()  # BUNGEE_LIVENESS_FILE, for an exec probe
 
     def run(self) -> ExitCode:
         try:
@@ -458,6 +460,7 @@ class Agent:
             log.info("reporting every %.3g s", interval)
             next_at = time.monotonic()
             while not self.stopping.is_set():
+                self.liveness.beat()
                 self.report_now.wait(max(0.0, next_at - time.monotonic()))
                 self.report_now.clear()
                 if self.stopping.is_set():
@@ -502,6 +505,7 @@ class Agent:
         failures = _FailureLog(f"registering with {self.client.base_url}")
         delay = 0.5
         while not self.stopping.is_set():
+            self.liveness.beat()
             if self.drain.notice is not None and not self.supervisor.running():
                 log.info("drained before the portal answered: nothing here to move")
                 return None

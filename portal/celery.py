@@ -6,6 +6,8 @@ import os
 
 from celery import Celery, signals
 
+import portal.liveness  # noqa: F401 - connects the worker's and beat's liveness beats to Celery's signals
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
 app = Celery("bungee")

@@ -4,6 +4,7 @@ from django.urls import path
 
 from portal.api import api
 from portal.error_pages import forbidden_page, not_found_page
+from portal.health import healthz, readyz
 from portal.jobs import views
 from portal.metrics import metrics_view
 from portal.scheduling.views import scheduler_page
@@ -19,6 +20,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", api.urls),
     path("metrics", metrics_view, name="metrics"),
+    path("healthz", healthz, name="healthz"),
+    path("readyz", readyz, name="readyz"),
 ]
 
 handler403 = forbidden_page
