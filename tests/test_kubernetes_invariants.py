@@ -1,9 +1,10 @@
 """What the schema cannot say about deploy/kubernetes, checked on what `kubectl kustomize` renders
 for every overlay and for the docs' example overlay: probes, resources and a locked-down securityContext on every container; the
-agent's GPUs, tolerations, hostPID and a grace that covers its drain; exactly one beat; no
-Secret with a value anywhere, and every Secret it names listed in the operator's docs; one image
-for every Bungee process, the stores' images those of docker-compose.yml; every name an object
-refers to defined; the commands those of docker-compose.yml."""
+agent's GPUs, tolerations, hostPID and a grace that covers its drain; its pool token and a node
+name per pod; exactly one beat; no Secret with a value anywhere, and every Secret it names listed
+in the operator's docs; one image for every Bungee process, the stores' images those of
+docker-compose.yml; every name an object refers to defined; the commands those of
+docker-compose.yml."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from typing import Any
 import pytest
 import yaml
 from django.urls import Resolver404, resolve
+from pydantic import ValidationError
 
+from elastic.wire import NodeRegistration
+from portal.accounts.models import POOL_NAME_PATTERN, ApiToken
 from tests.kubernetes_support import (
     BUNGEE_COMPONENTS,
     DOCS,
@@ -109,17 +113,72 @@ def test_the_agent_holds_gpus_sees_host_pids_and_drains_before_it_is_killed(obje
     # for both.
     assert spec["terminationGracePeriodSeconds"] > float(drain) + float(stop)
 
-    downward = {v["name"]: v["valueFrom"]["fieldRef"]["fieldPath"]
-                for v in container["env"] if "fieldRef" in v.get("valueFrom", {})}
-    assert downward["BUNGEE_NODE_NAME"] == "spec.nodeName"
     address = "status.hostIP" if spec.get("hostNetwork") else "status.podIP"
-    assert downward["BUNGEE_NODE_ADDRESS"] == address
+    assert downward_fields(container)["BUNGEE_NODE_ADDRESS"] == address
 
     opportunistic = by_kind(objects, "PriorityClass")[spec["priorityClassName"]]
     assert opportunistic["value"] < 0 and opportunistic["preemptionPolicy"] == "Never"
     for name in ("portal", "worker", "beat"):
         control = by_kind(objects, "PriorityClass")[component(objects, name).spec["priorityClassName"]]
         assert control["value"] > opportunistic["value"]
+
+
+def test_the_agent_registers_with_the_pool_token_under_a_name_per_pod(objects: tuple[dict[str, Any], ...]) -> None:
+    """Every agent pod reads one pool token, the key `token` of a Secret mounted read-only, and
+    no other Secret: no token per node. The node token a pool token's registration returns is
+    kept in the state directory, an emptyDir that dies with the pod, and a pool token never
+    registers a name a token holds: so the node's name carries the pod's, both from the downward
+    API, after the prefix of the pool the docs' create_token names. Filled in with the longest
+    Kubernetes node name the docs promise, it meets the portal's rule for node names; one
+    character more does not."""
+    agent = component(objects, "agent")
+    [container] = agent.containers()
+    secrets = {v["name"]: v["secret"] for v in agent.spec["volumes"] if "secret" in v}
+    assert [secret["secretName"] for secret in secrets.values()] == ["bungee-agent-pool"]
+    [(volume, secret)] = secrets.items()
+    assert secret["items"] == [{"key": "token", "path": "token"}]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == volume]
+    assert mount["readOnly"] is True
+    assert env_value(container, "BUNGEE_AGENT_TOKEN_FILE", objects) == f"{mount['mountPath']}/token"
+    assert not [v for v in container["env"] if "secretKeyRef" in v.get("valueFrom", {})]
+    assert "BUNGEE_AGENT_TOKEN" not in {v["name"] for v in container["env"]}
+
+    state_dir = env_value(container, "BUNGEE_AGENT_STATE_DIR", objects)
+    [state] = [m for m in container["volumeMounts"] if m["mountPath"] == state_dir]
+    assert "emptyDir" in {v["name"]: v for v in agent.spec["volumes"]}[state["name"]]
+
+    downward = downward_fields(container)
+    name = env_value(container, "BUNGEE_NODE_NAME", objects)
+    assert name is not None
+    parts = {used: downward.get(used, "not the downward API") for used in VARIABLE.findall(name)}
+    assert sorted(parts.values()) == ["metadata.name", "spec.nodeName"], parts
+    docs = DOCS.read_text()
+    found = re.search(r"manage\.py create_token ADMIN --role pool --pool (\S+)", docs)
+    assert found is not None, f"no pool token made in {DOCS.name}"
+    pool = found.group(1)
+    assert re.fullmatch(POOL_NAME_PATTERN, pool), pool
+    assert name.startswith(ApiToken(role=ApiToken.Role.POOL, pool=pool).node_prefix), (name, pool)
+
+    promised = re.search(r"a Kubernetes node name of up to (\d+) characters", docs)
+    assert promised is not None, f"{DOCS.name} says no longest Kubernetes node name"
+    longest = int(promised.group(1))
+    pod_name = f"{agent.workload['metadata']['name']}-x7k2p"  # a DaemonSet's pod: its name, -, 5 characters
+
+    def registration(node_name: str, template: str = name) -> NodeRegistration:
+        fields = {"spec.nodeName": node_name, "metadata.name": pod_name}
+        filled = VARIABLE.sub(lambda m: fields[downward[m.group(1)]], template)
+        return NodeRegistration(name=filled, address="10.0.0.7", backend="nvml", devices=[])
+
+    registration("ip-10-0-1-23.eu-west-1.compute.internal")
+    registration("g" * longest)
+    with pytest.raises(ValidationError):
+        registration("g" * (longest + 1))
+
+
+def downward_fields(container: dict[str, Any]) -> dict[str, str]:
+    """The container's variables from the downward API, and the field each reads."""
+    return {v["name"]: v["valueFrom"]["fieldRef"]["fieldPath"]
+            for v in container.get("env", []) if "fieldRef" in v.get("valueFrom", {})}
 
 
 def test_exactly_one_beat_and_it_runs_the_migrations(objects: tuple[dict[str, Any], ...]) -> None:
@@ -146,7 +205,9 @@ def test_no_secret_has_a_value_and_every_secret_named_is_in_the_docs(objects: tu
     for pod in pods(objects):
         for volume in pod.spec.get("volumes", []):
             if "secret" in volume:
-                named.add((volume["secret"]["secretName"], None))
+                secret = volume["secret"]
+                named |= {(secret["secretName"], item["key"]) for item in secret.get("items", [])}
+                named.add((secret["secretName"], None))
         for container in pod.containers():
             for variable in container.get("env", []):
                 ref = variable.get("valueFrom", {}).get("secretKeyRef")
