@@ -40,6 +40,7 @@ def test_the_flags() -> None:
         "--standbys",
         "--prepared-standbys",
         "--standby-start",
+        "--slurm",
     }
 
 
@@ -94,6 +95,7 @@ ENVIRONMENT = {
     "BUNGEE_PREPARED_STANDBYS": "0",
     "BUNGEE_STANDBY_START": "exec",
     "BUNGEE_SIM_PACE": "2.5",
+    "BUNGEE_SLURM": "off",
 }
 
 
