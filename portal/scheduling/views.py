@@ -11,6 +11,7 @@ from portal.errors import ApiError
 from portal.scheduling.api import decision_view, require_staff
 from portal.scheduling.models import SchedulerDecision
 from portal.scheduling.policy import policy_name
+from portal.slurm.status import pool_view
 
 RECENT = 20
 
@@ -29,5 +30,6 @@ def scheduler_page(request: HttpRequest) -> HttpResponse:
             "policy": policy_name(),
             "latest": decision_view(recent[0]) if recent else None,
             "recent": recent,
+            "slurm_pool": pool_view(),
         },
     )
