@@ -19,12 +19,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from django.db import transaction
-from django.db.models import Count, QuerySet
+from django.db.models import Count
 from django.utils import timezone
 
 from elastic.wire import slurm_node_name
-from portal.cluster.models import Device, Node
+from portal.cluster.models import Node
 from portal.jobs.models import Allocation, Job
+from portal.jobs.services import usable_devices
 from portal.jobs.states import ACTIVE_STATES
 from portal.slurm.commands import SlurmCommandError, SlurmCommands, SlurmJob
 from portal.slurm.config import PoolConfig
@@ -48,12 +49,6 @@ def wanted_devices() -> int:
     """The devices the active jobs want: each its pin if pinned, else its maximum."""
     bounds = Job.objects.filter(state__in=ACTIVE_STATES).values_list("pinned_workers", "max_workers")
     return sum(pin if pin is not None else maximum for pin, maximum in bounds)
-
-
-def _usable_devices() -> QuerySet[Device]:
-    """Devices a job can be given: present, not taken by their owner, their node online (as
-    portal.cluster.models.Device.usable)."""
-    return Device.objects.filter(present=True, owner_present=False, node__state=Node.State.ONLINE)
 
 
 def sbatch_options(config: PoolConfig) -> list[str]:
@@ -104,7 +99,7 @@ def _observe(listed: list[SlurmJob], now: datetime) -> list[AgentJob]:
     known = set(Node.objects.filter(name__in=names.values()).values_list("name", flat=True))
     busy = set(Allocation.objects.filter(device__node__name__in=names.values()).values_list("device__node__name", flat=True))
     usable = dict(
-        _usable_devices().filter(node__name__in=names.values()).values("node__name")
+        usable_devices().filter(node__name__in=names.values()).values("node__name")
         .annotate(count=Count("id")).values_list("node__name", "count")
     )
     rows = {row.slurm_job_id: row for row in SlurmAgentJob.objects.all()}
@@ -145,7 +140,7 @@ def run_pass(config: PoolConfig, commands: SlurmCommands, user: str, now: dateti
     result = PassResult()
     try:
         agents = _observe(commands.jobs(config.job_name, user), now)
-        wanted, usable = wanted_devices(), _usable_devices().count()
+        wanted, usable = wanted_devices(), usable_devices().count()
         limits = PoolLimits(config.devices_per_agent, config.max_agents, config.idle_s, config.start_timeout_s)
         decision = result.decision = size_pool(wanted, usable, agents, limits)
         counts = {phase: sum(1 for a in agents if a.phase == phase) for phase in Phase}
