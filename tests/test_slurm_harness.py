@@ -8,11 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from tests import slurm_support
 from tests.slurm_support import PROJECT_ROOT, SlurmCluster, slurm, slurm_clean, slurm_cluster, wait_until
 
 __all__ = ["slurm", "slurm_clean"]  # fixtures, used by name
 
 pytestmark = pytest.mark.slow
+
+
+def test_it_says_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slurm_support.os, "geteuid", lambda: 1000)
+    assert "needs root" in str(slurm_support.missing_requirements())
+    monkeypatch.setattr(slurm_support.os, "geteuid", lambda: 0)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert "missing munged, slurmctld, slurmd, sbatch" in str(slurm_support.missing_requirements())
 
 
 def _output(cluster: SlurmCluster, job_id: int, path: Path) -> str:

@@ -85,3 +85,21 @@ def test_a_simulated_agent_job_is_told_its_device_count() -> None:
         "--token-file", "/shared/bungee/pool.token", "--devices", "2", "--sim-pace", "4",
     ]
     assert pool_config(raw(GRES="slot:4", DEVICES_PER_AGENT=2)).devices_per_agent == 2
+
+
+def test_the_beat_sizes_the_pool_only_when_it_is_on(settings: Any) -> None:
+    from portal.celery import _beat_schedule, app
+
+    schedule = app.conf.beat_schedule
+    saved = dict(schedule)
+    try:
+        schedule.clear()
+        _beat_schedule(app)
+        assert "slurm pool" not in schedule and "scheduler tick" in schedule
+        settings.BUNGEE_SLURM = raw(EVERY_S=7.0)
+        _beat_schedule(app)
+        assert schedule["slurm pool"]["task"] == "portal.slurm.tasks.size_pool"
+        assert schedule["slurm pool"]["schedule"] == 7.0
+    finally:
+        schedule.clear()
+        schedule.update(saved)
