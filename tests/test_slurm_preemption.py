@@ -79,7 +79,7 @@ def test_an_owner_job_preempts_one_pool_job_whose_shell_hears_term_and_leaves(
                            script=OWNER.format(marks=marks))
     terms = wait_until(lambda: [j for j in (first, second) if (marks / f"{j}.term").exists()], WAIT_S,
                        "a pool job's shell trapped SIGTERM")
-    cluster.wait_for_state(owner, ["RUNNING"], WAIT_S)
+    wait_until((marks / f"owner-{owner}.start").exists, WAIT_S, "the owner's job started")
     assert isinstance(terms, list) and len(terms) == 1, "two slots are wanted: one pool job gives them"
     (left,) = terms
     stayed = second if left == first else first
