@@ -47,6 +47,9 @@ def pool(slurm: SlurmCluster, settings: Any, monkeypatch: pytest.MonkeyPatch, tm
         "TOKEN_FILE": str(token), "PYTHON": str(PROJECT_ROOT / ".venv" / "bin" / "python"),
         "WORKDIR": str(PROJECT_ROOT), "OUTPUT": str(tmp_path / "agents" / "%x-%j.out"),
         "AGENT_ARGS": "--standbys off",
+        # Each agent's state directory under the test's own data dir (job ids start at 1 in every
+        # test cluster: under the project's var/ two runs' agents would share one).
+        "EXPORT": f"ALL,BUNGEE_DATA_DIR={tmp_path / 'data'}",
     }
     yield slurm
     slurm.cancel_all()
@@ -89,6 +92,7 @@ def test_the_pool_grows_with_demand_and_shrinks_when_idle(
         output = tmp_path / "agents" / f"bungee-agent-{job_id}.out"
         wait_until(lambda o=output: o.exists() and "registering with http://127.0.0.1:9 failed" in o.read_text(),
                    60, f"agent job {job_id}'s agent trying to register")
+        assert (tmp_path / "data" / "agent" / slurm_node_name(pool.nodes[0], job_id)).is_dir()
     assert size_slurm_pool() == {"submitted": [], "cancelled": []}
     assert SlurmPoolPass.objects.get().starting == 2
 
