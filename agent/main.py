@@ -29,6 +29,7 @@ from types import FrameType
 
 from pydantic import ValidationError
 
+from agent import slurm
 from agent.artifacts import ArtifactUploader
 from agent.client import (
     AgentAuthError,
@@ -38,7 +39,7 @@ from agent.client import (
 )
 from agent.code import CodeCache
 from agent.commands import CommandDispatcher, CommandReader, StreamMark
-from agent.devices import DeviceBackend, DeviceError, backend_names, make_backend
+from agent.devices import DeviceBackend, DeviceError, GpuSelection, backend_names, make_backend
 from agent.devices.simulated import MAX_PACE
 from agent.drain import Drain, term_cause
 from agent.events import EventBuffer, PoisonIsolation
@@ -113,6 +114,8 @@ class AgentConfig:
     workers save and exit at once)."""
     drain_deadline_s: float = 60.0
     """How long a drain may take before the agent stops what is left."""
+    gpus: GpuSelection | None = None
+    """nvml only: the machine's GPUs that are this node's (a Slurm allocation's); None: all."""
 
 
 def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
@@ -323,6 +326,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "back (default: BUNGEE_DATA_DIR/agent/NAME, or var/agent/NAME in the project)",
     )
     flag(
+        "--slurm",
+        "BUNGEE_SLURM",
+        "auto",
+        "run as a Slurm batch job, the node being the allocation (named NODE-jobID, its GPUs or a "
+        "count of slots, see agent.slurm): on (--slurm alone), off, or auto (when SLURM_JOB_ID is set)",
+        choices=list(slurm.MODES),
+        nargs="?",
+        const="on",
+    )
+    flag(
         "--log-level",
         "BUNGEE_LOG_LEVEL",
         "INFO",
@@ -337,6 +350,16 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
     value is missing or wrong."""
     parser = build_parser(environ)
     args = parser.parse_args(argv)
+    # Inside a Slurm allocation (agent.slurm) the flags' defaults are the allocation's.
+    try:
+        allocation = slurm.detect(args.slurm, environ)
+        if allocation is not None:
+            environ = slurm.agent_environ(environ, allocation, socket.gethostname())
+            parser = build_parser(environ)
+            args = parser.parse_args(argv)
+            args.backend = slurm.backend_for(allocation, args.backend)
+    except slurm.SlurmEnvironmentError as err:
+        parser.error(str(err))
     if args.token_file:
         try:
             args.token = Path(args.token_file).read_text().strip()
@@ -369,6 +392,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         standbys=args.standbys,
         prepared_standbys=args.prepared_standbys,
         standby_start=args.standby_start,
+        gpus=slurm.gpu_selection(allocation, args.backend),
         state_dir=Path(args.state_dir).resolve() if args.state_dir else default_state_dir(environ, args.name),
     )
 
@@ -692,7 +716,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         backend = make_backend(
-            config.backend, slots=config.sim_devices, node_name=config.node_name, pace=config.sim_pace
+            config.backend, slots=config.sim_devices, node_name=config.node_name, pace=config.sim_pace,
+            gpus=config.gpus,
         )
     except DeviceError as err:
         log.error("device backend %r cannot start: %s", config.backend, err)

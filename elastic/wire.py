@@ -85,12 +85,23 @@ class RunningWorker(WorkerKey):
     device_index: int = Field(ge=0, le=MAX_LIST)
 
 
+NODE_NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"
+
+
+def slurm_node_name(slurm_node: str, job_id: int | str) -> str:
+    """The node of an agent that runs as a Slurm batch job: the Slurm node and the job
+    ("gpu-07-job4211"), so that two allocations on one machine are two nodes. The agent
+    registers under it (agent.slurm) and the portal's Slurm pool finds its agent jobs' nodes by
+    it (portal.slurm)."""
+    return f"{slurm_node}-job{job_id}"
+
+
 class NodeRegistration(_Message):
     """An agent (re)starting. `running`: the workers it runs already, those a previous agent of
     the node started and this one took over (re-adopted); the portal keeps their rows, and any
     other worker it thought ran on the node is gone."""
 
-    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = Field(min_length=1, max_length=100, pattern=NODE_NAME_PATTERN)
     address: str = Field(min_length=1, max_length=255, description="host workers of other nodes reach")
     backend: str
     devices: list[DeviceInfo]

@@ -37,6 +37,7 @@ INSTALLED_APPS = [
     "portal.jobs",
     "portal.live",
     "portal.scheduling",
+    "portal.slurm",
     "axes",
 ]
 
@@ -268,6 +269,34 @@ BUNGEE = {
     # to their last LOG_LINES_KEPT lines (0: deleted).
     "LOG_RETENTION_DAYS": env_float("BUNGEE_LOG_RETENTION_DAYS", 30.0),
     "LOG_LINES_KEPT": env_int("BUNGEE_LOG_LINES_KEPT", 1000),
+}
+
+# Bungee's Slurm pool (portal.slurm): agents submitted as Slurm batch jobs when jobs want more
+# devices than the cluster has, cancelled when idle. Off by default; read and checked by
+# portal.slurm.config, which says what each one means.
+BUNGEE_SLURM = {
+    "ENABLED": env_bool("BUNGEE_SLURM_ENABLED", False),
+    "PARTITION": env_str("BUNGEE_SLURM_PARTITION", ""),
+    "ACCOUNT": env_str("BUNGEE_SLURM_ACCOUNT", ""),
+    "QOS": env_str("BUNGEE_SLURM_QOS", ""),
+    "GRES": env_str("BUNGEE_SLURM_GRES", "gpu:1"),
+    "DEVICES_PER_AGENT": env_int("BUNGEE_SLURM_DEVICES_PER_AGENT", 0, minimum=0),
+    "TIME_LIMIT": env_str("BUNGEE_SLURM_TIME_LIMIT", ""),
+    "GRACE_S": env_int("BUNGEE_SLURM_GRACE_S", 120, minimum=1),
+    "MAX_AGENTS": env_int("BUNGEE_SLURM_MAX_AGENTS", 4, minimum=0),
+    "IDLE_S": env_float("BUNGEE_SLURM_IDLE_S", 600.0),
+    "START_TIMEOUT_S": env_float("BUNGEE_SLURM_START_TIMEOUT_S", 600.0),
+    "AGENT_ARGS": env_str("BUNGEE_SLURM_AGENT_ARGS", ""),
+    "SBATCH_ARGS": env_str("BUNGEE_SLURM_SBATCH_ARGS", ""),
+    "PORTAL_URL": env_str("BUNGEE_SLURM_PORTAL_URL", ""),
+    "TOKEN_FILE": env_str("BUNGEE_SLURM_TOKEN_FILE", ""),
+    "PYTHON": env_str("BUNGEE_SLURM_PYTHON", "python3"),
+    "WORKDIR": env_str("BUNGEE_SLURM_WORKDIR", str(BASE_DIR)),
+    "OUTPUT": env_str("BUNGEE_SLURM_OUTPUT", str(DATA_DIR / "slurm" / "%x-%j.out")),
+    "EXPORT": env_str("BUNGEE_SLURM_EXPORT", "NONE"),
+    "JOB_NAME": env_str("BUNGEE_SLURM_JOB_NAME", "bungee-agent"),
+    "EVERY_S": env_float("BUNGEE_SLURM_EVERY_S", 15.0),
+    "COMMAND_TIMEOUT_S": env_float("BUNGEE_SLURM_COMMAND_TIMEOUT_S", 30.0),
 }
 
 LOGGING = {

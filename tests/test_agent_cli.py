@@ -42,6 +42,7 @@ def test_the_flags() -> None:
         "--standbys",
         "--prepared-standbys",
         "--standby-start",
+        "--slurm",
     }
 
 
@@ -96,6 +97,7 @@ ENVIRONMENT = {
     "BUNGEE_PREPARED_STANDBYS": "0",
     "BUNGEE_STANDBY_START": "exec",
     "BUNGEE_SIM_PACE": "2.5",
+    "BUNGEE_SLURM": "off",
 }
 
 

@@ -11,6 +11,7 @@ from agent.devices.api import (
     BackendUnavailableError,
     DeviceBackend,
     DeviceError,
+    GpuSelection,
     NotSupportedError,
     UnknownBackendError,
     UnknownDeviceError,
@@ -24,6 +25,7 @@ __all__ = [
     "BackendUnavailableError",
     "DeviceBackend",
     "DeviceError",
+    "GpuSelection",
     "NotSupportedError",
     "UnknownBackendError",
     "UnknownDeviceError",
@@ -35,25 +37,32 @@ __all__ = [
 ]
 
 
-def _nvml(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0) -> DeviceBackend:
+def _nvml(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0,
+          gpus: GpuSelection | None = None) -> DeviceBackend:
     from agent.devices.nvml import NvmlBackend
 
     if pace != 1.0:
         raise DeviceError(f"a pace (got {pace!r}) is for simulated slots; a GPU keeps its own")
 
-    return NvmlBackend(slots=slots, node_name=node_name)
+    return NvmlBackend(slots=slots, node_name=node_name, gpus=gpus)
 
 
-def _simulated(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0) -> DeviceBackend:
+def _simulated(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0,
+               gpus: GpuSelection | None = None) -> DeviceBackend:
     from agent.devices.simulated import SimulatedBackend
 
+    if gpus is not None:
+        raise DeviceError(f"a GPU selection ({gpus}) is for nvml; simulated slots are CPU cores")
     return SimulatedBackend(slots=slots, node_name=node_name, pace=pace)
 
 
-def _auto(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0) -> DeviceBackend:
+def _auto(*, slots: int | None = None, node_name: str | None = None, pace: float = 1.0,
+          gpus: GpuSelection | None = None) -> DeviceBackend:
     try:
-        backend = registry.create("nvml", node_name=node_name)
+        backend = registry.create("nvml", node_name=node_name, gpus=gpus)
     except BackendUnavailableError as err:
+        if gpus is not None:
+            raise  # GPUs were named: slots in their place would be a different node
         log.info("no GPU through NVML (%s): simulating CPU slots", err)
         return registry.create("simulated", slots=slots, node_name=node_name, pace=pace)
     if slots is not None:
@@ -71,7 +80,8 @@ registry.register("auto", _auto)
 
 def make_backend(name: str, **options: object) -> DeviceBackend:
     """Returns a new backend; options: `slots` (simulated slots, default one per CPU),
-    `node_name` (seeds simulated UUIDs) and `pace` (simulated slots' step stretch, default 1).
+    `node_name` (seeds simulated UUIDs), `pace` (simulated slots' step stretch, default 1) and
+    `gpus` (nvml: only these GPUs of the machine, a GpuSelection; default all).
     Raises UnknownBackendError for an unknown name, BackendUnavailableError where the machine
     lacks the devices, DeviceError for bad options."""
     return registry.create(name, **options)

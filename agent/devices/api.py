@@ -39,6 +39,20 @@ class NotSupportedError(DeviceError):
 
 
 @dataclass(frozen=True)
+class GpuSelection:
+    """The GPUs of this machine that are the node's, where it holds only some (a Slurm
+    allocation): by device minor number (/dev/nvidia<minor>; Slurm's GPU ids on the usual
+    gres.conf) or by UUID (a CUDA_VISIBLE_DEVICES of UUIDs)."""
+
+    minors: frozenset[int] = frozenset()
+    uuids: frozenset[str] = frozenset()
+
+    def __str__(self) -> str:
+        named = [f"minor {m}" for m in sorted(self.minors)] + sorted(self.uuids)
+        return ", ".join(named) or "no GPU"
+
+
+@dataclass(frozen=True)
 class WorkerPlacement:
     """How to start a worker on one device: the torch device string it is told to use, extra
     environment variables, and the CPU cores to pin it to (None: leave the affinity alone)."""

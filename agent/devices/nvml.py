@@ -25,6 +25,7 @@ from agent.devices.api import (
     BackendUnavailableError,
     DeviceBackend,
     DeviceError,
+    GpuSelection,
     NotSupportedError,
     UnknownDeviceError,
     WorkerPids,
@@ -115,14 +116,37 @@ def _optional(read: Callable[[], T]) -> T | None:
         raise
 
 
+def selected_gpus(found: list[tuple[int | None, str]], gpus: GpuSelection) -> list[int]:
+    """The positions in `found` (each GPU's minor number, None where NVML has none, and UUID, in
+    NVML's order) of the GPUs `gpus` names, in NVML's order. Raises BackendUnavailableError,
+    quoting both, if one it names is not among them."""
+    chosen = [i for i, (minor, uuid) in enumerate(found) if minor in gpus.minors or uuid in gpus.uuids]
+    missing = (gpus.minors - {found[i][0] for i in chosen}) | (gpus.uuids - {found[i][1] for i in chosen})
+    if missing or not chosen:
+        seen = ", ".join(f"minor {minor} ({uuid})" for minor, uuid in found) or "none"
+        raise BackendUnavailableError(f"NVML does not see every GPU asked for ({gpus}); it sees {seen}")
+    return chosen
+
+
+def _minor(handle: Any) -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetMinorNumber(handle))
+    except pynvml.NVMLError:  # not on every platform
+        return None
+
+
 class NvmlBackend(DeviceBackend):
-    """Every GPU NVML sees. Raises BackendUnavailableError if NVML does not initialise or
-    finds no GPU, DeviceError if given `slots` (a simulated backend's option). `node_name` is
-    accepted for symmetry with the simulated backend and unused: GPUs carry their own UUIDs."""
+    """Every GPU NVML sees, or with `gpus` only those (a Slurm allocation's), numbered from 0 in
+    NVML's order; a worker on one of those is given it by UUID, which CUDA understands whatever
+    devices a cgroup lets it see. Raises BackendUnavailableError if NVML does not initialise,
+    finds no GPU or not every GPU of `gpus`, DeviceError if given `slots` (a simulated backend's
+    option). `node_name` is accepted for symmetry with the simulated backend and unused: GPUs
+    carry their own UUIDs."""
 
     name = "nvml"
 
-    def __init__(self, *, slots: int | None = None, node_name: str | None = None) -> None:
+    def __init__(self, *, slots: int | None = None, node_name: str | None = None,
+                 gpus: GpuSelection | None = None) -> None:
         if slots is not None:
             raise DeviceError(f"slots={slots!r} applies to the simulated backend, not to nvml")
         try:
@@ -133,7 +157,18 @@ class NvmlBackend(DeviceBackend):
             count = pynvml.nvmlDeviceGetCount()
             if count < 1:
                 raise BackendUnavailableError("NVML initialised but found no GPU")
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            if gpus is None:
+                self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            else:
+                handles = []
+                for i in range(count):
+                    try:
+                        handles.append(pynvml.nvmlDeviceGetHandleByIndex(i))
+                    except pynvml.NVMLError as err:  # a GPU a cgroup keeps from us is not ours
+                        log.info("GPU %d is not open to this agent (%s): not one of its GPUs", i, err)
+                found = [(_minor(h), _text(pynvml.nvmlDeviceGetUUID(h))) for h in handles]
+                self._handles = [handles[i] for i in selected_gpus(found, gpus)]
+            self._by_uuid = gpus is not None
             self._last_sample_us: dict[int, int] = {}
             self._devices = [
                 DeviceInfo(
@@ -155,6 +190,8 @@ class NvmlBackend(DeviceBackend):
 
     def placement(self, index: int) -> WorkerPlacement:
         self._check(index)
+        if self._by_uuid:
+            return WorkerPlacement(device="cuda:0", env={"CUDA_VISIBLE_DEVICES": self._devices[index].uuid})
         # NVML numbers GPUs in PCI bus order; CUDA, unless told so, fastest first.
         return WorkerPlacement(
             device="cuda:0",

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from elastic.scheduling.api import Reason
@@ -38,8 +39,14 @@ def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
     return job
 
 
+def usable_devices() -> QuerySet[Device]:
+    """Devices a job can be given: present, not taken by their owner, their node online (as
+    Device.usable)."""
+    return Device.objects.filter(present=True, owner_present=False, node__state=Node.State.ONLINE)
+
+
 def usable_device_count() -> int:
-    return Device.objects.filter(present=True, owner_present=False, node__state=Node.State.ONLINE).count()
+    return usable_devices().count()
 
 
 def request_resize(job: Job, workers: int | None, by: AbstractBaseUser) -> Job:

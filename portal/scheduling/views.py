@@ -12,6 +12,7 @@ from portal.errors import ApiError
 from portal.scheduling.api import decision_view
 from portal.scheduling.models import SchedulerDecision
 from portal.scheduling.policy import policy_name
+from portal.slurm.status import pool_view
 
 RECENT = 20
 
@@ -30,5 +31,6 @@ def scheduler_page(request: HttpRequest) -> HttpResponse:
             "policy": policy_name(),
             "latest": decision_view(recent[0]) if recent else None,
             "recent": recent,
+            "slurm_pool": pool_view(),
         },
     )
