@@ -7,8 +7,13 @@ modes normalised, gzip header without a time). Checks, on both sides:
 
 - no member may leave the directory: no absolute path, no `..`, no symlink or hard link, no
   device or fifo; each is refused with the member's name;
-- at most `max_files` files and `max_unpacked_bytes` bytes unpacked (a zip bomb is refused
-  before it is written out);
+- at most `max_files` members, counted while the archive's index is read and refused at the
+  first one past the limit: a zip's end record says how many its central directory lists (an
+  archive that claims more is refused before a member is parsed, and the directory is counted
+  record by record before zipfile parses it, since zipfile believes its size, not its count), a
+  tar is read member by member. Every member counts, directories and the files a
+  `.bungeeignore` leaves out included: each costs as much to read as a file kept;
+- at most `max_unpacked_bytes` bytes unpacked (a zip bomb is refused before it is written out);
 - a `.bungeeignore` at the top (one glob a line, `#` comments, a trailing `/` for a directory)
   leaves out what it matches, like a `.gitignore` without negation;
 - an archive whose every file lies under one directory is taken from inside it, so that
@@ -23,12 +28,14 @@ import gzip
 import hashlib
 import io
 import shutil
+import struct
 import tarfile
 import tempfile
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import IO, BinaryIO
 
@@ -36,12 +43,20 @@ IGNORE_FILE = ".bungeeignore"
 _COPY_CHUNK = 1 << 20
 
 
-class ArchiveError(ValueError):
-    """The archive is not acceptable code; the message names the member or the limit."""
+class Limit(Enum):
+    """Which limit an archive passed."""
 
-    def __init__(self, message: str, too_big: bool = False) -> None:
+    FILES = "files"
+    UNPACKED_BYTES = "unpacked_bytes"
+
+
+class ArchiveError(ValueError):
+    """The archive is not acceptable code; the message names the member or the limit (`limit`:
+    which one it passed; None for any other fault)."""
+
+    def __init__(self, message: str, limit: Limit | None = None) -> None:
         super().__init__(message)
-        self.too_big = too_big
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -72,16 +87,105 @@ def _clean_path(name: str) -> str:
     return "/".join(parts)
 
 
-class _Reader:
-    """The regular files of a tar (any compression tarfile reads) or zip archive."""
+_ZIP_END = struct.Struct("<4s4H2LH")
+"""A zip's end of central directory record: signature, disk numbers, members on this disk, members
+in all, the central directory's size and offset, the comment's length."""
+_ZIP_END_SIGNATURE = b"PK\x05\x06"
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_LOCATOR_SIGNATURE = b"PK\x06\x07"
+_ZIP64_END = struct.Struct("<4sQ2H2L4Q")
+"""The zip64 end record: ..., members on this disk, members in all, the directory's size and offset."""
+_ZIP64_END_SIGNATURE = b"PK\x06\x06"
+_ZIP_CENTRAL = struct.Struct("<4s24x3H12x")
+"""A central directory record's fixed part (46 bytes): its signature and the lengths of the name,
+extra field and comment that follow it."""
+_ZIP_CENTRAL_SIGNATURE = b"PK\x01\x02"
+_ZIP_END_SEARCHED = 1 << 16
+"""How far before its end record zipfile looks for it (a comment may follow the record)."""
 
-    def __init__(self, source: BinaryIO) -> None:
+
+def _too_many(max_members: int, listed: int | None = None) -> ArchiveError:
+    said = f"{listed}" if listed is not None else f"more than {max_members}"
+    return ArchiveError(
+        f"the archive lists {said} members (files and directories); at most {max_members} are taken", Limit.FILES
+    )
+
+
+def _zip_directory(source: BinaryIO) -> tuple[int, int, int] | None:
+    """(the members a zip's end record says its central directory lists, where that directory
+    starts, its size in bytes), found as zipfile finds them: the directory ends where the end
+    records begin, whatever offset they claim (bytes may be prepended to an archive); None without
+    an end record (zipfile then refuses the archive)."""
+    source.seek(0, io.SEEK_END)
+    size = source.tell()
+    tail_start = max(0, size - _ZIP_END.size - _ZIP_END_SEARCHED)
+    source.seek(tail_start)
+    tail = source.read()
+    if tail[-_ZIP_END.size:][:4] == _ZIP_END_SIGNATURE and tail[-2:] == b"\0\0":
+        at = len(tail) - _ZIP_END.size
+    else:
+        at = tail.rfind(_ZIP_END_SIGNATURE)
+    if at < 0 or len(tail) - at < _ZIP_END.size:
+        return None
+    _, _, _, _, listed, directory_size, _, _ = _ZIP_END.unpack_from(tail, at)
+    end = tail_start + at
+    start = end - directory_size
+    locator_at = end - _ZIP64_LOCATOR.size
+    if locator_at - _ZIP64_END.size >= 0:
+        source.seek(locator_at - _ZIP64_END.size)
+        records = source.read(_ZIP64_END.size + _ZIP64_LOCATOR.size)
+        if records[_ZIP64_END.size:][:4] == _ZIP64_LOCATOR_SIGNATURE and records[:4] == _ZIP64_END_SIGNATURE:
+            *_, listed, directory_size, _ = _ZIP64_END.unpack_from(records)
+            start = locator_at - _ZIP64_END.size - directory_size
+    return listed, start, directory_size
+
+
+def _check_zip_members(source: BinaryIO, max_members: int) -> None:
+    """Raises ArchiveError if the zip `source` lists more than `max_members` members: at once if
+    its end record says so, else at the first central directory record past the limit. zipfile
+    reads the directory by its size, not by the count the end record claims, and builds every
+    record's ZipInfo as it opens the archive; this walks the same records and builds nothing.
+    A directory this cannot walk is left to zipfile to refuse."""
+    found = _zip_directory(source)
+    if found is None:
+        return
+    listed, start, directory_size = found
+    if listed > max_members:
+        raise _too_many(max_members, listed)
+    if start < 0:
+        return
+    source.seek(start)
+    walked = counted = 0
+    while walked < directory_size:
+        record = source.read(_ZIP_CENTRAL.size)
+        if len(record) < _ZIP_CENTRAL.size:
+            return
+        signature, name_length, extra_length, comment_length = _ZIP_CENTRAL.unpack(record)
+        if signature != _ZIP_CENTRAL_SIGNATURE:
+            return
+        counted += 1
+        if counted > max_members:
+            raise _too_many(max_members)
+        variable = name_length + extra_length + comment_length
+        source.seek(variable, io.SEEK_CUR)
+        walked += _ZIP_CENTRAL.size + variable
+
+
+class _Reader:
+    """The regular files of a tar (any compression tarfile reads) or zip archive, refused where it
+    lists more than `max_members` members (None: any number) before they are all read."""
+
+    def __init__(self, source: BinaryIO, max_members: int | None) -> None:
         head = source.read(4)
         source.seek(0)
         self._zip: zipfile.ZipFile | None = None
         self._tar: tarfile.TarFile | None = None
+        self._max_members = max_members
         try:
             if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+                if max_members is not None:
+                    _check_zip_members(source, max_members)
+                    source.seek(0)
                 self._zip = zipfile.ZipFile(source)
             else:
                 self._tar = tarfile.open(fileobj=source, mode="r:*")
@@ -89,6 +193,9 @@ class _Reader:
             raise ArchiveError(f"not a tar.gz or zip archive: {err}") from err
 
     def members(self) -> list[tuple[_Member, object]]:
+        """The archive's regular files with their handles for `open`. Raises ArchiveError for a
+        link, a device or a path that leaves the directory, naming the member, and for a tar at its
+        first member past `max_members`."""
         found: list[tuple[_Member, object]] = []
         try:
             if self._zip is not None:
@@ -102,7 +209,10 @@ class _Reader:
                     found.append((_Member(path, info.file_size, bool(mode & 0o111)), info))
             else:
                 assert self._tar is not None
-                for tar_info in self._tar:
+                # Iterating reads one header at a time; getmembers() would read them all first.
+                for counted, tar_info in enumerate(self._tar, start=1):
+                    if self._max_members is not None and counted > self._max_members:
+                        raise _too_many(self._max_members)
                     path = _clean_path(tar_info.name)
                     if tar_info.issym() or tar_info.islnk():
                         raise ArchiveError(f"archive member {tar_info.name!r} is a link")
@@ -161,8 +271,9 @@ def _common_top(paths: list[str]) -> str:
 
 def repack(source: BinaryIO, destination: BinaryIO, max_unpacked_bytes: int, max_files: int) -> Packed:
     """Checks the tar or zip archive `source` (seekable) and writes its canonical tar.gz to
-    `destination`. Raises ArchiveError (`too_big` for a limit passed)."""
-    reader = _Reader(source)
+    `destination`. Raises ArchiveError (`limit` says which one was passed): for more than
+    `max_files` members as soon as the archive's index has listed one past the limit."""
+    reader = _Reader(source, max_files)
     members = reader.members()
     top = _common_top([member.path for member, _ in members])
     members = [(_Member(m.path[len(top):], m.size, m.executable), handle) for m, handle in members]
@@ -177,12 +288,10 @@ def repack(source: BinaryIO, destination: BinaryIO, max_unpacked_bytes: int, max
             with reader.open(handle) as stream:
                 patterns = _ignore_patterns(stream.read(1 << 16).decode("utf-8", errors="replace"))
     kept = sorted(((m, h) for m, h in members if not _ignored(m.path, patterns)), key=lambda pair: pair[0].path)
-    if len(kept) > max_files:
-        raise ArchiveError(f"the code has {len(kept)} files; at most {max_files} are taken", too_big=True)
     declared = sum(member.size for member, _ in kept)
     if declared > max_unpacked_bytes:
         raise ArchiveError(
-            f"the code unpacks to {declared} bytes; at most {max_unpacked_bytes} are taken", too_big=True
+            f"the code unpacks to {declared} bytes; at most {max_unpacked_bytes} are taken", Limit.UNPACKED_BYTES
         )
     hasher = _HashingWriter(destination)
     unpacked = 0
@@ -254,11 +363,13 @@ def unpack(archive: Path, target: Path, max_unpacked_bytes: int) -> None:
     staging.mkdir(parents=True)
     try:
         with archive.open("rb") as source:
-            reader = _Reader(source)
+            reader = _Reader(source, max_members=None)  # the portal counted them; the digest is checked
             members = reader.members()
             total = sum(member.size for member, _ in members)
             if total > max_unpacked_bytes:
-                raise ArchiveError(f"the code unpacks to {total} bytes; at most {max_unpacked_bytes}", too_big=True)
+                raise ArchiveError(
+                    f"the code unpacks to {total} bytes; at most {max_unpacked_bytes}", Limit.UNPACKED_BYTES
+                )
             for member, handle in members:
                 path = staging / member.path
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ from portal.jobs.ingest import Refused, ingest_events
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
+from portal.uploads import multipart_files
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -184,7 +185,8 @@ def report(request: HttpRequest, payload: ReportIn) -> dict[str, Any]:
 @agent_router.post("/jobs/{int:job_id}/artifacts", summary="An agent hands over a job's artifacts")
 def artifacts_endpoint(request: HttpRequest, job_id: int) -> dict[str, Any]:
     """Multipart: model.pt, checkpoint.pt, manifest.json. 403 unless one of the job's workers ran
-    on the token's node; 400 if a file is missing or not what the manifest's digest says."""
+    on the token's node; 415 for another type of body, 400 for one that cannot be read
+    (portal.uploads) or if a file is missing or not what the manifest's digest says."""
     token = request.api_token  # type: ignore[attr-defined]
     node = Node.objects.filter(agent_token=token).first()
     if node is None:
@@ -192,7 +194,8 @@ def artifacts_endpoint(request: HttpRequest, job_id: int) -> dict[str, Any]:
     job = Job.objects.filter(pk=job_id).first()
     if job is None:
         raise not_found(f"job {job_id}")
-    row = artifacts.store(node, job, dict(request.FILES.items()))
+    uploads = multipart_files(request, "model.pt, checkpoint.pt and manifest.json, a field each")
+    row = artifacts.store(node, job, dict(uploads.items()))
     return {"job_id": job_id, "step": row.step, "files": row.files}
 
 

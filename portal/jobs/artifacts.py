@@ -24,6 +24,7 @@ from portal.cluster.models import Node
 from portal.errors import ApiError, forbidden
 from portal.jobs.models import Job, JobArtifacts, Worker
 from portal.live import broadcast
+from portal.uploads import CUT_SHORT
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def store(node: Node, job: Job, uploads: dict[str, UploadedFile]) -> JobArtifact
         raise forbidden(f"job {job.pk} never ran on node {node.name!r}")
     for name in ARTIFACT_NAMES:
         if name not in uploads:
-            raise _refused(f"{name} is missing", name)
+            raise _refused(f"{name} is missing ({CUT_SHORT})", name)
     try:
         manifest = json.loads(uploads[MANIFEST_NAME].read(1 << 20))
     except ValueError as err:

@@ -12,10 +12,13 @@ from typing import BinaryIO
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 
-from elastic.codepack import ArchiveError, Packed, repack
+from elastic.codepack import ArchiveError, Limit, Packed, repack
 from elastic.spec import FieldError
 from portal.errors import ApiError
 from portal.jobs.models import CodeUpload
+
+LIMIT_SETTINGS = {Limit.FILES: "BUNGEE_CODE_MAX_FILES", Limit.UNPACKED_BYTES: "BUNGEE_CODE_MAX_UNPACKED_BYTES"}
+"""The setting that sets each limit of elastic.codepack, named in a refusal."""
 
 
 def code_dir() -> Path:
@@ -50,8 +53,7 @@ def store(owner: AbstractBaseUser, upload: BinaryIO, size: int, name: str) -> tu
             try:
                 packed = repack(upload, out, limits["CODE_MAX_UNPACKED_BYTES"], limits["CODE_MAX_FILES"])
             except ArchiveError as err:
-                status, code = (413, "too_large") if err.too_big else (400, "invalid_archive")
-                raise ApiError(status, code, f"{name}: {err}", [FieldError("file", str(err), name)]) from err
+                raise _refusal(err, name) from err
         os.replace(temporary, archive_path(packed.digest))
     finally:
         if os.path.exists(temporary):
@@ -60,6 +62,14 @@ def store(owner: AbstractBaseUser, upload: BinaryIO, size: int, name: str) -> tu
         owner=owner, digest=packed.digest, defaults={"size": packed.size, "files": packed.files}
     )
     return row, packed
+
+
+def _refusal(err: ArchiveError, name: str) -> ApiError:
+    """413 naming the limit passed and its setting, or 400 naming what is wrong with the archive."""
+    if err.limit is None:
+        return ApiError(400, "invalid_archive", f"{name}: {err}", [FieldError("file", str(err), name)])
+    reason = f"{err} ({LIMIT_SETTINGS[err.limit]})"
+    return ApiError(413, "too_large", f"{name}: {reason}", [FieldError("file", reason, name)])
 
 
 def upload_for(user: AbstractBaseUser | AnonymousUser, digest: str) -> CodeUpload | None:

@@ -17,6 +17,7 @@ from portal.errors import ApiError, forbidden, not_found
 from portal.jobs.code import archive_path, store, too_big, upload_for
 from portal.jobs.models import CodeUpload, Job
 from portal.jobs.states import ACTIVE_STATES
+from portal.uploads import CUT_SHORT, multipart_files
 
 router = Router(auth=user_auth, tags=["code"])
 agent_code_router = Router(auth=agent_auth, tags=["agents"])
@@ -58,12 +59,10 @@ def upload(request: HttpRequest) -> Status:
     declared = request.META.get("CONTENT_LENGTH")
     if declared and declared.isdigit() and int(declared) > settings.BUNGEE["CODE_MAX_BYTES"] + UPLOAD_OVERHEAD_BYTES:
         raise too_big(int(declared))
-    if "multipart/form-data" not in request.headers.get("Content-Type", ""):
-        raise ApiError(400, "invalid_request", "send the archive as multipart/form-data, in a field named 'file'",
-                       [FieldError("file", "required", None)])
-    archive = request.FILES.get("file")
+    archive = multipart_files(request, "the archive in a field named 'file'").get("file")
     if archive is None:
-        raise ApiError(400, "invalid_request", "no field named 'file' in the upload", [FieldError("file", "required", None)])
+        raise ApiError(400, "invalid_request", f"no field named 'file' in the upload ({CUT_SHORT})",
+                       [FieldError("file", "required", None)])
     row, packed = store(request.user, archive, archive.size or 0, archive.name or "upload")  # type: ignore[arg-type]
     return Status(201, {**_described(row), "unpacked_bytes": packed.unpacked_bytes})
 
