@@ -1,8 +1,8 @@
 """The multipart faults of tests/test_upload_body_errors.py sent to the real platform's server
 (portal.launcher.portal_command), over a socket: every answer is in the API's error shape. An
-empty multipart form (`--B--`, no part) got a 400 with no body: daphne's Twisted parses every
-multipart body itself before the application sees it and answers what its parser refuses with a
-bare 400."""
+empty multipart form (`--B--`, no part) got a 400 with no body when the platform ran daphne,
+whose Twisted parses every multipart body itself before the application sees it and answers what
+its parser refuses with a bare 400; uvicorn (portal.serve) hands every body to the application."""
 
 from __future__ import annotations
 
@@ -11,15 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from portal.launcher import portal_command
 from tests.platform import running_platform
 from tests.test_upload_body_errors import CASES, MISSING
 
-pytestmark = pytest.mark.skipif(
-    "daphne" in portal_command(0),
-    reason="the platform runs daphne, whose Twisted answers a multipart body its own parser refuses with a bare 400 "
-    "before the application sees it; portal.serve (uvicorn) hands every body to the application",
-)
+pytestmark = pytest.mark.slow
 
 
 def test_every_answer_is_in_the_error_shape(tmp_path: Path) -> None:
