@@ -45,10 +45,12 @@ class SlurmAllocation:
     """The allocation's GPUs; None where Slurm gave it none."""
     cpus: int | None
     """SLURM_CPUS_ON_NODE, where set."""
+    pool: str = ""
+    """BUNGEE_SLURM_POOL, which the pool's batch script sets: the pool the agent belongs to."""
 
     @property
     def node_name(self) -> str:
-        return slurm_node_name(self.slurm_node, self.job_id)
+        return slurm_node_name(self.slurm_node, self.job_id, self.pool)
 
 
 def _numbers(variable: str, text: str) -> frozenset[int]:
@@ -96,8 +98,12 @@ def detect(mode: str, environ: Mapping[str, str]) -> SlurmAllocation | None:
     if not re.fullmatch(NODE_NAME_PATTERN, slurm_node):
         raise SlurmEnvironmentError(f"SLURMD_NODENAME={slurm_node!r} cannot be part of a node name ({NODE_NAME_PATTERN})")
     cpus = environ.get("SLURM_CPUS_ON_NODE", "").strip()
+    pool = environ.get("BUNGEE_SLURM_POOL", "").strip()
+    if pool and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.]*", pool):
+        raise SlurmEnvironmentError(f"BUNGEE_SLURM_POOL={pool!r} is not a pool's name (letters, digits, _ and .)")
     return SlurmAllocation(
-        job_id=job_id, slurm_node=slurm_node, gpus=gpus_of(environ), cpus=int(cpus) if cpus.isdigit() else None
+        job_id=job_id, slurm_node=slurm_node, gpus=gpus_of(environ), cpus=int(cpus) if cpus.isdigit() else None,
+        pool=pool,
     )
 
 

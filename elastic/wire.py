@@ -88,12 +88,13 @@ class RunningWorker(WorkerKey):
 NODE_NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"
 
 
-def slurm_node_name(slurm_node: str, job_id: int | str) -> str:
+def slurm_node_name(slurm_node: str, job_id: int | str, pool: str = "") -> str:
     """The node of an agent that runs as a Slurm batch job: the Slurm node and the job
-    ("gpu-07-job4211"), so that two allocations on one machine are two nodes. The agent
-    registers under it (agent.slurm) and the portal's Slurm pool finds its agent jobs' nodes by
-    it (portal.slurm)."""
-    return f"{slurm_node}-job{job_id}"
+    ("gpu-07-job4211"), so that two allocations on one machine are two nodes; for an agent of a
+    pool, behind the pool's name ("slurm-gpu-07-job4211"), the only names its pool token may
+    register. The agent registers under it (agent.slurm) and the portal's Slurm pool finds its
+    agent jobs' nodes by it (portal.slurm)."""
+    return f"{pool}-{slurm_node}-job{job_id}" if pool else f"{slurm_node}-job{job_id}"
 
 
 class NodeRegistration(_Message):

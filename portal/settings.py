@@ -276,6 +276,7 @@ BUNGEE = {
 # portal.slurm.config, which says what each one means.
 BUNGEE_SLURM = {
     "ENABLED": env_bool("BUNGEE_SLURM_ENABLED", False),
+    "POOL": env_str("BUNGEE_SLURM_POOL", "slurm"),
     "PARTITION": env_str("BUNGEE_SLURM_PARTITION", ""),
     "ACCOUNT": env_str("BUNGEE_SLURM_ACCOUNT", ""),
     "QOS": env_str("BUNGEE_SLURM_QOS", ""),

@@ -72,8 +72,9 @@ def test_a_gpu_agent_job() -> None:
                      "--mem=64G", "--cpus-per-task=16"):
         assert expected in options
     # Slurm tells the agent its GPUs (SLURM_JOB_GPUS): no count on its command line.
-    command = agent_script(config).splitlines()[-1]
-    assert shlex.split(command) == ["exec", "python3", "-m", "agent", "--slurm", "--portal", "http://portal.example:8000",
+    script = agent_script(config).splitlines()
+    assert script[-2] == "export BUNGEE_SLURM_POOL=slurm", "the agent names its node behind the pool's name"
+    assert shlex.split(script[-1]) == ["exec", "python3", "-m", "agent", "--slurm", "--portal", "http://portal.example:8000",
                                     "--token-file", "/shared/bungee/pool.token"]
 
 
@@ -85,6 +86,12 @@ def test_a_simulated_agent_job_is_told_its_device_count() -> None:
         "--token-file", "/shared/bungee/pool.token", "--devices", "2", "--sim-pace", "4",
     ]
     assert pool_config(raw(GRES="slot:4", DEVICES_PER_AGENT=2)).devices_per_agent == 2
+
+
+def test_a_pool_name_with_a_dash_is_refused() -> None:
+    """A pool token of pool "a" could otherwise register the nodes of pool "a-b"."""
+    with pytest.raises(ImproperlyConfigured, match="BUNGEE_SLURM_POOL='a-b' is not a pool's name"):
+        pool_config(raw(POOL="a-b"))
 
 
 def test_the_beat_sizes_the_pool_only_when_it_is_on(settings: Any) -> None:

@@ -69,7 +69,7 @@ def _agent_jobs(cluster: SlurmCluster) -> dict[int, str]:
 
 def _register(cluster: SlurmCluster, job_id: int, devices: int) -> Node:
     """What the portal holds once the agent of Slurm job `job_id` has registered."""
-    node = Node.objects.create(name=slurm_node_name(cluster.nodes[0], job_id), address="127.0.0.1",
+    node = Node.objects.create(name=slurm_node_name(cluster.nodes[0], job_id, "slurm"), address="127.0.0.1",
                                backend="simulated", last_seen_at=timezone.now())
     for index in range(devices):
         Device.objects.create(node=node, index=index, uuid=f"{node.name}-{index}", name="slot", kind="cpu-slot")
@@ -92,7 +92,7 @@ def test_the_pool_grows_with_demand_and_shrinks_when_idle(
         output = tmp_path / "agents" / f"bungee-agent-{job_id}.out"
         wait_until(lambda o=output: o.exists() and "registering with http://127.0.0.1:9 failed" in o.read_text(),
                    60, f"agent job {job_id}'s agent trying to register")
-        assert (tmp_path / "data" / "agent" / slurm_node_name(pool.nodes[0], job_id)).is_dir()
+        assert (tmp_path / "data" / "agent" / slurm_node_name(pool.nodes[0], job_id, "slurm")).is_dir()
     assert size_slurm_pool() == {"submitted": [], "cancelled": []}
     assert SlurmPoolPass.objects.get().starting == 2
 

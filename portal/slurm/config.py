@@ -6,6 +6,7 @@ management command (a system check, portal.slurm.apps).
 | variable | default | what |
 |---|---|---|
 | BUNGEE_SLURM_ENABLED | false | run the pool at all |
+| BUNGEE_SLURM_POOL | slurm | the pool's name: its agents' nodes are named POOL-NODE-jobID, the names its pool token (create_token --role pool --pool POOL) may register |
 | BUNGEE_SLURM_PARTITION, _ACCOUNT, _QOS | the cluster's defaults | where agent jobs are submitted (sbatch --partition, --account, --qos) |
 | BUNGEE_SLURM_GRES | gpu:1 | what one agent job asks for (--gres), NAME[:TYPE]:COUNT |
 | BUNGEE_SLURM_DEVICES_PER_AGENT | the gres count | devices one agent brings; with a gres other than gpu, passed to it as --devices (Slurm tells a job nothing of such a gres) |
@@ -37,6 +38,8 @@ from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
+from portal.accounts.models import POOL_NAME_PATTERN
+
 GRES_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_]+)(:[A-Za-z0-9_.\-]+)?:(?P<count>[1-9][0-9]*)$")
 TIME_PATTERN = re.compile(r"^(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|UNLIMITED|INFINITE)$")
 MAX_SIGNAL_S = 65535
@@ -46,6 +49,7 @@ MAX_SIGNAL_S = 65535
 @dataclass(frozen=True)
 class PoolConfig:
     enabled: bool
+    pool: str
     partition: str
     account: str
     qos: str
@@ -88,6 +92,7 @@ def pool_config(raw: dict[str, Any] | None = None) -> PoolConfig:
     time_limit = str(raw["TIME_LIMIT"]).strip()
     config = PoolConfig(
         enabled=bool(raw["ENABLED"]),
+        pool=str(raw.get("POOL", "slurm")).strip(),
         partition=str(raw["PARTITION"]).strip(),
         account=str(raw["ACCOUNT"]).strip(),
         qos=str(raw["QOS"]).strip(),
@@ -113,6 +118,10 @@ def pool_config(raw: dict[str, Any] | None = None) -> PoolConfig:
     )
     if not config.enabled:
         return config
+    if not re.fullmatch(POOL_NAME_PATTERN, config.pool):
+        raise ImproperlyConfigured(
+            f"BUNGEE_SLURM_POOL={config.pool!r} is not a pool's name ({POOL_NAME_PATTERN}: no '-')"
+        )
     if match is None:
         raise ImproperlyConfigured(f"BUNGEE_SLURM_GRES={gres!r} is not NAME[:TYPE]:COUNT (e.g. gpu:4 or slot:2)")
     if time_limit and not TIME_PATTERN.match(time_limit):

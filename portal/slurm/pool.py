@@ -79,7 +79,10 @@ def agent_script(config: PoolConfig) -> str:
     if config.gres_name != "gpu":
         command += ["--devices", str(config.devices_per_agent)]
     command += config.agent_args
-    return "#!/bin/bash\n# A Bungee agent of the portal's Slurm pool (portal.slurm.pool).\nexec " + shlex.join(command) + "\n"
+    return (
+        "#!/bin/bash\n# A Bungee agent of the portal's Slurm pool (portal.slurm.pool).\n"
+        f"export BUNGEE_SLURM_POOL={shlex.quote(config.pool)}\nexec " + shlex.join(command) + "\n"
+    )
 
 
 def record(kind: str, message: str, slurm_job_id: int | None = None) -> None:
@@ -92,10 +95,10 @@ def _when(seconds: float | None) -> datetime | None:
     return datetime.fromtimestamp(seconds, tz=UTC) if seconds else None
 
 
-def _observe(listed: list[SlurmJob], now: datetime) -> list[AgentJob]:
+def _observe(listed: list[SlurmJob], now: datetime, pool: str) -> list[AgentJob]:
     """The pool's agent jobs as the sizing sees them, and their rows brought up to date (rows of
     jobs no longer listed deleted)."""
-    names = {job.job_id: slurm_node_name(job.batch_host, job.job_id) for job in listed if job.batch_host}
+    names = {job.job_id: slurm_node_name(job.batch_host, job.job_id, pool) for job in listed if job.batch_host}
     known = set(Node.objects.filter(name__in=names.values()).values_list("name", flat=True))
     busy = set(Allocation.objects.filter(device__node__name__in=names.values()).values_list("device__node__name", flat=True))
     usable = dict(
@@ -139,7 +142,7 @@ def run_pass(config: PoolConfig, commands: SlurmCommands, user: str, now: dateti
     now = now or timezone.now()
     result = PassResult()
     try:
-        agents = _observe(commands.jobs(config.job_name, user), now)
+        agents = _observe(commands.jobs(config.job_name, user), now, config.pool)
         wanted, usable = wanted_devices(), usable_devices().count()
         limits = PoolLimits(config.devices_per_agent, config.max_agents, config.idle_s, config.start_timeout_s)
         decision = result.decision = size_pool(wanted, usable, agents, limits)
