@@ -28,8 +28,10 @@ from elastic.wire import DRAIN_CAUSES, DrainCause, DrainNotice
 log = logging.getLogger(__name__)
 
 SLURM_QUERY_TIMEOUT_S = 5.0
-TIME_LIMIT_MARGIN_S = 30.0
-"""A SIGTERM this close to the Slurm job's end time (less its signal's lead) is its time limit."""
+TIME_LIMIT_MARGIN_S = 90.0
+"""A SIGTERM this close to the Slurm job's time limit, beyond its signal's lead, is the limit's:
+Slurm may send `--signal` up to 60 s early (its documentation says so) and checks on a 30 s
+cycle."""
 
 
 class Drain:
@@ -66,13 +68,15 @@ class Drain:
 
 def term_cause(environ: Mapping[str, str], signal_lead_s: float, run: Callable[[list[str]], str] | None = None,
                now: Callable[[], float] = time.time) -> DrainCause:
-    """What a SIGTERM to this agent means: in a Slurm job, its time limit if the job's end time
-    is within `signal_lead_s` (how long before its end Slurm signals it: `--signal=B:TERM@N`)
-    and a margin, else a preemption; in a Kubernetes pod, an eviction; elsewhere the agent is
-    simply being stopped. `run` runs a Slurm command and returns its output."""
+    """What a SIGTERM to this agent means: in a Slurm job, its time limit if the limit (the job's
+    start plus its time limit: a preemption moves the job's end time to the end of its grace, so
+    that is no guide) is within `signal_lead_s` (how long before its end Slurm signals it:
+    `--signal=B:TERM@N`) and a margin, else a preemption; in a Kubernetes pod, an eviction;
+    elsewhere the agent is simply being stopped. `run` runs a Slurm command and returns its
+    output."""
     if environ.get("SLURM_JOB_ID"):
-        end = slurm_end_time(environ["SLURM_JOB_ID"], run or _run_slurm)
-        if end is not None and end - now() <= signal_lead_s + TIME_LIMIT_MARGIN_S:
+        limit = slurm_time_limit_at(environ["SLURM_JOB_ID"], run or _run_slurm)
+        if limit is not None and limit - now() <= signal_lead_s + TIME_LIMIT_MARGIN_S:
             return "slurm_time_limit"
         return "slurm_preemption"
     if environ.get("KUBERNETES_SERVICE_HOST"):
@@ -80,18 +84,37 @@ def term_cause(environ: Mapping[str, str], signal_lead_s: float, run: Callable[[
     return "agent_stop"
 
 
-def slurm_end_time(job_id: str, run: Callable[[list[str]], str]) -> float | None:
-    """The Slurm job's end time (Unix), from squeue; None if squeue does not answer or the job
-    has none (no time limit)."""
-    try:
-        text = run(["squeue", "--noheader", "--jobs", job_id, "--format", "%e"]).strip()
-    except (OSError, subprocess.SubprocessError) as err:
-        log.warning("could not read the end time of Slurm job %s: %s", job_id, err)
+def slurm_duration_s(text: str) -> float | None:
+    """Seconds of a Slurm duration ("MM", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM",
+    "D-HH:MM:SS"); None for "UNLIMITED", "INFINITE", "N/A" or anything else."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if not all(part.isdigit() for part in parts) or (days and not days.isdigit()) or not 1 <= len(parts) <= 3:
         return None
+    numbers = [int(part) for part in parts]
+    if days:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = (numbers + [0, 0])[:3]
+    elif len(numbers) == 3:
+        hours, minutes, seconds = numbers
+    else:  # MM or MM:SS
+        hours, (minutes, seconds) = 0, (numbers + [0])[:2]
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def slurm_time_limit_at(job_id: str, run: Callable[[list[str]], str]) -> float | None:
+    """When the Slurm job reaches its time limit (Unix): its start plus its limit, from squeue;
+    None if squeue does not answer or the job has no limit."""
     try:
-        return datetime.fromisoformat(text.splitlines()[0]).timestamp() if text else None
+        text = run(["squeue", "--noheader", "--jobs", job_id, "--format", "%S|%l"]).strip()
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("could not read the time limit of Slurm job %s: %s", job_id, err)
+        return None
+    start, _, limit = (text.splitlines() or [""])[0].partition("|")
+    seconds = slurm_duration_s(limit)
+    try:
+        return datetime.fromisoformat(start).timestamp() + seconds if seconds is not None else None
     except ValueError:
-        return None  # "N/A", "Unknown": no time limit
+        return None
 
 
 def _run_slurm(command: list[str]) -> str:

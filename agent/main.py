@@ -709,7 +709,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_now.set()
 
     def start_drain() -> None:
-        drain.ask(term_cause(os.environ, config.drain_deadline_s), config.drain_deadline_s)
+        # How long before its end Slurm signals the job: the pool's script says (its --signal).
+        lead = float(os.environ.get("BUNGEE_SLURM_SIGNAL_S") or config.drain_deadline_s)
+        drain.ask(term_cause(os.environ, lead), config.drain_deadline_s)
         report_now.set()
 
     signal.signal(signal.SIGTERM, on_signal)

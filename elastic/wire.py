@@ -188,10 +188,11 @@ class WorkerEvent(WorkerKey):
     )
 
 
-DrainCause = Literal["slurm_preemption", "slurm_time_limit", "pod_eviction", "operator", "agent_stop"]
+DrainCause = Literal["slurm_preemption", "slurm_time_limit", "slurm_pool_idle", "pod_eviction", "operator", "agent_stop"]
 DRAIN_CAUSES: dict[str, str] = {
     "slurm_preemption": "node preempted by Slurm",
     "slurm_time_limit": "Slurm time limit",
+    "slurm_pool_idle": "idle, given back to Slurm",
     "pod_eviction": "pod evicted",
     "operator": "node drained by an operator",
     "agent_stop": "node's agent stopped",

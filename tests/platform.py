@@ -303,14 +303,15 @@ def platform_env(
 @contextmanager
 def running_platform(
     tmp: Path, agents: dict[str, int], extra_env: dict[str, str] | None = None, network: Network | None = None,
-    portal_processes: int = 1,
+    portal_processes: int = 1, port: int | None = None,
 ) -> Iterator[Platform]:
     """The platform with an agent of `agents[name]` simulated devices per name; `extra_env` goes
     to every process (workers inherit their agent's). With a `network`, each agent runs on its
     host there, and the portal listens on the network's gateway (Redis must be reachable there
     too: `extra_env`'s REDIS_URL). `portal_processes` > 1 runs that many portal processes on the
-    one address (portal.launcher.portal_command)."""
-    port = free_port()
+    one address (portal.launcher.portal_command). `port`: the portal's (default: a free one),
+    for a setting that must name it before the platform starts."""
+    port = port or free_port()
     with platform_database() as database_url:
         env = platform_env(tmp, database_url, port, network, extra_env)
         group = ProcessGroup(log_dir=tmp / "logs", env=env)

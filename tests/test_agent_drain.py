@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from agent.drain import Drain, slurm_end_time, term_cause
+from agent.drain import Drain, slurm_duration_s, slurm_time_limit_at, term_cause
 from elastic.wire import DrainCommand, StopCommand
 from tests import test_agent_process as agent_process
 from tests.test_agent_process import AgentProcess, FakePortal, send, worker_launch
@@ -105,22 +105,30 @@ def test_the_earliest_deadline_wins_and_the_first_cause_stays() -> None:
 
 
 def test_what_a_sigterm_means_where_the_agent_runs() -> None:
-    def squeue(end: str) -> Callable[[list[str]], str]:
-        return lambda command: end + "\n"
+    def squeue(start_ago_s: float, limit: str) -> Callable[[list[str]], str]:
+        started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - start_ago_s))
+        return lambda command: f"{started}|{limit}\n"
 
-    now = time.time()
-    soon = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now + 45))
-    later = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now + 3600))
     slurm = {"SLURM_JOB_ID": "42"}
-    assert term_cause(slurm, 30, squeue(soon)) == "slurm_time_limit"
-    assert term_cause(slurm, 30, squeue(later)) == "slurm_preemption"
-    assert term_cause(slurm, 30, squeue("N/A")) == "slurm_preemption", "no time limit: a preemption"
+    # A one-hour limit signalled 30 s ahead: TERM 59.5 min in is the limit; 10 min in, a preemption
+    # (whose grace moves the job's end time near: the end time is no guide, the limit is).
+    assert term_cause(slurm, 30, squeue(3570, "1:00:00")) == "slurm_time_limit"
+    assert term_cause(slurm, 30, squeue(600, "1:00:00")) == "slurm_preemption"
+    assert term_cause(slurm, 30, squeue(600, "UNLIMITED")) == "slurm_preemption", "no limit: a preemption"
     assert term_cause({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, 30) == "pod_eviction"
     assert term_cause({}, 30) == "agent_stop"
 
 
-def test_an_squeue_that_fails_gives_no_end_time() -> None:
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("5", 300), ("5:30", 330), ("1:00:00", 3600), ("2-00", 172800), ("1-02:03", 93780), ("1-02:03:04", 93784),
+    ("UNLIMITED", None), ("INFINITE", None), ("N/A", None), ("", None), ("1:2:3:4", None),
+])
+def test_slurm_durations(text: str, seconds: int | None) -> None:
+    assert slurm_duration_s(text) == seconds
+
+
+def test_an_squeue_that_fails_gives_no_limit() -> None:
     def failing(command: list[str]) -> str:
         raise OSError("squeue: not found")
 
-    assert slurm_end_time("42", failing) is None
+    assert slurm_time_limit_at("42", failing) is None

@@ -73,7 +73,9 @@ def test_a_gpu_agent_job() -> None:
         assert expected in options
     # Slurm tells the agent its GPUs (SLURM_JOB_GPUS): no count on its command line.
     script = agent_script(config).splitlines()
-    assert script[-2] == "export BUNGEE_SLURM_POOL=slurm", "the agent names its node behind the pool's name"
+    # The agent names its node behind the pool's name, and knows the lead of the TERM before the
+    # time limit (a TERM that near the job's end is the limit, not a preemption).
+    assert script[-2] == "export BUNGEE_SLURM_POOL=slurm BUNGEE_SLURM_SIGNAL_S=90"
     assert shlex.split(script[-1]) == ["exec", "python3", "-m", "agent", "--slurm", "--portal", "http://portal.example:8000",
                                     "--token-file", "/shared/bungee/pool.token"]
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 import logging
 import shlex
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 
-from elastic.wire import slurm_node_name
+from elastic.wire import DrainNotice, slurm_node_name
+from portal.cluster import drain
 from portal.cluster.models import Node
 from portal.jobs.models import Allocation, Job
 from portal.jobs.services import usable_devices
@@ -81,7 +82,8 @@ def agent_script(config: PoolConfig) -> str:
     command += config.agent_args
     return (
         "#!/bin/bash\n# A Bungee agent of the portal's Slurm pool (portal.slurm.pool).\n"
-        f"export BUNGEE_SLURM_POOL={shlex.quote(config.pool)}\nexec " + shlex.join(command) + "\n"
+        f"export BUNGEE_SLURM_POOL={shlex.quote(config.pool)} BUNGEE_SLURM_SIGNAL_S={config.grace_s}\n"
+        "exec " + shlex.join(command) + "\n"
     )
 
 
@@ -137,6 +139,15 @@ def _observe(listed: list[SlurmJob], now: datetime, pool: str) -> list[AgentJob]
     return agents
 
 
+def _giving_back(node_name: str, config: PoolConfig) -> None:
+    """The node of an agent job the pool cancels drains for that reason (its agent's own notice,
+    a TERM it cannot tell from a preemption, comes after and changes nothing)."""
+    node = Node.objects.filter(name=node_name).first() if node_name else None
+    if node is not None:
+        deadline_at = (timezone.now() + timedelta(seconds=config.grace_s)).timestamp()
+        drain.draining(node, DrainNotice(cause="slurm_pool_idle", deadline_at=deadline_at))
+
+
 def run_pass(config: PoolConfig, commands: SlurmCommands, user: str, now: datetime | None = None) -> PassResult:
     """Sizes the pool once; returns what it did (and the error that ended it, if one did)."""
     now = now or timezone.now()
@@ -151,7 +162,10 @@ def run_pass(config: PoolConfig, commands: SlurmCommands, user: str, now: dateti
             "at": now, "wanted_devices": wanted, "usable_devices": usable, "unmet_devices": decision.unmet_devices,
             "pending": counts[Phase.PENDING], "starting": counts[Phase.STARTING], "online": counts[Phase.ONLINE],
         })
+        nodes = dict(SlurmAgentJob.objects.filter(slurm_job_id__in=list(decision.cancel)).values_list(
+            "slurm_job_id", "node_name"))
         for job_id, why in decision.cancel.items():
+            _giving_back(nodes.get(job_id, ""), config)
             commands.scancel([job_id])
             result.cancelled.append(job_id)
             record(SlurmPoolEvent.Kind.CANCELLED, f"cancelled agent job {job_id}: {why}", job_id)
