@@ -189,7 +189,7 @@ def test_job_page_error_pages_and_a_quiet_log(browser_platform: Any, chromium: A
             log.seek(logged_before)
             return log.read().decode(errors="replace")
 
-    browser_platform.wait_for("the closed sockets in the log", lambda: logged_since().count("WSDISCONNECT") >= 2)
+    browser_platform.wait_for("the closed sockets in the log", lambda: logged_since().count("live socket of") >= 2)
     log = logged_since()
     assert f"Forbidden (Permission denied): /jobs/{job_id}/ (job {job_id} is not yours" in log
     assert "Traceback" not in log, log

@@ -134,8 +134,10 @@ def test_an_owner_preempts_an_agent_the_job_shrinks_in_place_and_grows_back(
     assert alice.post(f"/api/jobs/{job_id}/cancel").status_code == 200
     platform.wait_for("the workers to stop", lambda: not live_rows(platform.job(job_id)), timeout_s=60)
     every_step_once(record, job_id)
-    # Idle now: the pool cancels its agents, which leave.
+    # Idle now: the pool cancels its agents, which leave; their nodes say why.
     platform.wait_for("the pool to cancel its idle agents", lambda: not agent_jobs(cluster), timeout_s=120)
+    causes = {n["name"]: n["drain_cause"] for n in alice.get("/api/nodes").json() if n["state"] == "drained"}
+    assert list(causes.values()).count("idle, given back to Slurm") == 2, causes
 
 
 def test_an_agent_at_its_time_limit_drains_before_it_ends(

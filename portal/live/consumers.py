@@ -9,6 +9,7 @@ node). Anonymous sockets are refused at the handshake."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +24,8 @@ from portal.jobs.board import cluster_state
 from portal.jobs.models import Job
 from portal.live.broadcast import CLUSTER_GROUP, SAMPLES_GROUP, encoded, job_group, node_samples_group
 from portal.live.samples import Subscription
+
+log = logging.getLogger(__name__)
 
 UNAUTHENTICATED_CLOSE_CODE = 4401
 MAX_SUBSCRIBED = 10_000
@@ -113,6 +116,8 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         self._renewal.cancel()
         for group in self._groups():
             await self.channel_layer.group_discard(group, self.channel_name)
+        # One line a socket, as the ASGI server's access log said before it was turned off.
+        log.info("live socket of %s closed (code %s)", self.scope["user"].get_username(), code)
 
     async def receive_json(self, content: Any, **kwargs: Any) -> None:
         action = content.get("action") if isinstance(content, dict) else None
