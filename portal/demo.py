@@ -132,10 +132,18 @@ def main() -> None:
         )
         while not stopping:
             dead = group.dead()
-            if dead:
+            left = [p for p in dead if p.name == "agent" and p.process.returncode == 0]
+            for p in left:  # drained (bungee node drain): the node left, the platform goes on
+                group.processes.remove(p)
+                p.log_file.close()
+                print(f"the agent left after its node drained; its jobs wait for devices. Start it again with:\n"
+                      f"  {sys.executable} -m agent --portal {base} --token-file {token_file} --name {node_name}"
+                      f" --devices {args.devices}", flush=True)
+            if len(dead) > len(left):
                 for p in dead:
-                    print(f"{p.name} exited with code {p.process.returncode}; last lines:\n{group.tail(p.name)}",
-                          file=sys.stderr)
+                    if p not in left:
+                        print(f"{p.name} exited with code {p.process.returncode}; last lines:\n{group.tail(p.name)}",
+                              file=sys.stderr)
                 break
             time.sleep(0.5)
     finally:
