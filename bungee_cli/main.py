@@ -287,23 +287,33 @@ def cancel(job_id: JobId, output: OutputOption = Output.TEXT) -> None:
     _emit(output, job, f"job {job_id}: {job['state']}")
 
 
+def download_target(job_id: int, name: str, output_dir: Path | None) -> Path:
+    """Where a downloaded file goes: under its own name in the directory asked for (-d), else
+    in the current directory named after its job (job-7-model.pt), beside other jobs' files."""
+    return output_dir / name if output_dir is not None else Path(f"job-{job_id}-{name}")
+
+
 @app.command()
 def download(
     job_id: JobId,
-    output_dir: Annotated[Path, typer.Option("--output-dir", "-d", help="where the files go")] = Path("."),
+    output_dir: Annotated[
+        Path | None, typer.Option("--output-dir", "-d", help="where the files go, under their own names "
+                                  "(model.pt, checkpoint.pt, manifest.json); default: here, as job-N-NAME")
+    ] = None,
     output: OutputOption = Output.TEXT,
 ) -> None:
     """Fetch a finished job's model, checkpoint and manifest; checks each file's sha256."""
     portal = _portal()
     listed = portal.get(f"/api/jobs/{job_id}/artifacts")
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if output_dir is not None:
+        output_dir.mkdir(parents=True, exist_ok=True)
     saved = []
     with Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         console=err, disable=output is Output.JSON,
     ) as progress:  # fmt: skip
         for entry in listed["files"]:
-            target = output_dir / f"job-{job_id}-{entry['name']}"
+            target = download_target(job_id, entry["name"], output_dir)
             task = progress.add_task(entry["name"], total=entry.get("size"))
             digest = hashlib.sha256()
             partial = target.with_suffix(target.suffix + ".part")

@@ -90,8 +90,10 @@ def test_a_new_user_trains_their_code_and_takes_the_model_home(browser_platform:
     job_id = int(followed.stdout.split("submitted job ")[1].split()[0])
 
     fetched = as_json(bungee(tmp_path, "download", str(job_id), "-d", str(tmp_path / "model"), "-o", "json"))
-    model = tmp_path / "model" / f"job-{job_id}-model.pt"
-    assert {Path(f["path"]).name for f in fetched["files"]} >= {model.name} and fetched["step"] == 150
+    # -d: the files under their own names, as the README says (issue 36: they were job-N-model.pt).
+    model = tmp_path / "model" / "model.pt"
+    assert {Path(f["path"]).name for f in fetched["files"]} == {"model.pt", "checkpoint.pt", "manifest.json"}
+    assert fetched["step"] == 150
     weights = torch.load(model, map_location="cpu", weights_only=True)
     assert any(isinstance(value, torch.Tensor) for value in weights.values())
 
@@ -177,3 +179,10 @@ def test_following_a_job_words_each_change() -> None:
     assert _follow_line(done) == "job 3: succeeded at step 2000 of 2000"
     failed = {**job, "state": "failed", "workers": 0, "message": "the job's code failed on worker rank 0: [bug]"}
     assert _follow_line(failed) == "job 3: failed at step 40 of 2000: the job's code failed on worker rank 0: [bug]"
+
+
+def test_a_download_without_a_directory_names_its_files_after_the_job() -> None:
+    from bungee_cli.main import download_target
+
+    assert download_target(7, "model.pt", None) == Path("job-7-model.pt")
+    assert download_target(7, "model.pt", Path("out")) == Path("out/model.pt")
