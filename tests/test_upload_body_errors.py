@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from asgiref.testing import ApplicationCommunicator
 
-from elastic.wire import AgentReport, WorkerEvent
-from portal.accounts.models import ApiToken
-from portal.cluster.models import Node
-from portal.jobs.agents import ingest_report
 from portal.jobs.models import Job
-from portal.scheduling.cycle import run_cycle
-from tests.conftest import VALID_SPEC
+from tests import test_artifacts_api
 
 # The application runs each view in a thread of its own, with a database connection of its own:
 # what the test writes must be committed to be seen there.
@@ -61,17 +55,8 @@ def data_dirs(settings: Any, tmp_path: Path) -> None:
                        "ARTIFACT_DIR": str(tmp_path / "artifacts")}
 
 
-@pytest.fixture
-def ran_here(api: dict, tokens: dict, cluster: Any) -> Job:
-    """Alice's job, whose rank 0 started on node-a; node-a is served by tokens["agent"]."""
-    Node.objects.filter(pk=cluster.pk).update(agent_token=ApiToken.lookup(tokens["agent"]))
-    job = Job.objects.get(pk=api["alice"].post("/api/jobs", VALID_SPEC).json()["id"])
-    run_cycle()
-    job.refresh_from_db()
-    started = WorkerEvent(job_id=job.pk, generation=job.generation, rank=0, kind="started", at=time.time(),
-                          pid=4242, device_index=0)
-    ingest_report(cluster, AgentReport(node="node-a", events=[started]))
-    return job
+ran_here = test_artifacts_api.ran_here
+"""Alice's job, whose rank 0 started on node-a (test_artifacts_api's fixture)."""
 
 
 async def exchange(path: str, token: str, content_type: str | None, body: bytes) -> tuple[int, dict, Any]:
