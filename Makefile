@@ -11,7 +11,7 @@ TEST_LIBS := tests/browser/node_modules/.package-lock.json
 # platform tests wait on processes and deadlines much of the time, so two share 2 cores well.
 PYTEST_ARGS ?= --numprocesses 2 --dist loadfile
 
-.PHONY: demo test install lint clean
+.PHONY: demo test install lint clean docs
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test: install $(TEST_LIBS)
 	$(PY) -m ruff check .
 	$(PY) -m mypy elastic agent
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The reference pages (docs/reference/) from the code: the job spec, the configuration, /metrics.
+docs: install
+	$(PY) -m docs.generate
 
 clean:
 	rm -rf $(VENV) var test-output static/vendor/node_modules tests/browser/node_modules

@@ -33,6 +33,8 @@ class LivenessFile:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LivenessFile:
         """The file BUNGEE_LIVENESS_FILE names, or one that writes nothing if it is unset or empty."""
+        # A file touched at every turn of the main loop, for a probe (python -m elastic.liveness
+        # FILE --max-age S); unset: none is written.
         raw = (os.environ if environ is None else environ).get(ENV, "")
         return cls(Path(raw) if raw else None)
 

@@ -26,9 +26,22 @@ _HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size")
 
 
 class JobSpec(BaseModel):
+    """A job: what it trains, on how many workers, for how long, and how resizes may change it.
+
+    Rules between fields (each reported on the field a person would change):
+
+    - give a `workload`, or `code` and `entrypoint`, never both;
+    - give exactly one of `steps` and `epochs`; a job with its own code gives `steps` (the size
+      of its data set is known only on the nodes), and its `hyperparameters` give `batch_size`;
+    - `max_workers` is at least `min_workers`;
+    - strict jobs: `virtual_workers` is at least `max_workers` and at most the global batch size;
+      `batch_per_worker`, `min_batch_size` and `max_batch_size` belong to hybrid jobs only;
+    - hybrid jobs have no `virtual_workers`; `max_batch_size` is at least `min_batch_size`.
+    """
+
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=100)
+    name: str = Field(min_length=1, max_length=100, description="the job's name, shown on the board and in lists")
     workload: str | None = Field(None, description="a shipped task (GET /api/workloads); or give code and entrypoint")
     code: str | None = Field(
         None, pattern=CODE_DIGEST_PATTERN, description="the sha256 of the job's own code, uploaded with POST /api/code"
@@ -36,11 +49,28 @@ class JobSpec(BaseModel):
     entrypoint: str | None = Field(
         None, max_length=200, pattern=ENTRYPOINT_PATTERN, description="the task class in the code: module:ClassName"
     )
-    hyperparameters: dict[str, Any] = Field(default_factory=dict)
-    min_workers: int = Field(1, ge=1, le=MAX_WORKERS_LIMIT)
-    max_workers: int = Field(1, ge=1, le=MAX_WORKERS_LIMIT)
-    priority: Literal["guaranteed", "opportunistic"] = "guaranteed"
-    consistency: Literal["strict", "hybrid"] = "strict"
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="handed to the task: a workload's are checked against its schema and completed with its "
+        "defaults; a job with its own code must give batch_size (the global batch)",
+    )
+    min_workers: int = Field(
+        1, ge=1, le=MAX_WORKERS_LIMIT,
+        description="the fewest workers (devices) the job trains on; below it, the job waits in the queue",
+    )
+    max_workers: int = Field(
+        1, ge=1, le=MAX_WORKERS_LIMIT, description="the most workers the scheduler gives the job"
+    )
+    priority: Literal["guaranteed", "opportunistic"] = Field(
+        "guaranteed",
+        description="guaranteed jobs are served first from the shared devices; opportunistic ones get what "
+        "they leave and the devices lent while their owners are away, and give them back when the owner returns",
+    )
+    consistency: Literal["strict", "hybrid"] = Field(
+        "strict",
+        description="strict: the model does not depend on the resizes (fixed global batch, virtual workers); "
+        "hybrid: the global batch grows and shrinks with the workers",
+    )
     virtual_workers: int | None = Field(
         None, ge=1, le=MAX_WORKERS_LIMIT * 16, description="strict: virtual workers (default max_workers)"
     )
@@ -49,11 +79,14 @@ class JobSpec(BaseModel):
     )
     min_batch_size: int | None = Field(None, ge=1, le=65536, description="hybrid: smallest global batch")
     max_batch_size: int | None = Field(None, ge=1, le=65536, description="hybrid: largest global batch")
-    lr_scaling: Literal["linear", "sqrt"] = "linear"
-    """Hybrid: how the learning rate follows the global batch."""
-    warmup_steps: int = Field(50, ge=0, le=1_000_000)
-    """Hybrid: steps over which the learning rate moves to its new value, at the start and after
-    every change of the global batch."""
+    lr_scaling: Literal["linear", "sqrt"] = Field(
+        "linear", description="hybrid: how the learning rate follows the global batch (linear or square root)"
+    )
+    warmup_steps: int = Field(
+        50, ge=0, le=1_000_000,
+        description="hybrid: steps over which the learning rate moves to its new value, at the start and after "
+        "every change of the global batch",
+    )
     eval_every_steps: int | None = Field(
         None, ge=1, le=10_000_000,
         description="evaluate the task on its eval_data every this many steps (always at the end)",
@@ -68,9 +101,15 @@ class JobSpec(BaseModel):
         description="start from the final model of this finished job of yours (its model.pt); the optimiser "
         "starts fresh",
     )
-    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
-    epochs: float | None = Field(None, gt=0, le=100_000)
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="global steps to train (or give epochs)")
+    epochs: float | None = Field(
+        None, gt=0, le=100_000,
+        description="a workload only: passes over its training data, turned into steps at its batch size",
+    )
+    seed: int = Field(
+        0, ge=0, le=2**31 - 1,
+        description="seeds the initial model, the data order and every step's random streams",
+    )
 
     @field_validator("*", mode="before")
     @classmethod

@@ -74,7 +74,8 @@ def _wait_http(url: str, timeout_s: float, group: ProcessGroup) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")),
+                        help="the portal's port")
     parser.add_argument("--devices", type=int, default=int(os.environ.get("BUNGEE_SIM_DEVICES", "4")),
                         help="simulated devices on the demo node")
     parser.add_argument("--no-jobs", action="store_true", help="don't submit the example jobs")

@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error(f"--processes must be at least 1, not {args.processes}")
+    # The reverse proxies in front of the portal, as addresses or networks, comma-separated ("*": any):
+    # only their X-Forwarded-For and X-Forwarded-Proto are believed. Empty: nobody's.
     trusted = forwarded_allow_ips(os.environ.get(FORWARDED_ALLOW_IPS_VARIABLE, ""))
     from uvicorn.main import main as uvicorn_main
 

@@ -13,12 +13,18 @@ from portal.env import env_bool, env_float, env_int, env_list, env_str
 from portal.live.redis_connection import layer_host
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+# Where the portal keeps its files: the SQLite database, logs, job checkpoints (runs/), code and
+# artifacts.
 DATA_DIR = Path(env_str("BUNGEE_DATA_DIR", str(BASE_DIR / "var"))).resolve()
 
 # With DEBUG off the portal refuses this default (portal.secrets_check); `make demo` makes its own.
 SECRET_KEY = env_str("SECRET_KEY", "bungee-development-key-change-me-in-production")
+# Django's debug pages; never in production.
 DEBUG = env_bool("DEBUG", False)
+# The host names the portal answers to, comma-separated.
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+# The origins (scheme and host) from which forms may be posted, comma-separated: the portal's own
+# address as browsers see it behind a proxy that changes it.
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
@@ -57,7 +63,9 @@ AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
 ]
+# Failed logins for one user, from any address, before that user is locked.
 AXES_FAILURE_LIMIT = env_int("BUNGEE_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+# Minutes a locked user stays locked, from the failure that locked it.
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("BUNGEE_LOGIN_COOLOFF_MIN", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = ["username"]
 # axes warns (W006) of a lock without the address: one by user agent or cookie could be dodged by
@@ -101,6 +109,7 @@ TEMPLATES = [
     },
 ]
 
+# The database, as a URL (PostgreSQL in production: postgres://USER:PASSWORD@HOST:PORT/NAME).
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'bungee.sqlite3'}")
 try:
     DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
@@ -120,7 +129,9 @@ elif DATABASES["default"]["ENGINE"].endswith("postgresql"):
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1,
+        # PostgreSQL only: the most connections each process (portal, Celery worker, beat) holds.
         "max_size": env_int("BUNGEE_DB_POOL_SIZE", 8),
+        # PostgreSQL only: how long a request waits for one of them, in seconds.
         "timeout": env_float("BUNGEE_DB_POOL_TIMEOUT_S", 10.0),
         # A connection that cannot be made is tried again after 1, 2 and 2 s, then given up on
         # (psycopg_pool's backoff, cut short): the next request tries at once. With the default
@@ -153,6 +164,7 @@ WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
 
 # --- Redis: Celery broker, Channels layer, agent command streams, live metrics --------------
+# The Redis of the Celery broker, the Channels layer, the agents' command streams and live metrics.
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 # A socket's channel waits for its next message with a blocking pop of 5 s; redis-py 8 reads with
@@ -166,6 +178,7 @@ CHANNEL_LAYERS = {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         "CONFIG": {
             "hosts": [layer_host(REDIS_URL, **CHANNEL_LAYER_TIMEOUTS)],
+            # The Channels layer's key prefix, so that deployments can share a Redis.
             "prefix": env_str("BUNGEE_CHANNEL_PREFIX", "bungee"),
             # A socket that is gone without leaving its groups (the portal was killed) drops out
             # of them after this; a live one renews its membership well before (portal.live).
@@ -179,6 +192,7 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# The Celery queue of the portal's tasks, so that deployments can share a Redis.
 CELERY_TASK_DEFAULT_QUEUE = env_str("BUNGEE_CELERY_QUEUE", "bungee")
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Sending a task while Redis is away fails within seconds (the request goes on; the beat's tick
@@ -238,11 +252,12 @@ BUNGEE = {
     "LOGIN_ADDRESS_WINDOW_S": env_int("BUNGEE_LOGIN_ADDRESS_WINDOW_S", 60, minimum=1),
     # How many scheduling decisions the admin page keeps.
     "DECISIONS_KEPT": env_int("BUNGEE_DECISIONS_KEPT", 50),
+    # Any request body other than a code upload or artifacts (a JSON or YAML spec, a report, a
+    # form): refused with 413 above it.
+    "BODY_MAX_BYTES": env_int("BUNGEE_BODY_MAX_BYTES", 1024 * 1024),
     # A job's own code (elastic.codepack): the largest upload, what it may unpack to, how many
     # files, and where the portal keeps it (by sha256).
     "CODE_MAX_BYTES": env_int("BUNGEE_CODE_MAX_BYTES", 50 * 1024 * 1024),
-    # Any other request body (a JSON or YAML spec, a report, a form): refused with 413 above it.
-    "BODY_MAX_BYTES": env_int("BUNGEE_BODY_MAX_BYTES", 1024 * 1024),
     "CODE_MAX_UNPACKED_BYTES": env_int("BUNGEE_CODE_MAX_UNPACKED_BYTES", 200 * 1024 * 1024),
     "CODE_MAX_FILES": env_int("BUNGEE_CODE_MAX_FILES", 10_000),
     "CODE_DIR": str(DATA_DIR / "code"),
@@ -306,6 +321,7 @@ LOGGING = {
     # A 4xx is logged as one line (Django adds a 403's traceback): portal.error_pages.
     "filters": {"one_line_refusals": {"()": "portal.error_pages.OneLineRefusals"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "filters": ["one_line_refusals"]}},
+    # The portal's logging level: DEBUG, INFO, WARNING or ERROR.
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
