@@ -116,8 +116,8 @@ def spec_page() -> str:
     return (
         f"{HEADER}# The job spec\n\n{summary}\n\n"
         "A job is submitted as this object: JSON to `POST /api/jobs`, YAML to `bungee submit`, or the "
-        "fields of the Submit page. A field that is not listed here is refused, with the nearest "
-        "field's name; every bad value is reported at once, each with its field.\n\n"
+        "fields of the Submit page. A field that is not listed here is refused, and "
+        "every bad value is reported at once, each with its field.\n\n"
         + _table(("field", "type", "default", "bounds", "meaning"), rows)
         + "\n"
         + _dedent(details)
