@@ -2,7 +2,7 @@
 for tables and progress bars).
 
     bungee login http://portal:8000            # asks for an API token; keeps both, mode 0600
-    bungee submit job.yaml --code ./mytask --follow
+    bungee submit job.yaml --code ./mytask --follow   # the spec checked first; .bungeeignore applied here
     bungee list | status N | logs N -f | resize N K | unpin N | cancel N | download N
     bungee node list | node drain NAME [--deadline S]     # staff: a node leaves gracefully
 
@@ -13,11 +13,13 @@ exits 0 when the job succeeds and 1 when it fails or is cancelled, as `ray job s
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import io
 import json
-import tarfile
+import sys
 import time
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -30,6 +32,14 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from bungee_cli.client import CliError, Login, Portal, describe_error
+from elastic.codepack import (
+    LEAVE_OUT_ADVICE,
+    ArchiveError,
+    EntrypointError,
+    Packed,
+    check_entrypoint,
+    pack_directory,
+)
 
 app = typer.Typer(
     help="Bungee: elastic training jobs on a shared GPU cluster, from a terminal.",
@@ -41,8 +51,16 @@ out = Console()
 err = Console(stderr=True)
 
 FINAL_STATES = {"succeeded", "failed", "cancelled"}
+TRAINING_STATES = {"running", "resizing"}
 FOLLOW_EVERY_S = 1.0
+PROGRESS_EVERY_S = 10.0
+"""--follow's default pace of progress lines: often enough to see a job move, rarely enough to
+leave its log lines readable."""
+PROGRESS_KEYS = ("steps_done", "total_steps", "last_loss", "samples_per_s", "workers")
 CHUNK = 1 << 16
+PACK_LIMIT = 1 << 62
+"""The CLI packs whatever the directory holds (less its .bungeeignore); the portal's limits apply."""
+TOKEN_PROMPT = "Token: "
 
 
 class Output(StrEnum):
@@ -68,29 +86,37 @@ def _emit(output: Output, value: Any, text: Any = None) -> None:
 @app.command()
 def login(
     url: Annotated[str, typer.Argument(help="the portal's address, e.g. http://portal:8000")],
-    token: Annotated[
-        str, typer.Option(prompt=True, hide_input=True, help="an API token (asked if not given)")
-    ],
+    token: Annotated[str | None, typer.Option(help="an API token (asked if not given)")] = None,
     output: OutputOption = Output.TEXT,
 ) -> None:
     """Keep the portal's URL and your API token in your config directory (mode 0600)."""
-    credentials = Login(url.rstrip("/"), token.strip())
+    credentials = Login(url.rstrip("/"), (token if token is not None else _ask_token()).strip())
     Portal(credentials).get("/api/jobs", owner=None, state="running")  # a refused token stops here
     path = credentials.save()
     _emit(output, {"url": credentials.url, "config": str(path)}, f"logged in to {credentials.url} ({path})")
 
 
-def _pack(directory: Path) -> bytes:
-    """The directory as a tar.gz in memory (the portal applies its .bungeeignore)."""
+def _ask_token() -> str:
+    """The token, asked as "Token: " on the terminal without echo; read from standard input
+    when that is no terminal (`echo $TOKEN | bungee login URL`), with the prompt on stderr."""
+    if sys.stdin.isatty():
+        return getpass.getpass(TOKEN_PROMPT)
+    err.file.write(TOKEN_PROMPT)
+    err.file.flush()
+    return sys.stdin.readline()
+
+
+def _pack(directory: Path) -> tuple[bytes, Packed]:
+    """The directory as the portal would store it: its canonical tar.gz, in memory, and its
+    digest. Its `.bungeeignore` applies here, before packing, so an ignored file never travels."""
     if not directory.is_dir():
         raise CliError(f"--code {directory}: not a directory", exit_code=2)
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        for path in sorted(directory.rglob("*")):
-            if "__pycache__" in path.parts or path.is_symlink():
-                continue
-            archive.add(path, arcname=str(path.relative_to(directory)), recursive=False)
-    return buffer.getvalue()
+    try:
+        packed = pack_directory(directory, buffer, max_unpacked_bytes=PACK_LIMIT, max_files=PACK_LIMIT)
+    except ArchiveError as error:
+        raise CliError(f"--code {directory}: {error}; {LEAVE_OUT_ADVICE}") from None
+    return buffer.getvalue(), packed
 
 
 def _upload(portal: Portal, archive: bytes, name: str, quiet: bool) -> dict[str, Any]:
@@ -128,6 +154,11 @@ def _read_spec(path: Path) -> dict[str, Any]:
     return spec
 
 
+ProgressEvery = Annotated[
+    float, typer.Option(min=0.1, help="with --follow: seconds between progress lines (step, loss, throughput, workers)")
+]
+
+
 @app.command()
 def submit(
     spec_file: Annotated[Path, typer.Argument(help="the job's spec, YAML or JSON (see the README)")],
@@ -135,34 +166,58 @@ def submit(
         Path | None, typer.Option(help="a directory of your own code: uploaded, and the spec's `code`")
     ] = None,
     follow: Annotated[
-        bool, typer.Option("--follow", "-f", help="stream logs and resizes until the job ends")
+        bool, typer.Option("--follow", "-f", help="stream logs, progress and resizes until the job ends")
     ] = False,
+    progress_every: ProgressEvery = PROGRESS_EVERY_S,
     output: OutputOption = Output.TEXT,
 ) -> None:
-    """Submit a job; print its number and page."""
+    """Submit a job; print its number and page. The spec is checked (POST /api/jobs/validate)
+    before any code is uploaded, and code the portal already holds is not sent again."""
     portal = _portal()
     spec = _read_spec(spec_file)
+    archive = None
     if code is not None:
-        uploaded = _upload(portal, _pack(code), f"{code.resolve().name}.tar.gz", quiet=output is Output.JSON)
+        archive, packed = _pack(code)
+        spec["code"] = packed.digest
+    checked = portal.post("/api/jobs/validate", spec)  # a bad spec stops here: nothing uploaded
+    if code is not None and archive is not None and not checked["code_uploaded"]:
+        _check_entrypoint(archive, spec)
+        uploaded = _upload(portal, archive, f"{code.resolve().name}.tar.gz", quiet=output is Output.JSON)
         spec["code"] = uploaded["digest"]
         if output is Output.TEXT:
-            err.print(f"uploaded {code} as {uploaded['digest'][:12]}")
+            err.print(f"uploaded {code} as {uploaded['digest'][:12]} ({len(uploaded['files'])} files)")
     job = portal.post("/api/jobs", spec)
     page = f"{portal.url}/jobs/{job['id']}/"
     _emit(output, {**job, "url": page}, f"submitted job {job['id']} ({job['name']}): {page}")
     if follow:
-        raise typer.Exit(_follow(portal, job["id"], output))
+        raise typer.Exit(_follow(portal, job["id"], output, progress_every))
 
 
-def _follow(portal: Portal, job_id: int, output: Output) -> int:
-    """Prints the job's log lines and each change of state or size until it ends; returns the
-    exit code (0 succeeded, 1 otherwise). Logs are the job's, so they go on across resizes and
-    restarts of its workers."""
-    after, shown = 0, None
+def _check_entrypoint(archive: bytes, spec: dict[str, Any]) -> None:
+    """Raises CliError, as the portal would refuse it, if the spec's entrypoint names a module
+    or class the packed code lacks (read statically, never run)."""
+    entrypoint = spec.get("entrypoint")
+    if not isinstance(entrypoint, str) or ":" not in entrypoint:
+        return  # the portal's validation names what is wrong with it
+    try:
+        check_entrypoint(io.BytesIO(archive), entrypoint)
+    except EntrypointError as error:
+        raise CliError(f"the job spec has 1 invalid field\n  entrypoint: {error} (value: {entrypoint!r})") from None
+
+
+def _follow(
+    portal: Portal, job_id: int, output: Output, progress_every: float = PROGRESS_EVERY_S,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Prints the job's log lines (each prefixed with its generation and rank, as the job page
+    shows them), each change of state or size, and while it trains a progress line at most
+    every `progress_every` seconds, until it ends; returns the exit code (0 succeeded, 1
+    otherwise). Logs are the job's, so they go on across resizes and restarts of its workers."""
+    after, shown, progress_due, progress_step = 0, None, clock(), 0
     while True:
         for line in portal.get(f"/api/jobs/{job_id}/logs", after=after):
             after = line["id"]
-            _emit(output, line, f"[dim]{line['at'][11:19]}[/dim] {escape(line['line'])}")
+            _emit(output, line, f"[dim]{line['at'][11:19]}[/dim] {escape(_log_text(line))}")
         job = portal.get(f"/api/jobs/{job_id}")
         now = (job["state"], job["workers"], job["generation"])
         if now != shown:
@@ -172,7 +227,11 @@ def _follow(portal: Portal, job_id: int, output: Output) -> int:
                            "generation": job["generation"], "steps_done": job["steps_done"]}, f"[bold]{escape(text)}[/bold]")  # fmt: skip
         if job["state"] in FINAL_STATES:
             return 0 if job["state"] == "succeeded" else 1
-        time.sleep(FOLLOW_EVERY_S)
+        if job["state"] in TRAINING_STATES and clock() >= progress_due and job["steps_done"] != progress_step:
+            progress_due, progress_step = clock() + progress_every, job["steps_done"]
+            _emit(output, {"job": job_id, "progress": {key: job.get(key) for key in PROGRESS_KEYS}},
+                  escape(progress_line(job)))
+        sleep(FOLLOW_EVERY_S)
 
 
 def _follow_line(job: dict[str, Any]) -> str:
@@ -183,6 +242,24 @@ def _follow_line(job: dict[str, Any]) -> str:
         return f"job {job['id']}: {job['state']} at step {job['steps_done']} of {job['total_steps']}{why}"
     workers = f"{job['workers']} worker{'' if job['workers'] == 1 else 's'}"
     return f"job {job['id']}: {job['state']} on {workers} (generation {job['generation']}), step {job['steps_done']}"
+
+
+def _log_text(line: dict[str, Any]) -> str:
+    """A log line as the job page shows it: [generation.rank] text."""
+    return f"[{line['generation']}.{line['rank']}] {line['line']}"
+
+
+def progress_line(job: dict[str, Any]) -> str:
+    """Where a training job stands, in one line: step of steps, loss, throughput, workers."""
+    parts = [f"step {job['steps_done']}/{job['total_steps']}"]
+    if job.get("total_steps"):
+        parts[0] += f" ({job['steps_done'] / job['total_steps']:.0%})"
+    if job.get("last_loss") is not None:
+        parts.append(f"loss {job['last_loss']:.4f}")
+    if job.get("samples_per_s"):
+        parts.append(f"{job['samples_per_s']:,.0f} samples/s")
+    parts.append(f"{job['workers']} worker{'' if job['workers'] == 1 else 's'}")
+    return f"job {job['id']}: " + ", ".join(parts)
 
 
 @app.command("list")
@@ -248,17 +325,19 @@ def standing(job: dict[str, Any]) -> list[tuple[str, str]]:
 def logs(
     job_id: JobId,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep following until the job ends")] = False,
+    progress_every: ProgressEvery = PROGRESS_EVERY_S,
     output: OutputOption = Output.TEXT,
 ) -> None:
-    """A job's log lines; with -f, new ones as they come, across resizes and restarts."""
+    """A job's log lines, each prefixed with [generation.rank]; with -f, new ones as they come,
+    across resizes and restarts, and a progress line every --progress-every seconds."""
     portal = _portal()
     if follow:
-        raise typer.Exit(_follow(portal, job_id, output))
+        raise typer.Exit(_follow(portal, job_id, output, progress_every))
     lines = portal.get(f"/api/jobs/{job_id}/logs")
     _emit(
         output,
         lines,
-        "\n".join(f"{line['at'][11:19]} {line['line']}" for line in lines) or "no log lines yet",
+        "\n".join(f"{line['at'][11:19]} {_log_text(line)}" for line in lines) or "no log lines yet",
     )
 
 

@@ -23,6 +23,7 @@ No Django and no torch here: the portal and the agent both use it."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import gzip
 import hashlib
@@ -40,6 +41,8 @@ from pathlib import Path, PurePosixPath
 from typing import IO, BinaryIO
 
 IGNORE_FILE = ".bungeeignore"
+IGNORE_FILE_MAX_BYTES = 1 << 16
+"""How much of a `.bungeeignore` is read."""
 _COPY_CHUNK = 1 << 20
 
 
@@ -240,24 +243,27 @@ class _Reader:
                 yield extracted
 
 
-def _ignore_patterns(text: str) -> list[str]:
+def ignore_patterns(text: str) -> list[str]:
+    """The globs of a `.bungeeignore`'s text: one a line, blank lines and `#` comments skipped."""
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-def _ignored(path: str, patterns: list[str]) -> bool:
+def ignored(path: str, patterns: list[str], is_directory: bool = False) -> bool:
+    """Whether the `.bungeeignore` globs `patterns` leave out `path` (relative, `/`-separated):
+    a glob with a `/` inside matches from the top, one without matches any name in the path; a
+    trailing `/` matches directories only (`is_directory`: `path` itself is one)."""
     parts = path.split("/")
     for pattern in patterns:
         directory_only = pattern.endswith("/")
         pattern = pattern.strip("/")
         anchored = "/" in pattern
+        names = parts if is_directory or not directory_only else parts[:-1]
         if anchored:
-            prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts) - (1 if directory_only else 0))]
+            prefixes = ["/".join(names[: i + 1]) for i in range(len(names))]
             if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
                 return True
-        else:
-            names = parts[:-1] if directory_only else parts
-            if any(fnmatch.fnmatchcase(name, pattern) for name in names):
-                return True
+        elif any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            return True
     return False
 
 
@@ -286,8 +292,8 @@ def repack(source: BinaryIO, destination: BinaryIO, max_unpacked_bytes: int, max
     for member, handle in members:
         if member.path == IGNORE_FILE:
             with reader.open(handle) as stream:
-                patterns = _ignore_patterns(stream.read(1 << 16).decode("utf-8", errors="replace"))
-    kept = sorted(((m, h) for m, h in members if not _ignored(m.path, patterns)), key=lambda pair: pair[0].path)
+                patterns = ignore_patterns(stream.read(IGNORE_FILE_MAX_BYTES).decode("utf-8", errors="replace"))
+    kept = sorted(((m, h) for m, h in members if not ignored(m.path, patterns)), key=lambda pair: pair[0].path)
     declared = sum(member.size for member, _ in kept)
     if declared > max_unpacked_bytes:
         raise ArchiveError(
@@ -384,15 +390,29 @@ def unpack(archive: Path, target: Path, max_unpacked_bytes: int) -> None:
 
 SKIPPED_WHEN_PACKING = ("__pycache__", ".git")
 """Directories `pack_directory` never takes (a .bungeeignore can leave out more)."""
+LEAVE_OUT_ADVICE = (
+    f"leave out what the job does not need with a {IGNORE_FILE} at the top of the code (one glob a line, "
+    "e.g. data/ or *.ckpt): the bungee command applies it before it packs, so an ignored file is never sent"
+)
+"""How to make code smaller, said wherever code is refused for its size."""
 
 
 def pack_directory(directory: Path, destination: BinaryIO, max_unpacked_bytes: int, max_files: int) -> Packed:
     """Packs the directory as an upload would be, canonically (see `repack`), into
-    `destination`; the digest is the one the portal gives the same files. Raises ArchiveError
-    (a link in the directory is refused, as in an upload)."""
+    `destination`; the digest is the one the portal gives the same files. Its `.bungeeignore`
+    applies as the directory is walked, so an ignored file or directory is never read (nor
+    is a link under it). Raises ArchiveError (a link in what is packed is refused, as in an
+    upload)."""
+    patterns: list[str] = []
+    if (directory / IGNORE_FILE).is_file():
+        with (directory / IGNORE_FILE).open("rb") as rules:
+            patterns = ignore_patterns(rules.read(IGNORE_FILE_MAX_BYTES).decode("utf-8", errors="replace"))
 
     def skip(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        return None if set(PurePosixPath(info.name).parts) & set(SKIPPED_WHEN_PACKING) else info
+        path = PurePosixPath(info.name)
+        if set(path.parts) & set(SKIPPED_WHEN_PACKING) or ignored(str(path), patterns, info.isdir()):
+            return None
+        return info
 
     with tempfile.TemporaryFile() as plain:
         with tarfile.open(fileobj=plain, mode="w") as archive:
@@ -400,3 +420,70 @@ def pack_directory(directory: Path, destination: BinaryIO, max_unpacked_bytes: i
                 archive.add(path, arcname=path.name, filter=skip)
         plain.seek(0)
         return repack(plain, destination, max_unpacked_bytes, max_files)  # type: ignore[arg-type]
+
+
+class EntrypointError(ValueError):
+    """The code has no class where a job's entrypoint points; the message names the module and
+    the class, and lists what the code does hold (its modules, or the module's classes)."""
+
+
+def _bound_names(statements: list[ast.stmt]) -> tuple[list[str], set[str]]:
+    """The classes that `statements` (a module's top level) define, and every other name they
+    bind (imports, assignments, functions), looking inside top-level if/try/with blocks."""
+    classes: list[str] = []
+    others: set[str] = set()
+    for statement in statements:
+        if isinstance(statement, ast.ClassDef):
+            classes.append(statement.name)
+        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+            others.update((alias.asname or alias.name).split(".")[0] for alias in statement.names)
+        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            others.add(statement.name)
+        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            others.update(node.id for target in targets for node in ast.walk(target) if isinstance(node, ast.Name))
+        elif isinstance(statement, (ast.If, ast.Try, ast.With)):
+            blocks = [getattr(statement, field, []) for field in ("body", "orelse", "finalbody")]
+            blocks += [handler.body for handler in getattr(statement, "handlers", [])]
+            for block in blocks:
+                inner_classes, inner_others = _bound_names(block)
+                classes.extend(inner_classes)
+                others |= inner_others
+    return classes, others
+
+
+def check_entrypoint(archive: BinaryIO, entrypoint: str) -> None:
+    """Checks, without importing or running anything of it, that the canonical tar.gz `archive`
+    holds the module `entrypoint` (`module:ClassName`) names and that the module binds the name:
+    a class it defines, or a name it imports or assigns (which only running it could check).
+    Raises EntrypointError naming a missing module (and listing the code's modules), a module
+    that does not parse, or a missing class (listing the classes the module defines)."""
+    module, _, name = entrypoint.partition(":")
+    wanted = module.replace(".", "/")
+    sources: dict[str, bytes] = {}
+    modules: list[str] = []
+    reader = _Reader(archive, max_members=None)
+    for member, handle in reader.members():
+        if not member.path.endswith(".py"):
+            continue
+        modules.append(member.path[: -len(".py")].removesuffix("/__init__").replace("/", "."))
+        if member.path in (f"{wanted}.py", f"{wanted}/__init__.py"):
+            with reader.open(handle) as stream:
+                sources[member.path] = _Limited(stream, member.size, member.path).read()
+    # A package comes before a module of the same name, as Python imports them.
+    found = sources.get(f"{wanted}/__init__.py", sources.get(f"{wanted}.py"))
+    if found is None:
+        listed = ", ".join(sorted(modules)[:20]) or "none"
+        raise EntrypointError(
+            f"entrypoint {entrypoint!r}: the code has no module {module!r} (no {wanted}.py or "
+            f"{wanted}/__init__.py at its top); its modules: {listed}"
+        )
+    try:
+        tree = ast.parse(found, filename=f"{wanted}.py")
+    except (SyntaxError, ValueError) as err:
+        raise EntrypointError(f"entrypoint {entrypoint!r}: module {module!r} does not parse: {err}") from err
+    classes, others = _bound_names(tree.body)
+    if name in classes or name in others or "*" in others:  # a star import may bring it
+        return
+    defined = f"its classes: {', '.join(classes)}" if classes else "it defines no class at all"
+    raise EntrypointError(f"entrypoint {entrypoint!r}: module {module!r} defines no class {name!r}; {defined}")

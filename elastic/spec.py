@@ -6,7 +6,9 @@ every bad value at once with its field, so that nothing is stored until all of i
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -223,12 +225,25 @@ def _value_at(data: Any, location: tuple[Any, ...]) -> Any:
     return data
 
 
-def _errors_from(exc: ValidationError, data: Any, prefix: str = "") -> list[FieldError]:
+def _unknown_field(name: str, known: Collection[str]) -> str:
+    """What to say of a field the model does not have: the nearest known name, if one is close
+    (a typo such as max_wokers), else every known name."""
+    nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if nearest:
+        return f"unknown field; did you mean {nearest[0]}?"
+    return f"unknown field; the fields are {', '.join(known)}"
+
+
+def _errors_from(exc: ValidationError, data: Any, known: Collection[str], prefix: str = "") -> list[FieldError]:
+    """The field errors of `exc`, raised validating `data` against a model whose fields are
+    `known`."""
     errors = []
     for err in exc.errors():
         location = tuple(err["loc"])
         field = prefix + ".".join(str(p) for p in location) if location else prefix.rstrip(".")
         message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and len(location) == 1:
+            message = _unknown_field(str(location[0]), known)
         errors.append(FieldError(field or "spec", message, _value_at(data, location)))
     return errors
 
@@ -371,7 +386,7 @@ def validate_spec(data: Any) -> JobSpec:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         # Whole-spec errors repeat the cross-field ones above, which name their field.
-        errors.extend(e for e in _errors_from(exc, data) if e.field != "spec")
+        errors.extend(e for e in _errors_from(exc, data, list(JobSpec.model_fields)) if e.field != "spec")
 
     workload = data.get("workload")
     info = CATALOGUE.get(workload) if isinstance(workload, str) else None
@@ -383,7 +398,9 @@ def validate_spec(data: Any) -> JobSpec:
         try:
             validated = info.hyperparameters.model_validate(hyperparameters)
         except ValidationError as exc:
-            errors.extend(_errors_from(exc, hyperparameters, prefix="hyperparameters."))
+            errors.extend(_errors_from(
+                exc, hyperparameters, list(info.hyperparameters.model_fields), prefix="hyperparameters."
+            ))
         else:
             if spec is not None:
                 spec = spec.model_copy(update={"hyperparameters": validated.model_dump()})

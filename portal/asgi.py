@@ -13,7 +13,8 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.core.exceptions import ImproperlyConfigured  # noqa: E402
 
-from portal.body_limit import BodyLimit  # noqa: E402
+from elastic.codepack import LEAVE_OUT_ADVICE  # noqa: E402
+from portal.body_limit import BodyLimit, Bound  # noqa: E402
 from portal.jobs.code_api import UPLOAD_OVERHEAD_BYTES  # noqa: E402
 from portal.live.auth import TokenOrSessionAuthMiddleware, origin_checked  # noqa: E402
 from portal.live.routing import websocket_urlpatterns  # noqa: E402
@@ -27,15 +28,17 @@ if _weak_key is not None:
     raise ImproperlyConfigured(_weak_key)
 
 
-def body_limit(path: str) -> int:
+def body_limit(path: str) -> Bound:
     """The largest request body: a job's artifacts from an agent; a code upload and its form's
     other fields (portal.jobs.code_api), from the API or the submit page; else a JSON or form
     body, BUNGEE["BODY_MAX_BYTES"]."""
     if path.startswith("/api/agent/jobs/") and path.endswith("/artifacts"):
-        return int(settings.BUNGEE["ARTIFACT_MAX_BYTES"])
+        return Bound(int(settings.BUNGEE["ARTIFACT_MAX_BYTES"]), "BUNGEE_ARTIFACT_MAX_BYTES")
     if path in ("/api/code", "/jobs/new/"):
-        return int(settings.BUNGEE["CODE_MAX_BYTES"]) + UPLOAD_OVERHEAD_BYTES
-    return int(settings.BUNGEE["BODY_MAX_BYTES"])
+        code = int(settings.BUNGEE["CODE_MAX_BYTES"])
+        return Bound(code + UPLOAD_OVERHEAD_BYTES, f"BUNGEE_CODE_MAX_BYTES={code}, and {UPLOAD_OVERHEAD_BYTES} for the "
+                     "form's other fields", LEAVE_OUT_ADVICE)
+    return Bound(int(settings.BUNGEE["BODY_MAX_BYTES"]), "BUNGEE_BODY_MAX_BYTES")
 
 
 application = ProtocolTypeRouter(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 Scope = MutableMapping[str, Any]
@@ -17,30 +18,42 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def _too_large(size: int | None, limit: int) -> bytes:
-    said = f"{size} bytes" if size is not None else f"over {limit} bytes"
+@dataclass(frozen=True)
+class Bound:
+    """The largest body a path takes, the setting that sets it (named in the refusal) and what
+    a client can do to send less (said after it, if anything)."""
+
+    limit: int
+    setting: str
+    advice: str = ""
+
+
+def _too_large(size: int | None, bound: Bound) -> bytes:
+    said = f"{size} bytes" if size is not None else f"over {bound.limit} bytes"
+    advice = f"; {bound.advice}" if bound.advice else ""
     return json.dumps({"error": {
         "status": 413, "code": "too_large",
-        "message": f"the request body is {said}; at most {limit} bytes are taken",
-        "fields": [{"field": "body", "message": f"at most {limit} bytes", "value": size}],
+        "message": f"the request body is {said}; at most {bound.limit} bytes are taken ({bound.setting}){advice}",
+        "fields": [{"field": "body", "message": f"at most {bound.limit} bytes ({bound.setting})", "value": size}],
     }}).encode()
 
 
 class BodyLimit:
-    def __init__(self, app: App, limit: Callable[[str], int]) -> None:
+    def __init__(self, app: App, bound: Callable[[str], Bound]) -> None:
         self.app = app
-        self.limit = limit
-        """The limit for a request's path; read per request, so that a setting changed in tests
+        self.bound = bound
+        """The bound for a request's path; read per request, so that a setting changed in tests
         applies."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit(scope.get("path", ""))
+        bound = self.bound(scope.get("path", ""))
+        limit = bound.limit
         declared = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._refuse(send, _too_large(int(declared), limit))
+            await self._refuse(send, _too_large(int(declared), bound))
             return
         received = 0
         cut = False
@@ -59,7 +72,7 @@ class BodyLimit:
 
         await self.app(scope, bounded, send)
         if cut:
-            await self._refuse(send, _too_large(None, limit))
+            await self._refuse(send, _too_large(None, bound))
 
     @staticmethod
     async def _refuse(send: Send, body: bytes) -> None:

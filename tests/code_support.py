@@ -51,11 +51,11 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 try:
-    import elastic  # noqa: F401
+    import elastic.tasks  # noqa: F401  (the CLI's install brings elastic.codepack, nothing of the runtime)
 except ImportError:
     pass
 else:
-    raise SystemExit("Bungee is importable here; the reload must not need it")
+    raise SystemExit("Bungee's runtime is importable here; the reload must not need it")
 import task
 
 torch.set_num_threads(1)

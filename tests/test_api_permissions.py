@@ -110,6 +110,7 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
     document = Client().get("/api/openapi.json").json()
     assert set(document["paths"]) == {
         "/api/jobs",
+        "/api/jobs/validate",
         "/api/jobs/{job_id}",
         "/api/jobs/{job_id}/resize",
         "/api/jobs/{job_id}/unpin",
@@ -202,6 +203,7 @@ def test_openapi_response_schemas_are_pinned() -> None:
         "POST /api/agent/report": (200, "ReportOut", error),
         "POST /api/code": (201, "object", error),
         "POST /api/jobs": (201, "JobDetailOut", error),
+        "POST /api/jobs/validate": (200, "SpecCheckOut", error),
         "POST /api/jobs/{job_id}/cancel": (200, "JobDetailOut", error),
         "POST /api/jobs/{job_id}/resize": (200, "JobDetailOut", error),
         "POST /api/jobs/{job_id}/unpin": (200, "JobDetailOut", error),

@@ -68,10 +68,11 @@ def test_yaml_body(api: dict) -> None:
         ({"min_batch_size": 8}, "min_batch_size", "only hybrid jobs"),
         ({"consistency": "hybrid", "lr_scaling": "cubic"}, "lr_scaling", "'linear' or 'sqrt'"),
         ({"name": ""}, "name", "at least 1 character"),
-        ({"colour": "red"}, "colour", "Extra inputs"),
+        ({"colour": "red"}, "colour", "unknown field; the fields are name, workload"),
+        ({"max_wokers": 2}, "max_wokers", "unknown field; did you mean max_workers?"),
         ({"hyperparameters": {"lr": -1}}, "hyperparameters.lr", "greater than 0"),
         ({"hyperparameters": {"hidden": "wide"}}, "hyperparameters.hidden", "valid integer"),
-        ({"hyperparameters": {"dropout_rate": 0.5}}, "hyperparameters.dropout_rate", "Extra inputs"),
+        ({"hyperparameters": {"dropout_rate": 0.5}}, "hyperparameters.dropout_rate", "did you mean dropout?"),
     ],
 )
 def test_bad_value_is_named(api: dict, change: dict, field: str, fragment: str) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 from asgiref.testing import ApplicationCommunicator
 from django.core.asgi import get_asgi_application
 
-from portal.body_limit import BodyLimit
+from portal.body_limit import BodyLimit, Bound
 
 LIMIT = 1000
 
@@ -25,9 +26,11 @@ def scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
     }
 
 
-async def exchange(headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, bytes, int]:
-    """Sends the request; returns the status, the body and how many chunks were taken."""
-    app = BodyLimit(get_asgi_application(), lambda path: LIMIT)
+async def exchange(
+    headers: list[tuple[bytes, bytes]], chunks: list[bytes], bound: Callable[[str], Bound] | None = None
+) -> tuple[int, bytes, int]:
+    """Sends the request to /api/code; returns the status, the body and how many chunks were taken."""
+    app = BodyLimit(get_asgi_application(), bound or (lambda path: Bound(LIMIT, "BUNGEE_TEST_MAX_BYTES")))
     communicator = ApplicationCommunicator(app, scope(headers))
     for index, chunk in enumerate(chunks):
         await communicator.send_input({"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1})
@@ -55,3 +58,13 @@ def test_a_small_body_reaches_django() -> None:
     # Django answers: a POST without a session or a token is refused for its missing CSRF cookie.
     status, body, taken = asyncio.run(exchange([(b"content-length", b"2")], [b"{}"]))
     assert status == 403 and b"too_large" not in body and taken == 1
+
+
+def test_a_code_upload_over_the_limit_names_its_setting_and_how_to_leave_files_out(settings: Any) -> None:
+    from portal.asgi import body_limit
+
+    settings.BUNGEE = {**settings.BUNGEE, "CODE_MAX_BYTES": 500}
+    status, body, taken = asyncio.run(exchange([(b"content-length", b"56000000")], [b"x"], body_limit))
+    message = json.loads(body)["error"]["message"]
+    assert status == 413 and taken == 0
+    assert "BUNGEE_CODE_MAX_BYTES=500" in message and ".bungeeignore" in message, message

@@ -33,10 +33,10 @@ def test_the_commands_and_flags() -> None:
     }
     assert flags == {
         "login": ["--output", "--token", "-o", "url"],
-        "submit": ["--code", "--follow", "--output", "-f", "-o", "spec_file"],
+        "submit": ["--code", "--follow", "--output", "--progress-every", "-f", "-o", "spec_file"],
         "list": ["--limit", "--output", "--owner", "--state", "-o"],
         "status": ["--output", "-o", "job_id"],
-        "logs": ["--follow", "--output", "-f", "-o", "job_id"],
+        "logs": ["--follow", "--output", "--progress-every", "-f", "-o", "job_id"],
         "resize": ["--output", "-o", "job_id", "workers"],
         "unpin": ["--output", "-o", "job_id"],
         "cancel": ["--output", "-o", "job_id"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +183,59 @@ def test_an_agent_fetches_only_the_code_of_a_job_its_node_runs(
     assert fetch(other).status_code == 403
     user_token = Client().get(f"/api/agent/code/{digest}", HTTP_AUTHORIZATION=f"Bearer {tokens['alice']}")
     assert user_token.status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "said"),
+    [
+        ("task:RingTask", "module 'task' defines no class 'RingTask'; its classes: RingsHyperparameters, RingsTask"),
+        ("tsk:RingsTask", "the code has no module 'tsk' (no tsk.py or tsk/__init__.py at its top); its modules: data, task"),
+    ],
+)
+def test_an_entrypoint_the_code_lacks_is_400_listing_what_it_has(
+    tokens: dict, api: dict, entrypoint: str, said: str
+) -> None:
+    """Found at submit from the module's source, without running it, not when the job runs."""
+    digest = upload(tokens, "alice", tar_gz(directory_files(RINGS))).json()["digest"]
+    reply = api["alice"].post("/api/jobs", {**CODE_JOB, "code": digest, "entrypoint": entrypoint})
+    assert reply.status_code == 400, reply.content
+    [field] = error_of(reply)["fields"]
+    assert field["field"] == "entrypoint" and field["value"] == entrypoint and said in field["message"]
+    assert Job.objects.count() == 0
+
+
+def test_a_code_upload_over_the_limit_says_how_to_leave_files_out(tokens: dict, settings: Any) -> None:
+    settings.BUNGEE = {**settings.BUNGEE, "CODE_MAX_BYTES": 2000}
+    message = error_of(upload(tokens, "alice", tar_gz({"w.bin": random.Random(0).randbytes(10_000)})))["message"]
+    assert "at most 2000 bytes (BUNGEE_CODE_MAX_BYTES)" in message and ".bungeeignore" in message
+
+
+def test_a_dry_run_checks_the_spec_and_says_whether_the_code_is_there(tokens: dict, api: dict) -> None:
+    files = directory_files(RINGS)
+    digest = upload(tokens, "alice", tar_gz(files)).json()["digest"]
+    checked = api["alice"].post("/api/jobs/validate", {**CODE_JOB, "code": digest})
+    assert checked.status_code == 200, checked.content
+    assert checked.json()["code_uploaded"] is True and checked.json()["spec"]["virtual_workers"] == 2
+    for user in ("bob", "alice"):  # bob's is not there for him; alice's other code not yet uploaded
+        other = digest if user == "bob" else "0" * 64
+        reply = api[user].post("/api/jobs/validate", {**CODE_JOB, "code": other, "entrypoint": "task:Nope"})
+        assert reply.status_code == 200 and reply.json()["code_uploaded"] is False, reply.content
+    wrong = api["alice"].post("/api/jobs/validate", {**CODE_JOB, "code": digest, "entrypoint": "task:Nope"})
+    assert wrong.status_code == 400 and error_of(wrong)["fields"][0]["field"] == "entrypoint"
+    typo = api["alice"].post("/api/jobs/validate", {**CODE_JOB, "code": digest, "max_wokers": 2})
+    assert error_of(typo)["fields"][0]["message"] == "unknown field; did you mean max_workers?"
+    assert Job.objects.count() == 0
+
+
+def test_the_docs_state_the_real_code_limits() -> None:
+    """Where a page gives a code limit a size, it is the setting's default, in bytes too."""
+    import portal.settings
+
+    defaults = {f"BUNGEE_{name}": f"{portal.settings.BUNGEE[name]:,} bytes"
+                for name in ("CODE_MAX_BYTES", "CODE_MAX_UNPACKED_BYTES")}
+    root = Path(__file__).resolve().parent.parent
+    stating = [line for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+               for line in page.read_text().splitlines() if "BUNGEE_CODE_MAX_BYTES" in line and re.search(r"\d M(i)?B", line)]
+    assert stating, "some page states the limit"
+    for line in stating:
+        assert all(default in line for setting, default in defaults.items() if f"`{setting}`" in line), line

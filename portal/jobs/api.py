@@ -16,8 +16,16 @@ from portal.errors import ApiError, not_found
 from portal.jobs import artifacts, curves
 from portal.jobs.access import job_for
 from portal.jobs.models import Job, listed
-from portal.jobs.schemas import EvaluationOut, JobDetailOut, JobSummaryOut, LogOut, MetricsOut, ResizeIn
-from portal.jobs.services import cancel_job, request_resize, submit_job
+from portal.jobs.schemas import (
+    EvaluationOut,
+    JobDetailOut,
+    JobSummaryOut,
+    LogOut,
+    MetricsOut,
+    ResizeIn,
+    SpecCheckOut,
+)
+from portal.jobs.services import cancel_job, dry_run, request_resize, submit_job
 from portal.jobs.states import JobState
 
 router = Router(auth=user_auth, tags=["jobs"])
@@ -94,23 +102,36 @@ def _parse_body(request: HttpRequest) -> Any:
         raise ApiError(400, "malformed_body", str(err), [FieldError("body", str(err), None)]) from err
 
 
+SPEC_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": JobSpec.model_json_schema()},
+        "application/yaml": {"schema": JobSpec.model_json_schema()},
+    },
+}
+"""A job spec in a request's body, as JSON or YAML."""
+
+
 @router.post(
     "",
     response={201: JobDetailOut},
     summary="Submit a job",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": JobSpec.model_json_schema()},
-                "application/yaml": {"schema": JobSpec.model_json_schema()},
-            },
-        }
-    },
+    openapi_extra={"requestBody": SPEC_BODY},
 )
 def submit(request: HttpRequest) -> Status:
     job = submit_job(request.user, _parse_body(request))
     return Status(201, detail(job))
+
+
+@router.post(
+    "/validate",
+    response={200: SpecCheckOut},
+    summary="Check a job spec as a submit would, storing nothing (a dry run: before uploading code)",
+    openapi_extra={"requestBody": SPEC_BODY},
+)
+def validate(request: HttpRequest) -> dict[str, Any]:
+    spec, uploaded = dry_run(request.user, _parse_body(request))
+    return {"spec": spec.model_dump(), "code_uploaded": uploaded}
 
 
 class JobFilter(Schema):

@@ -12,7 +12,15 @@ from typing import BinaryIO
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 
-from elastic.codepack import ArchiveError, Limit, Packed, repack
+from elastic.codepack import (
+    LEAVE_OUT_ADVICE,
+    ArchiveError,
+    EntrypointError,
+    Limit,
+    Packed,
+    check_entrypoint,
+    repack,
+)
 from elastic.spec import FieldError
 from portal.errors import ApiError
 from portal.jobs.models import CodeUpload
@@ -33,7 +41,8 @@ def archive_path(digest: str) -> Path:
 def too_big(size: int) -> ApiError:
     limit = settings.BUNGEE["CODE_MAX_BYTES"]
     return ApiError(
-        413, "too_large", f"the upload is {size} bytes; code may be at most {limit} bytes (BUNGEE_CODE_MAX_BYTES)",
+        413, "too_large",
+        f"the upload is {size} bytes; code may be at most {limit} bytes (BUNGEE_CODE_MAX_BYTES); {LEAVE_OUT_ADVICE}",
         [FieldError("file", f"at most {limit} bytes", size)],
     )
 
@@ -69,7 +78,7 @@ def _refusal(err: ArchiveError, name: str) -> ApiError:
     if err.limit is None:
         return ApiError(400, "invalid_archive", f"{name}: {err}", [FieldError("file", str(err), name)])
     reason = f"{err} ({LIMIT_SETTINGS[err.limit]})"
-    return ApiError(413, "too_large", f"{name}: {reason}", [FieldError("file", reason, name)])
+    return ApiError(413, "too_large", f"{name}: {reason}; {LEAVE_OUT_ADVICE}", [FieldError("file", reason, name)])
 
 
 def upload_for(user: AbstractBaseUser | AnonymousUser, digest: str) -> CodeUpload | None:
@@ -85,10 +94,18 @@ def upload_for(user: AbstractBaseUser | AnonymousUser, digest: str) -> CodeUploa
     return row
 
 
-def check_usable(user: AbstractBaseUser, digest: str) -> None:
-    """Raises ApiError 400 on the spec's `code` if `user` may not run `digest`."""
+def check_usable(user: AbstractBaseUser, digest: str, entrypoint: str) -> None:
+    """Raises ApiError 400 on the spec's `code` if `user` may not run `digest`, and on its
+    `entrypoint` if the code's module does not define that class (read statically: nothing of
+    the user's code is imported or run here)."""
     if upload_for(user, digest) is None:
         raise ApiError(
             400, "invalid_spec", "the job spec has 1 invalid field",
             [FieldError("code", "no code with this digest was uploaded by you; upload it with POST /api/code", digest)],
         )
+    try:
+        with archive_path(digest).open("rb") as archive:
+            check_entrypoint(archive, entrypoint)
+    except (EntrypointError, ArchiveError) as err:
+        raise ApiError(400, "invalid_spec", f"the job spec has 1 invalid field: {err}",
+                       [FieldError("entrypoint", str(err), entrypoint)]) from err

@@ -180,3 +180,9 @@ class LogOut(Schema):
     rank: int
     at: datetime
     line: str
+
+
+class SpecCheckOut(Schema):
+    spec: dict[str, Any] = Field(description="the spec as it would be stored, defaults filled in")
+    code_uploaded: bool = Field(description="whether the spec's code is uploaded already (its entrypoint then "
+                                "checked too); false: upload it with POST /api/code, then submit")

@@ -11,32 +11,52 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from elastic.scheduling.api import Reason
-from elastic.spec import FieldError, SpecError, validate_spec
+from elastic.spec import FieldError, JobSpec, SpecError, validate_spec
 from elastic.wording import counted
 from portal.cluster.models import Device, Node
 from portal.errors import ApiError, conflict
 from portal.jobs import artifacts, lifecycle
-from portal.jobs.code import check_usable
+from portal.jobs.code import check_usable, upload_for
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
 from portal.trigger import request_schedule
 
 
-def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
-    """Validate a spec and store the job, queued. Raises ApiError 400 listing every bad field."""
+def check_spec(owner: AbstractBaseUser, data: Any, code_uploaded: bool = True) -> JobSpec:
+    """The validated spec that `owner` may submit. Raises ApiError 400 listing every bad field,
+    then for code `owner` cannot use or whose module lacks the entrypoint's class, or for an
+    `init_from` that is not theirs. `code_uploaded` False (a dry run before the upload) leaves
+    out the checks that need the code."""
     try:
         spec = validate_spec(data)
     except SpecError as exc:
         raise ApiError(400, "invalid_spec", f"the job spec has {counted(len(exc.errors), 'invalid field')}", exc.errors) from exc
-    if spec.code is not None:
-        check_usable(owner, spec.code)
+    if spec.code is not None and spec.entrypoint is not None and code_uploaded:
+        check_usable(owner, spec.code, spec.entrypoint)
     if spec.init_from is not None:
         artifacts.check_init_from(owner, spec.init_from)
+    return spec
+
+
+def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
+    """Validate a spec (`check_spec`) and store the job, queued. Raises ApiError 400."""
+    spec = check_spec(owner, data)
     with transaction.atomic():
         job = lifecycle.create_job(owner, spec)
         broadcast.job_changed(job)  # sent once the job is committed
     return job
+
+
+def dry_run(owner: AbstractBaseUser, data: Any) -> tuple[JobSpec, bool]:
+    """Checks a spec as `submit_job` would, storing nothing: returns the validated spec and
+    whether its code (if it names any) is already uploaded and usable by `owner` (then its
+    entrypoint is checked too; if not, the caller uploads it and submits). Raises ApiError 400."""
+    spec = check_spec(owner, data, code_uploaded=False)
+    uploaded = spec.code is not None and upload_for(owner, spec.code) is not None
+    if uploaded and spec.code is not None and spec.entrypoint is not None:
+        check_usable(owner, spec.code, spec.entrypoint)
+    return spec, uploaded
 
 
 def usable_devices() -> QuerySet[Device]:
