@@ -360,6 +360,10 @@ def main() -> int:
         if ratio is not None:
             print(f"  {name}_vs_torch: {ratio:.3f} (per round {min(rounds):.3f} / {statistics.median(rounds):.3f} / "
                   f"{max(rounds):.3f})")  # fmt: skip
+    if "torch" in cpu:
+        print("  in CPU time of this process (what a loaded machine inflates less): " + ", ".join(
+            f"{arm}_vs_torch {statistics.median(cpu[arm]) / statistics.median(cpu['torch']):.3f}"
+            for arm in ("plain", "strict") if arm in cpu))  # fmt: skip
     after = os.getloadavg()
     print(f"  load average after: {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}")
     result: dict[str, Any] = {
@@ -369,6 +373,8 @@ def main() -> int:
         **{f"{arm}_step_ms": medians.get(arm) for arm in ARMS},
         **{f"{arm}_cpu_ms": statistics.median(cpu[arm]) for arm in cpu},
         "plain_vs_torch": plain, "strict_vs_torch": strict,
+        **{f"{arm}_vs_torch_cpu": statistics.median(cpu[arm]) / statistics.median(cpu["torch"])
+           for arm in ("plain", "strict") if arm in cpu and "torch" in cpu},
         "plain_vs_torch_per_round": plain_rounds, "strict_vs_torch_per_round": strict_rounds,
         "conditions": {**conditions, "load_average_after_1m": round(after[0], 2)},
     }  # fmt: skip
