@@ -2,22 +2,23 @@
 against the PyTorch loop its user would write.
 
     python bench/step.py                                   # CPU, the ResNet-18 of examples/resnet
-    python bench/step.py --device cuda --data-workers 6    # on GPU 0 (NCCL)
+    python bench/step.py --device cuda --loader-workers 6  # on GPU 0 (NCCL); DataLoader with 6 workers
+    python bench/step.py --device cuda --data-workers 6    # ... and Bungee's task with 6 reader processes
     python bench/step.py --task examples/digits --entrypoint task:DigitsMLP
     python bench/step.py --quick                           # a narrow ResNet and a few steps
 
 The arms, each with its own model (same seed), optimiser and data, in one process:
 
 - **torch**, the baseline: the loop a user writes. torch's DataLoader over the task's
-  `train_data()` (shuffled, `--data-workers` worker processes, persistent, pinned memory on
+  `train_data()` (shuffled, `--loader-workers` worker processes, persistent, pinned memory on
   CUDA), the batch moved with `non_blocking`, `loss`, `zero_grad`, `backward`, `step`; cuDNN's
   autotuner on (CUDA). No metric is read back.
 - **floor**: the same with one batch resident on the device: compute alone.
 - **plain** and **strict**: Bungee's worker at world size 1, built by the worker's own build
   (elastic.worker.build: the task, `set_up_device` with the worker's settings, the consistency
   mode's trainer, its warm-up) and driven by the worker's own loop (elastic.worker.loop.
-  TrainingLoop.train: the trainer's step with its read of the step's items (`data_workers`
-  readers when the task has them), the step clock, rank 0's progress events), over a process
+  TrainingLoop.train: the trainer's step with its read of the step's items (in reader processes
+  when the task's `data_workers`, or `--data-workers`, says so), the step clock, rank 0's progress events), over a process
   group of one (gloo on CPU, NCCL on CUDA). Plain is a hybrid job whose batch cannot change
   (plain averaging); strict has one virtual worker (`--virtual-workers`). Events go to
   /dev/null (a worker writes them to its agent's pipe). Left out: the periodic checkpoint (every
@@ -273,6 +274,8 @@ def main() -> int:
     parser.add_argument("--data-workers", type=int, default=None,
                         help="DataLoader workers of the torch arm, and the task's data_workers in Bungee's arms "
                         "(default: the task's data_workers for both)")  # fmt: skip
+    parser.add_argument("--loader-workers", type=int, default=None,
+                        help="DataLoader workers of the torch arm alone (default: as --data-workers)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--virtual-workers", type=int, default=1, help="strict arm's virtual workers")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of every arm")
@@ -308,6 +311,7 @@ def main() -> int:
     if args.data_workers is not None:
         task_class.data_workers = args.data_workers  # what the readers of Bungee's arms read with
     data_workers = getattr(task_class, "data_workers", 0)
+    loader_workers = data_workers if args.loader_workers is None else args.loader_workers
     batch = int(hyperparameter(validate_hyperparameters(task_class, hyperparameters), "batch_size"))
     hyperparameters = {**hyperparameters, "batch_size": batch}
 
@@ -319,7 +323,7 @@ def main() -> int:
         for arm in arms:
             loop_settings(device, threads)
             if arm in ("torch", "floor"):
-                runs[arm] = TorchLoop(task_class, hyperparameters, device, data_workers, args.precision == "bf16",
+                runs[arm] = TorchLoop(task_class, hyperparameters, device, loader_workers, args.precision == "bf16",
                                       resident=arm == "floor")  # fmt: skip
             else:
                 spec = bungee_spec(arm, (task_dir, entrypoint), hyperparameters, batch, args.precision,
@@ -342,7 +346,8 @@ def main() -> int:
     parameters = sum(p.numel() for p in runs[arms[0]].model.parameters())
     describe_device = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {threads} thread(s)"
     print(f"\n{entrypoint} of {task_dir.name}, batch {batch}, hyperparameters {hyperparameters}, "
-          f"{args.precision}, on {describe_device}; data workers {data_workers}; {args.rounds} rounds of "
+          f"{args.precision}, on {describe_device}; Bungee's data_workers {data_workers}, DataLoader workers "
+          f"{loader_workers}; {args.rounds} rounds of "
           f"{args.steps} timed steps per arm")  # fmt: skip
     for arm in runs:
         print(f"  {arm:>6}: {show(times[arm], 'ms a step', 2)}; CPU time of this process {show(cpu[arm], 'ms', 2)}")
@@ -369,6 +374,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "bench": "step", "task": f"{task_dir.name}/{entrypoint}", "hyperparameters": hyperparameters,
         "device": describe_device, "precision": args.precision, "data_workers": data_workers,
+        "loader_workers": loader_workers,
         "steps": args.steps, "rounds": args.rounds, "model_params": parameters,
         **{f"{arm}_step_ms": medians.get(arm) for arm in ARMS},
         **{f"{arm}_cpu_ms": statistics.median(cpu[arm]) for arm in cpu},
