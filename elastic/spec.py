@@ -25,6 +25,10 @@ CODE_DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 _CODE_EPOCHS_RULE = "a job with its own code gives steps: the size of its data set is known only on the nodes"
 _HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size")
+_STRICT_PRECISION_RULE = (
+    "strict jobs train in fp32: bf16 autocast kernels are not guaranteed to give the same bits when a "
+    "batch is split otherwise, so the bit-for-bit promise could not hold; choose consistency hybrid for bf16"
+)
 
 
 class JobSpec(BaseModel):
@@ -103,6 +107,11 @@ class JobSpec(BaseModel):
         description="start from the final model of this finished job of yours (its model.pt); the optimiser "
         "starts fresh",
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16: the task's forward and loss run under torch.autocast in bfloat16 (consistency hybrid "
+        "only: strict refuses it); fp32: no autocast",
+    )
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="global steps to train (or give epochs)")
     epochs: float | None = Field(
         None, gt=0, le=100_000,
@@ -136,6 +145,8 @@ class JobSpec(BaseModel):
             raise ValueError(_CODE_EPOCHS_RULE)
         if self.virtual_workers is not None and self.virtual_workers < self.max_workers:
             raise ValueError(_VIRTUAL_WORKERS_RULE.format(v=self.virtual_workers, w=self.max_workers))
+        if self.consistency == "strict" and self.precision != "fp32":
+            raise ValueError(_STRICT_PRECISION_RULE)
         return self
 
     def virtual_worker_count(self) -> int:
@@ -329,6 +340,9 @@ def _mode_errors(data: dict[str, Any], max_workers: float | None) -> list[FieldE
             for name in _HYBRID_FIELDS
             if name in given
         )
+    precision = data.get("precision")
+    if not hybrid and precision == "bf16":
+        errors.append(FieldError("precision", _STRICT_PRECISION_RULE, precision))
     virtual = _as_number(given.get("virtual_workers"))
     if virtual is not None and max_workers is not None and 1 <= virtual < max_workers:
         errors.append(

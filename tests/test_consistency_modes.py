@@ -86,6 +86,16 @@ def test_hybrid_defaults_come_from_the_workload_batch() -> None:
     assert spec.lr_scaling == "linear" and spec.virtual_workers is None
 
 
+def test_precision_is_fp32_by_default_and_bf16_for_hybrid_jobs() -> None:
+    assert validate_spec(BASE).precision == "fp32"
+    assert validate_spec({**BASE, "consistency": "hybrid", "precision": "bf16"}).precision == "bf16"
+    with pytest.raises(SpecError) as raised:
+        validate_spec({**BASE, "precision": "bf16"})
+    (error,) = raised.value.errors
+    assert (error.field, error.value) == ("precision", "bf16")
+    assert "bitwise" in error.message or "bit-for-bit" in error.message
+
+
 @pytest.mark.parametrize(
     "change,field,fragment",
     [
@@ -101,6 +111,8 @@ def test_hybrid_defaults_come_from_the_workload_batch() -> None:
         ),
         ({"consistency": "hybrid", "lr_scaling": "cubic"}, "lr_scaling", "'linear' or 'sqrt'"),
         ({"consistency": "hybrid", "warmup_steps": -1}, "warmup_steps", "greater than or equal to 0"),
+        ({"precision": "bf16"}, "precision", "strict jobs train in fp32"),
+        ({"consistency": "hybrid", "precision": "fp16"}, "precision", "'fp32' or 'bf16'"),
     ],
 )
 def test_bad_mode_fields_are_named(change: dict, field: str, fragment: str) -> None:

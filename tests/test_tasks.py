@@ -169,3 +169,30 @@ def test_a_job_starts_from_another_jobs_model_only_if_it_fits(tmp_path: Path) ->
     wider = bind_task(RINGS, "task:RingsTask", {"hidden": 9}, seed=2)
     with pytest.raises(UserCodeError, match="(?s)init_from: the final model of job 4 does not load .*size mismatch"):
         wider.load_initial_model(tmp_path / "model.pt", "job 4")
+
+
+def test_the_resnet_example_reads_seeded_augmented_items_and_trains() -> None:
+    resnet = Path(__file__).parent.parent / "examples" / "resnet"
+    full = load_task_class(resnet, "task:ResNetTask")
+    with torch.device("meta"):  # the shapes alone
+        assert 11.1e6 < sum(p.numel() for p in full(full.Hyperparameters()).model().parameters()) < 11.3e6
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a narrow model's many small kernels: threads only wait for each other
+    try:
+        _train_two_resnet_steps(resnet)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_two_resnet_steps(resnet: Path) -> None:
+    task = bind_task(resnet, "task:ResNetTask", {"batch_size": 8, "width": 2, "images": 64}, seed=1)
+    reads = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        reads.append(task.dataset[3][0])
+    assert torch.equal(reads[0], reads[1]) and not torch.equal(reads[0], reads[2])  # crop and flip from torch's generator
+    trainer = Trainer(task, task.make_optimizer(), SampleStream(task.num_samples, 1), batch_size=8, seed=1, rank=0,
+                      world_size=1, reduce=lambda buffer: None)  # fmt: skip
+    outcomes = [trainer.step(step, stop_requested=False) for step in range(2)]
+    assert all(torch.isfinite(torch.tensor(outcome.loss)) for outcome in outcomes)
+    assert 0 <= trainer.metrics["accuracy"] <= 1

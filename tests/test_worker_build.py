@@ -152,3 +152,26 @@ def test_a_standby_is_prepared_once() -> None:
     )
     assert done.returncode != 0
     assert b"prepared twice" in done.stderr
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_a_bf16_job_runs_its_loss_under_autocast_and_trains(precision: str, dtype: torch.dtype, group_of_one: None) -> None:
+    spec = {**SPEC, "consistency": "hybrid", "max_workers": 1, "batch_per_worker": 16, "min_batch_size": 16,
+            "max_batch_size": 16, "warmup_steps": 0, "precision": precision}  # fmt: skip
+    made = build.build(config(spec=spec, rank=0, world_size=1), WorkerSettings())
+    task = made.problem.task
+    seen: list[torch.dtype] = []
+    own_loss = task.loss
+
+    def loss(model: torch.nn.Module, batch: Any) -> Any:
+        seen.append((torch.ones(2, 2) @ torch.ones(2, 2)).dtype)  # a matmul inside the task's loss
+        return own_loss(model, batch)
+
+    task.loss = loss
+    before = [p.detach().clone() for p in made.problem.model.parameters()]
+    made.trainer.rebind_members(0, 1, None, 0)
+    outcomes = [made.trainer.step(step, False) for step in range(3)]
+    assert seen == [dtype] * 3
+    assert all(outcome.loss == outcome.loss and not outcome.skipped for outcome in outcomes)
+    assert any(not torch.equal(a, b) for a, b in zip(before, made.problem.model.parameters(), strict=True))
+    assert all(p.dtype == torch.float32 for p in made.problem.model.parameters()), "autocast leaves the weights fp32"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,12 @@ class BoundTask:
         seed: int,
         device: torch.device,
         source: tuple[Path, str] | None = None,
+        precision: str = "fp32",
     ):
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, not {precision!r}")
+        self.precision = precision
+        """bf16: `loss` runs the task's forward and loss under torch.autocast in bfloat16."""
         self.hyperparameters = validate_hyperparameters(task_class, hyperparameters)
         self.device = device
         self.data_workers = getattr(task_class, "data_workers", 0)
@@ -181,7 +186,7 @@ class BoundTask:
         """The task's mean loss over `batch` with its model (or `model`, a wrapper of it such
         as DDP's); its named metrics go to `metrics`. Raises UserCodeError if the task raises
         or returns no scalar tensor."""
-        with blaming_the_task("loss(model, batch)"):
+        with self._autocast(), blaming_the_task("loss(model, batch)"):
             result = self.task.loss(self.model if model is None else model, batch)
         metrics: dict[str, Any] = {}
         if isinstance(result, tuple) and len(result) == 2:
@@ -192,6 +197,11 @@ class BoundTask:
             raise UserCodeError(f"loss() returned metrics of type {type(metrics).__name__}, not a dict")
         self.metrics = {str(name): float(value) for name, value in metrics.items()}
         return result.reshape(())
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
 
     def evaluate(self, batch_size: int | None = None) -> dict[str, float]:
         """The task's metrics over its whole evaluation data, in eval mode and without

@@ -65,9 +65,9 @@ class _DigitsTask:
         images, labels = batch
         return functional.cross_entropy(model(images), labels)
 
-    def evaluate(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
         images, labels = batch
-        return {"accuracy": float((model(images).argmax(dim=1) == labels).float().mean())}
+        return {"accuracy": (model(images).argmax(dim=1) == labels).float().mean()}
 
 
 class DigitsMLP(_DigitsTask):
