@@ -1,4 +1,4 @@
-"""One task trained four ways on one device, interleaved in rounds: what Bungee's step costs
+"""One task trained five ways on one device, interleaved in rounds: what Bungee's step costs
 against the PyTorch loop its user would write.
 
     python bench/step.py                                   # CPU, the ResNet-18 of examples/resnet
@@ -14,6 +14,10 @@ The arms, each with its own model (same seed), optimiser and data, in one proces
   CUDA), the batch moved with `non_blocking`, `loss`, `zero_grad`, `backward`, `step`; cuDNN's
   autotuner on (CUDA). No metric is read back.
 - **floor**: the same with one batch resident on the device: compute alone.
+- **deterministic**: the torch loop with torch's deterministic algorithms and cuDNN's
+  deterministic kernels, autotuner off, as strict mode runs: `deterministic_vs_torch` is what
+  determinism itself costs the model (EasyScale's D1), `strict_vs_deterministic` what strict
+  mode's own passes and the worker add on top of it.
 - **plain** and **strict**: Bungee's worker at world size 1, built by the worker's own build
   (elastic.worker.build: the task, `set_up_device` with the worker's settings, the consistency
   mode's trainer, its warm-up) and driven by the worker's own loop (elastic.worker.loop.
@@ -83,7 +87,7 @@ from elastic.worker.settings import WorkerSettings  # noqa: E402
 from elastic.worker.step_clock import StepClock  # noqa: E402
 from elastic.worker.stop import StopRequest  # noqa: E402
 
-ARMS = ("torch", "floor", "plain", "strict")
+ARMS = ("torch", "floor", "deterministic", "plain", "strict")
 SEED = 7
 RESNET = (ROOT / "examples" / "resnet", "task:ResNetTask")
 QUICK_RESNET = {"width": 8, "batch_size": 32}
@@ -108,12 +112,14 @@ def moved(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def loop_settings(device: torch.device, threads: int) -> None:
-    """The process's settings as a user's loop has them: torch's defaults, cuDNN's autotuner on."""
+def loop_settings(device: torch.device, threads: int, deterministic: bool = False) -> None:
+    """The process's settings as a user's loop has them: torch's defaults, cuDNN's autotuner on;
+    or, `deterministic`, torch's deterministic algorithms and cuDNN's deterministic kernels
+    without its autotuner, as strict mode runs (what determinism itself costs: EasyScale's D1)."""
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(False)
-    torch.backends.cudnn.deterministic = False
-    torch.backends.cudnn.benchmark = device.type == "cuda"
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
 
 
 class TorchLoop:
@@ -121,8 +127,9 @@ class TorchLoop:
 
     def __init__(
         self, task_class: type, hyperparameters: dict[str, Any], device: torch.device, data_workers: int,
-        bf16: bool, resident: bool,
+        bf16: bool, resident: bool, deterministic: bool = False,
     ) -> None:  # fmt: skip
+        self.deterministic = deterministic
         self.task = task_class(validate_hyperparameters(task_class, hyperparameters))
         torch.manual_seed(SEED)
         self.model = self.task.model().to(device)
@@ -154,7 +161,7 @@ class TorchLoop:
     def block(self, steps: int, threads: int) -> tuple[float, float]:
         """Seconds a step over `steps` timed steps, after one untimed: wall-clock and this
         process's CPU time."""
-        loop_settings(self.device, threads)
+        loop_settings(self.device, threads, self.deterministic)
         self.step()
         synchronize(self.device)
         began, began_cpu = time.perf_counter(), time.process_time()
@@ -322,9 +329,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bungee-bench-step-") as run_dir:
         for arm in arms:
             loop_settings(device, threads)
-            if arm in ("torch", "floor"):
+            if arm in ("torch", "floor", "deterministic"):
                 runs[arm] = TorchLoop(task_class, hyperparameters, device, loader_workers, args.precision == "bf16",
-                                      resident=arm == "floor")  # fmt: skip
+                                      resident=arm == "floor", deterministic=arm == "deterministic")  # fmt: skip
             else:
                 spec = bungee_spec(arm, (task_dir, entrypoint), hyperparameters, batch, args.precision,
                                    args.virtual_workers)  # fmt: skip
@@ -361,7 +368,10 @@ def main() -> int:
 
     plain, plain_rounds = versus("plain")
     strict, strict_rounds = versus("strict")
-    for name, ratio, rounds in (("plain", plain, plain_rounds), ("strict", strict, strict_rounds)):
+    determinism, determinism_rounds = versus("deterministic")
+    ours = medians["strict"] / medians["deterministic"] if "strict" in medians and "deterministic" in medians else None
+    for name, ratio, rounds in (("plain", plain, plain_rounds), ("strict", strict, strict_rounds),
+                                ("deterministic", determinism, determinism_rounds)):  # fmt: skip
         if ratio is not None:
             print(f"  {name}_vs_torch: {ratio:.3f} (per round {min(rounds):.3f} / {statistics.median(rounds):.3f} / "
                   f"{max(rounds):.3f})")  # fmt: skip
@@ -378,7 +388,8 @@ def main() -> int:
         "steps": args.steps, "rounds": args.rounds, "model_params": parameters,
         **{f"{arm}_step_ms": medians.get(arm) for arm in ARMS},
         **{f"{arm}_cpu_ms": statistics.median(cpu[arm]) for arm in cpu},
-        "plain_vs_torch": plain, "strict_vs_torch": strict,
+        "plain_vs_torch": plain, "strict_vs_torch": strict, "deterministic_vs_torch": determinism,
+        "strict_vs_deterministic": ours,
         **{f"{arm}_vs_torch_cpu": statistics.median(cpu[arm]) / statistics.median(cpu["torch"])
            for arm in ("plain", "strict") if arm in cpu and "torch" in cpu},
         "plain_vs_torch_per_round": plain_rounds, "strict_vs_torch_per_round": strict_rounds,
