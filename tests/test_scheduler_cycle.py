@@ -437,6 +437,7 @@ def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, sett
     report(cluster, event(done, "exited", exit_code=0, reason="completed", step=50))
     done.refresh_from_db()
     assert done.state == "succeeded" and done.allocations.count() == 0 and done.steps_done == 50
+    assert done.message == "trained all 50 steps", "how it ended, in the job's own numbers"
     settings.BUNGEE = {**settings.BUNGEE, "MAX_RESTARTS": 1}
     report(cluster, event(flaky, "started", pid=2000, device_index=1), event(flaky, "exited", exit_code=1, reason="failed"))
     run_cycle()
@@ -468,6 +469,7 @@ def test_a_user_error_fails_the_job_at_once_and_stops_the_other_workers(
     job.refresh_from_db()
     assert job.state == "failed" and job.restarts == 0 and job.allocations.count() == 0
     assert "the job's code failed on worker rank 1" in job.message and "Not restarted" in job.message
+    assert "loss(model, batch) raised ValueError: bad." in job.message, "what raised, not only where to look"
     [stop] = commands(redis_client)[sent:]
     assert stop.kind == "stop", "the other worker is asked to stop"
     assert JobLog.objects.filter(job=job, line__contains="raised ValueError: bad").exists()
