@@ -21,7 +21,7 @@ from portal.jobs.board import cluster_state
 from portal.jobs.forms import ERROR_SLOTS, errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
 from portal.jobs.models import Job, listed
 from portal.jobs.services import submit_job
-from portal.jobs.states import JobState
+from portal.jobs.states import FINAL_STATES, JobState
 
 CHART_FIELDS = ("generation", "segment", "step", "loss", "samples_per_s", "metrics")
 
@@ -131,6 +131,7 @@ def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
         "jobs/detail.html",
         {
             "job": job,
+            "ended": job.state in FINAL_STATES,
             "bootstrap": {
                 "viewer": _viewer(request),
                 "job": detail(job),

@@ -41,10 +41,7 @@
   const nodes = new Map();
   let unreachableTimeoutS = null;
 
-  function duration(seconds) {
-    const s = Math.max(0, Math.round(seconds));
-    return s < 60 ? s + " s" : s < 3600 ? Math.floor(s / 60) + " min " + (s % 60) + " s" : Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
-  }
+  const duration = BungeeFormat.duration;
 
   const since = (iso) => duration((Date.now() - Date.parse(iso)) / 1000);
 
