@@ -141,6 +141,18 @@ def test_board_queued_job_colours_simulated_readings_and_a_narrow_window(browser
     assert "empty" in (waiting.get_attribute("class") or "") and waiting.inner_text() == "queued: no workers yet"
     assert waiting.evaluate("b => getComputedStyle(b).backgroundColor") == "rgba(0, 0, 0, 0)", "no stub of a bar"
     assert page.locator(f'.job-row[data-job="{running}"] .bar').inner_text() == "1 worker"
+    # Issue 36, defect 12: a job's track has a cell per worker it may have, not one per device.
+    cells = "(t) => getComputedStyle(t).getPropertyValue('--cells').trim()"
+    assert page.locator(f'.job-row[data-job="{running}"] .track').evaluate(cells) == "1"
+    assert page.locator(f'.job-row[data-job="{queued}"] .track').evaluate(cells) == "4"
+    # A free device whose memory is in use says why: the agent's warm standby holds it.
+    row = page.locator("#devices tbody tr").filter(has=page.locator('[data-field="holder"] .standby')).first
+    row.wait_for(timeout=60_000)
+    standby = row.locator('[data-field="holder"] .standby')
+    assert row.locator('[data-field="holder"] .tag').inner_text() == "free"
+    assert "held by a warm standby" in (standby.get_attribute("title") or "")
+    assert "held by a warm standby" in (row.locator('[data-field="mem"]').get_attribute("title") or "")
+    assert re.fullmatch(r"warm standby · \d+(\.\d)? [KMG]B", row.locator('[data-field="share"]').inner_text())
     page.wait_for_selector('#devices [data-field="power"] .sim')
     assert page.locator('#devices [data-field="temp"] .sim').count() == 4, "every slot's temperature is simulated"
     assert page.locator("#simulated-note").is_visible()
