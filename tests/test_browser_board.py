@@ -86,7 +86,7 @@ def test_drag_and_keyboard_resize_seen_by_another_browser(browser_platform: Any,
     wait_workers(alice, job_id, 2)
     wait_workers(watcher, job_id, 2)
 
-    drag_to(alice, job_id, 4)
+    drag_to(alice, job_id, 0)
     message = alice.locator("#board-message")
     message.wait_for()
     assert "between 1 and 3" in message.inner_text()

@@ -39,6 +39,39 @@ def test_lift_pin_shows_only_on_a_pinned_job_that_has_not_ended(browser_platform
     cancel_all(browser_platform, "alice")
 
 
+def facts(page: Any) -> dict[str, str]:
+    return dict(zip(page.locator("#facts dt").all_inner_texts(), page.locator("#facts dd").all_inner_texts(), strict=True))
+
+
+def test_an_ended_job_shows_how_it_ended_and_nothing_live(browser_platform: Any, chromium: Any) -> None:
+    """Issue 36, defects 8 and 11: empty charts say "no data yet"; when the job ends its live
+    controls go (the page of an ended job has none) and the facts say how it ended and for how long."""
+    # More workers than the cluster has: the job stays queued and trains nothing.
+    job_id = submit_job(browser_platform, "alice", name="never-ran", min_workers=5, max_workers=5)
+    page = log_in(chromium, browser_platform, "alice")
+    page.goto(f"{browser_platform.base_url}/jobs/{job_id}/")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    for chart in ("#loss-chart", "#speed-chart"):
+        assert page.locator(f"{chart} .chart-empty").inner_text() == "no data yet"
+    assert page.locator("#resize-to").is_visible() and "Workers" in facts(page)
+    screenshot(page, "job-queued-no-data-yet")
+    assert browser_platform.api("alice").post(f"/api/jobs/{job_id}/cancel").status_code == 200
+    page.locator("#live-controls").wait_for(state="detached", timeout=10_000)
+    shown = facts(page)
+    assert not {"Workers", "Progress", "Generation", "Scheduler"} & set(shown), shown
+    assert shown["Ended"].startswith("cancelled at step 0 of 1000000, "), shown
+    assert re.fullmatch(r"never started \(\d+ (s|min \d+ s) queued\)", shown["Ran for"]), shown
+    assert page.inner_text("#job-message") == "cancelled by its owner"
+    assert page.locator("#loss-chart .chart-empty").inner_text() == "no data: the job trained no step"
+    screenshot(page, "job-cancelled-ended")
+    assert axe_violations(page) == []
+    page.reload()
+    page.wait_for_selector("#conn-state[data-state=live]")
+    assert page.locator("#resize-to, #resize, #cancel, #unpin").count() == 0
+    assert "Ended" in facts(page)
+    page.context.close()
+
+
 def _linear(channel: float) -> float:
     channel /= 255
     return channel / 12.92 if channel <= 0.04045 else ((channel + 0.055) / 1.055) ** 2.4
@@ -108,6 +141,18 @@ def test_board_queued_job_colours_simulated_readings_and_a_narrow_window(browser
     assert "empty" in (waiting.get_attribute("class") or "") and waiting.inner_text() == "queued: no workers yet"
     assert waiting.evaluate("b => getComputedStyle(b).backgroundColor") == "rgba(0, 0, 0, 0)", "no stub of a bar"
     assert page.locator(f'.job-row[data-job="{running}"] .bar').inner_text() == "1 worker"
+    # Issue 36, defect 12: a job's track has a cell per worker it may have, not one per device.
+    cells = "(t) => getComputedStyle(t).getPropertyValue('--cells').trim()"
+    assert page.locator(f'.job-row[data-job="{running}"] .track').evaluate(cells) == "1"
+    assert page.locator(f'.job-row[data-job="{queued}"] .track').evaluate(cells) == "4"
+    # A free device whose memory is in use says why: the agent's warm standby holds it.
+    row = page.locator("#devices tbody tr").filter(has=page.locator('[data-field="holder"] .standby')).first
+    row.wait_for(timeout=60_000)
+    standby = row.locator('[data-field="holder"] .standby')
+    assert row.locator('[data-field="holder"] .tag').inner_text() == "free"
+    assert "held by a warm standby" in (standby.get_attribute("title") or "")
+    assert "held by a warm standby" in (row.locator('[data-field="mem"]').get_attribute("title") or "")
+    assert re.fullmatch(r"warm standby · \d+(\.\d)? [KMG]B", row.locator('[data-field="share"]').inner_text())
     page.wait_for_selector('#devices [data-field="power"] .sim')
     assert page.locator('#devices [data-field="temp"] .sim').count() == 4, "every slot's temperature is simulated"
     assert page.locator("#simulated-note").is_visible()

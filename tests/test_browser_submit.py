@@ -16,9 +16,31 @@ from tests.code_support import RINGS, directory_files, tar_gz
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
+GAP_ABOVE = """(selector) => {
+  // The empty height between the element and the nearest field above it in the same column.
+  const box = document.querySelector(selector).getBoundingClientRect();
+  const above = [...document.querySelectorAll(".submit-form .grid2 > *")].map((e) => e.getBoundingClientRect())
+    .filter((b) => b.bottom <= box.top && b.left < box.right && b.right > box.left);
+  return box.top - Math.max(...above.map((b) => b.bottom));
+}"""
+
+
 def test_submit_with_an_error_then_fixed(browser_platform: Any, chromium: Any) -> None:
     page = log_in(chromium, browser_platform, "alice")
     page.click("nav >> text=Submit")
+    # Issue 36, defect 13: what to train is the form's first choice, your own code one of its
+    # two answers (not an entry at the end of the workload list), and Priority follows the
+    # field above it without a gap the height of the consistency modes.
+    choice = page.locator(".submit-form > fieldset.source-choice")
+    assert choice.locator("legend").inner_text() == "What to train"
+    assert page.locator("input[name=source]").evaluate_all("rs => rs.map((r) => r.value)") == ["own-code", "catalogue"]
+    assert page.locator("#source-catalogue").is_checked() and page.locator("#workload").is_visible()
+    assert "own-code" not in page.locator("#workload option").evaluate_all("os => os.map((o) => o.value)")
+    name_box, choice_box = page.locator("#name").bounding_box(), choice.bounding_box()
+    assert name_box and choice_box and choice_box["y"] < name_box["y"], "the choice comes first"
+    gap = page.evaluate(GAP_ABOVE, "#priority-choice")
+    assert gap < 30, f"{gap:.0f} px of empty space above Priority"
+    screenshot(page, "submit-form")
     page.fill("#name", "from-the-form")
     page.fill("#min_workers", "3")
     page.fill("#max_workers", "2")
@@ -63,8 +85,10 @@ def test_submit_your_own_code_through_the_form(browser_platform: Any, chromium: 
     page = log_in(chromium, browser_platform, "alice")
     page.goto(browser_platform.base_url + "/jobs/new/")
     page.fill("#name", "my-own-code")
-    page.select_option("#workload", "own-code")
+    page.check("#source-own-code")
     assert page.locator("#code_file").is_visible() and not page.locator("#hp-digits-mlp-lr").is_visible()
+    assert not page.locator("#workload").is_visible() and not page.locator("#hyperparameters-title").is_visible()
+    screenshot(page, "submit-own-code")
     page.set_input_files("#code_file", str(archive))
     page.fill("#entrypoint", "task:RingsTask")
     page.fill("#code_hyperparameters", "hidden: 16\n")  # batch_size forgotten

@@ -155,7 +155,7 @@ def test_the_submit_page_says_the_same_beside_the_archive(users: dict) -> None:
     client = Client()
     client.force_login(users["alice"])
     reply = client.post("/jobs/new/", {
-        "workload": "own-code", "name": "many", "entrypoint": "task:Task", "max_workers": "1",
+        "source": "own-code", "name": "many", "entrypoint": "task:Task", "max_workers": "1",
         "code_file": SimpleUploadedFile("many.zip", zip_of(files(LIMIT + 1))),
     })
     assert reply.status_code == 400

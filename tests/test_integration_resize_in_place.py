@@ -412,6 +412,7 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
     job_id = submit(platform, 2, broken)
     failed = platform.wait_for("the job to fail", lambda: (j := detail(platform, job_id))["state"] == "failed" and j)
     assert "the job's code failed on worker rank" in failed["message"] and failed["restarts"] == 0
+    assert "raised ValueError: the task's own bug, at call 5." in failed["message"], "the error, not only where it is"
     found = [entry for entry in logs(platform, job_id) if entry.startswith("the job's code failed")]
     assert found, logs(platform, job_id)
     for line in found:

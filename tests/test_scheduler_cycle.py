@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from elastic.wire import AgentReport, WorkerEvent, parse_command
@@ -428,6 +429,20 @@ def test_a_job_that_fails_after_training_has_its_checkpoint_exported(
     ]
 
 
+def ended_job_page(job: Job) -> str:
+    """The page of `job`, which has ended, as its owner gets it: nothing live left on it (no
+    Workers box, no Resize or Cancel: issue 36, defect 8)."""
+    client = Client()
+    client.force_login(job.owner)
+    reply = client.get(f"/jobs/{job.pk}/")
+    assert reply.status_code == 200
+    page = reply.content.decode()
+    for control in ('id="live-controls"', 'id="resize-to"', 'id="resize"', 'id="cancel"'):
+        assert control not in page, f"the page of a {job.state} job has {control}"
+    assert 'id="download-model"' in page
+    return page
+
+
 def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, settings: Any) -> None:
     done = submit(api, max_workers=1)
     flaky = submit(api, max_workers=1, name="flaky")
@@ -437,6 +452,8 @@ def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, sett
     report(cluster, event(done, "exited", exit_code=0, reason="completed", step=50))
     done.refresh_from_db()
     assert done.state == "succeeded" and done.allocations.count() == 0 and done.steps_done == 50
+    assert done.message == "trained all 50 steps", "how it ended, in the job's own numbers"
+    ended_job_page(done)
     settings.BUNGEE = {**settings.BUNGEE, "MAX_RESTARTS": 1}
     report(cluster, event(flaky, "started", pid=2000, device_index=1), event(flaky, "exited", exit_code=1, reason="failed"))
     run_cycle()
@@ -468,6 +485,9 @@ def test_a_user_error_fails_the_job_at_once_and_stops_the_other_workers(
     job.refresh_from_db()
     assert job.state == "failed" and job.restarts == 0 and job.allocations.count() == 0
     assert "the job's code failed on worker rank 1" in job.message and "Not restarted" in job.message
+    assert "loss(model, batch) raised ValueError: bad." in job.message, "what raised, not only where to look"
+    page = ended_job_page(job)
+    assert "raised ValueError: bad." in page, "the page's message says what raised"
     [stop] = commands(redis_client)[sent:]
     assert stop.kind == "stop", "the other worker is asked to stop"
     assert JobLog.objects.filter(job=job, line__contains="raised ValueError: bad").exists()

@@ -24,6 +24,17 @@ USER_ERROR_EXIT_CODE = 77
 """The job's own code failed in a way that fails again on any device (elastic.tasks.UserCodeError:
 an import error, an exception in `loss`); its traceback went to the job's log. The job fails;
 restarting it would only burn devices."""
+USER_ERROR_LOG_PREFIX = "the job's code failed: "
+"""How the log line a worker writes for a UserCodeError starts: this, the error (what raised what),
+then the innermost frames of its traceback on the lines after."""
+
+
+def user_error_summary(line: str) -> str | None:
+    """The error that a worker's USER_ERROR_LOG_PREFIX log `line` reports (its first line, after
+    the prefix: "loss() raised ValueError: ..."), or None for any other line."""
+    if not line.startswith(USER_ERROR_LOG_PREFIX):
+        return None
+    return line[len(USER_ERROR_LOG_PREFIX):].split("\n", 1)[0].strip() or None
 
 
 class WorkerExit(Exception):  # noqa: N818 - a way out, not an error
@@ -40,6 +51,8 @@ __all__ = [
     "LEFT_EXIT_CODE",
     "STOPPED_EXIT_CODE",
     "USER_ERROR_EXIT_CODE",
+    "USER_ERROR_LOG_PREFIX",
     "WORKER_CONFIG_ENV",
     "WorkerExit",
+    "user_error_summary",
 ]

@@ -31,7 +31,7 @@ from elastic.spec import JobSpec
 from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
 from elastic.wire import WorkerConfig
-from elastic.worker import USER_ERROR_EXIT_CODE, WorkerExit, build
+from elastic.worker import USER_ERROR_EXIT_CODE, USER_ERROR_LOG_PREFIX, WorkerExit, build
 from elastic.worker.artifacts import ArtifactExporter
 from elastic.worker.build import set_up_device
 from elastic.worker.checkpoint import checkpoint_path
@@ -90,7 +90,7 @@ class WorkerRun:
             return way_out.code
         except UserCodeError as err:
             # One log line holds MAX_LOG_CHARS: the error, then the innermost frames that fit.
-            head = f"the job's code failed: {err}"[: MAX_LOG_CHARS // 4]
+            head = f"{USER_ERROR_LOG_PREFIX}{err}"[: MAX_LOG_CHARS // 4]
             tail = err.traceback_text.rstrip()[-(MAX_LOG_CHARS - len(head) - 1) :]
             self.events.log(f"{head}\n{tail}" if tail else head)
             self._export_after_failure()

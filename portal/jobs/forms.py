@@ -28,7 +28,16 @@ ERROR_SLOTS = (
 workload's hyperparameters add theirs, and `hp-WORKLOAD` for an error about several of them."""
 MAX_YAML_BYTES = 64 * 1024
 OWN_CODE = "own-code"
-"""The workload choice that means: the job's own code, uploaded with the form."""
+"""The form's choice of what to train (its `source`) that means: the job's own code, uploaded
+with the form; the other is "catalogue", a workload of the `workload` list."""
+
+
+def chosen_workload(post: QueryDict) -> str:
+    """The workload the form asks for: OWN_CODE where its `source` is the job's own code (or, as
+    a client of the older form sends it, its `workload`), else the `workload` list's choice."""
+    if post.get("source") == OWN_CODE or post.get("workload") == OWN_CODE:
+        return OWN_CODE
+    return post.get("workload", "")
 
 
 @dataclass(frozen=True)
@@ -124,9 +133,9 @@ def spec_from_post(post: QueryDict, files: MultiValueDict, owner: AbstractBaseUs
     length_kind = post.get("length_kind", "steps")
     if post.get("length", "").strip():
         spec["epochs" if length_kind == "epochs" else "steps"] = post["length"]
-    workload = post.get("workload", "")
+    workload = chosen_workload(post)
     if workload == OWN_CODE:
-        del spec["workload"]
+        spec.pop("workload", None)
         spec["code"] = code_from_post(post, files, owner)
         spec["entrypoint"] = post.get("entrypoint", "").strip()
         spec["hyperparameters"] = _code_hyperparameters(post.get("code_hyperparameters", ""))

@@ -47,6 +47,7 @@ from elastic.wire import (
     WorkerEvent,
 )
 from elastic.wording import counted
+from elastic.worker import USER_ERROR_LOG_PREFIX, user_error_summary
 from portal import dispatch
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating, tell_to_leave
@@ -292,7 +293,7 @@ def cancel(job: Job) -> bool:
 
 def finish(job: Job) -> bool:
     """A worker trained the last step: the job succeeded."""
-    return _end(job, JobState.SUCCEEDED, "finished", message="trained every step", steps_done=job.total_steps)
+    return _end(job, JobState.SUCCEEDED, "finished", message=f"trained all {counted(job.total_steps, 'step')}", steps_done=job.total_steps)
 
 
 # --- planning ------------------------------------------------------------------------------------
@@ -649,11 +650,7 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         if job.state in ACTIVE_STATES and event.rank == 0:
             finish(job)
     elif job.state in (JobState.RUNNING, JobState.RESIZING) and event.reason == "user_error":
-        _end(
-            job, JobState.FAILED, "finished",
-            message=f"the job's code failed on worker rank {event.rank} of generation {event.generation}; "
-            "the traceback is in the log. Not restarted: the same code fails on any device",
-        )
+        _end(job, JobState.FAILED, "finished", message=_user_error_message(job, event))
     elif job.state in ACTIVE_STATES and mattered and event.reason == "failed":
         _worker_failed(job, event, device)
     elif (
@@ -676,6 +673,19 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     if generation is not None:
         _maybe_settle(job, generation)
     publish(job.pk)
+
+
+def _user_error_message(job: Job, event: WorkerEvent) -> str:
+    """Why a job failed on its own code: the error the worker logged just before it exited (its
+    log line comes before its exit, in the same stream), so that the page and `bungee list` say
+    what raised; the traceback stays in the log."""
+    lines = job.logs.filter(
+        generation=event.generation, rank=event.rank, line__startswith=USER_ERROR_LOG_PREFIX
+    ).order_by("-id").values_list("line", flat=True)[:1]
+    error = next((user_error_summary(line) for line in lines), None)
+    where = f"the job's code failed on worker rank {event.rank} of generation {event.generation}"
+    said = f"{where}: {error[:500]}. " if error else f"{where}. "
+    return said + "The traceback is in the log. Not restarted: the same code fails on any device"
 
 
 def _stopped_late_joiner(job: Job, row: Worker | None, event: WorkerEvent) -> bool:

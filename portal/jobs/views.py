@@ -18,10 +18,18 @@ from portal.jobs import curves
 from portal.jobs.access import job_for
 from portal.jobs.api import detail, summary
 from portal.jobs.board import cluster_state
-from portal.jobs.forms import ERROR_SLOTS, errors_by_input, hyperparameter_fields, spec_from_post, uses_yaml
+from portal.jobs.forms import (
+    ERROR_SLOTS,
+    OWN_CODE,
+    chosen_workload,
+    errors_by_input,
+    hyperparameter_fields,
+    spec_from_post,
+    uses_yaml,
+)
 from portal.jobs.models import Job, listed
 from portal.jobs.services import submit_job
-from portal.jobs.states import JobState
+from portal.jobs.states import FINAL_STATES, JobState
 
 CHART_FIELDS = ("generation", "segment", "step", "loss", "samples_per_s", "metrics")
 
@@ -73,13 +81,15 @@ def job_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 def submit_page(request: HttpRequest) -> HttpResponse:
-    values: dict[str, Any] = {"workload": "digits-mlp", "min_workers": "1", "max_workers": "2",
+    values: dict[str, Any] = {"source": "catalogue", "workload": "digits-mlp", "min_workers": "1", "max_workers": "2",
                               "priority": "guaranteed", "consistency": "strict", "length_kind": "steps",
                               "length": "2000", "seed": "0"}
     errors: dict[str, str] = {}
     message = ""
     if request.method == "POST":
         values = {key: request.POST.get(key, "") for key in request.POST}
+        workload = chosen_workload(request.POST)
+        values["source"] = OWN_CODE if workload == OWN_CODE else "catalogue"
         try:
             spec = spec_from_post(request.POST, request.FILES, request.user)  # type: ignore[arg-type]
             if isinstance(spec, dict) and spec.get("code"):
@@ -87,7 +97,7 @@ def submit_page(request: HttpRequest) -> HttpResponse:
             job = submit_job(request.user, spec)
         except ApiError as exc:
             from_yaml = uses_yaml(request.POST, request.FILES)
-            errors = errors_by_input(exc, request.POST.get("workload", ""), from_yaml)
+            errors = errors_by_input(exc, workload, from_yaml)
             if from_yaml:
                 errors.setdefault("spec_yaml", "the YAML spec has errors: see the list below")
             message = exc.message
@@ -131,6 +141,7 @@ def job_page(request: HttpRequest, job_id: int) -> HttpResponse:
         "jobs/detail.html",
         {
             "job": job,
+            "ended": job.state in FINAL_STATES,
             "bootstrap": {
                 "viewer": _viewer(request),
                 "job": detail(job),

@@ -41,10 +41,7 @@
   const nodes = new Map();
   let unreachableTimeoutS = null;
 
-  function duration(seconds) {
-    const s = Math.max(0, Math.round(seconds));
-    return s < 60 ? s + " s" : s < 3600 ? Math.floor(s / 60) + " min " + (s % 60) + " s" : Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
-  }
+  const duration = BungeeFormat.duration;
 
   const since = (iso) => duration((Date.now() - Date.parse(iso)) / 1000);
 
@@ -136,9 +133,21 @@
       s.mem += p.memory_bytes;
       shares.set(p.job_id, s);
     });
-    return [...shares.entries()].map(([id, s]) =>
-      "#" + id + ": " + (s.known ? s.util.toFixed(0) + "%" : "–") + " · " + bytes(s.mem)).join("; ");
+    const parts = [...shares.entries()].map(([id, s]) =>
+      "#" + id + ": " + (s.known ? s.util.toFixed(0) + "%" : "–") + " · " + bytes(s.mem));
+    const standby = standbyBytes(sample);
+    if (standby !== null) parts.push("warm standby · " + bytes(standby));
+    return parts.join("; ");
   }
+
+  // The memory of the warm standby the agent keeps on a free device (a worker process of the
+  // agent's that no job has yet), or null if it keeps none there.
+  function standbyBytes(sample) {
+    const standbys = ((sample && sample.processes) || []).filter((p) => p.ours && (p.job_id === null || p.job_id === undefined));
+    return standbys.length ? standbys.reduce((sum, p) => sum + p.memory_bytes, 0) : null;
+  }
+  const STANDBY_NOTE = " held by a warm standby: a worker the agent keeps started on this free device, so that a job " +
+    "growing here starts in well under a second. It gives the device up as soon as a job or the device's owner needs it.";
 
   function renderDevices() {
     const body = $("#devices tbody");
@@ -209,6 +218,16 @@
     } else {
       holder.appendChild(el("span", { class: "tag tag-" + kind }, { free: "free", owner: "its owner", lost: "lost", drained: "drained" }[kind] || kind));
     }
+    // A free device's memory in use is its warm standby's: said where the memory is shown.
+    const standby = kind === "free" ? standbyBytes(s) : null;
+    const mem = $('[data-field="mem"]', row);
+    if (standby !== null) {
+      const note = bytes(standby) + STANDBY_NOTE;
+      mem.title = note;
+      holder.append(" ", el("span", { class: "standby", title: note }, "warm standby"));
+    } else {
+      mem.removeAttribute("title");
+    }
     $('[data-field="share"]', row).textContent = perJob(s);
   }
 
@@ -230,7 +249,8 @@
 
   // --- jobs lane -----------------------------------------------------------------------------
   const freeDevices = () => [...devices.values()].filter((d) => holderOf(d) === "free").length;
-  const trackSize = () => Math.max(1, [...devices.values()].filter((d) => !["lost", "drained"].includes(holderOf(d))).length);
+  // A job's track has a cell for each worker it may have: a full bar is a job at its most.
+  const trackSize = (job) => Math.max(1, job.max_workers);
 
   function message(text) {
     const box = $("#board-message");
@@ -242,12 +262,12 @@
   // place), draft, size of track and rights are what they were when it was drawn stays the same
   // element, so that a live update of one job leaves the others' controls alone (a click being
   // made on one, a focused bar, a keyboard draft). A row drawn over by a draft is marked stale.
-  function rowKey(job, cells) {
+  function rowKey(job) {
     const shown = Object.assign({}, job);
     delete shown.steps_done;
     delete shown.progress;
     delete shown.finish_estimate_at;
-    return JSON.stringify([shown, cells, pending.has(job.id) ? pending.get(job.id) : null, mayManage(job)]);
+    return JSON.stringify([shown, pending.has(job.id) ? pending.get(job.id) : null, mayManage(job)]);
   }
 
   const drawnAs = new WeakMap(); // row -> its rowKey when drawn
@@ -255,13 +275,12 @@
   function renderJobs() {
     const lane = $("#jobs-lane");
     const active = [...jobs.values()].filter((j) => !FINAL.has(j.state));
-    const cells = trackSize();
     const drawn = new Map([...lane.querySelectorAll(":scope > .job-row")].map((row) => [Number(row.dataset.job), row]));
     const rows = active.map((job) => {
-      const key = rowKey(job, cells);
+      const key = rowKey(job);
       const kept = drawn.get(job.id);
       if (kept && drawnAs.get(kept) === key) return kept;
-      const row = jobRow(job, cells);
+      const row = jobRow(job, trackSize(job));
       drawnAs.set(row, key);
       return row;
     });
@@ -388,7 +407,7 @@
   function attachDrag(job, bar, handle, track) {
     let dragging = false;
     let draft = job.workers;
-    const cellWidth = () => track.getBoundingClientRect().width / trackSize();
+    const cellWidth = () => track.getBoundingClientRect().width / trackSize(job);
     handle.addEventListener("pointerdown", (event) => {
       dragging = true;
       draft = job.workers;
@@ -401,7 +420,7 @@
     handle.addEventListener("pointermove", (event) => {
       if (!dragging) return;
       const x = event.clientX - track.getBoundingClientRect().left;
-      draft = Math.max(0, Math.min(trackSize(), Math.round(x / cellWidth())));
+      draft = Math.max(0, Math.min(trackSize(job), Math.round(x / cellWidth())));
       showDraft(bar, track, draft);
     });
     const end = () => { if (dragging) { dragging = false; commit(job, draft); } };
@@ -413,7 +432,7 @@
     let draft = null;
     bar.addEventListener("keydown", (event) => {
       const current = draft === null ? job.workers : draft;
-      if (event.key === "ArrowRight" || event.key === "ArrowUp") draft = Math.min(trackSize(), current + 1);
+      if (event.key === "ArrowRight" || event.key === "ArrowUp") draft = Math.min(trackSize(job), current + 1);
       else if (event.key === "ArrowLeft" || event.key === "ArrowDown") draft = Math.max(0, current - 1);
       else if (event.key === "Enter" && draft !== null) { const d = draft; draft = null; commit(job, d).then(() => focusBar(job.id)); return; }
       else if (event.key === "Escape") { draft = null; renderJobs(); focusBar(job.id); return; }

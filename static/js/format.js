@@ -18,5 +18,11 @@
     return "--job-hue:" + (frac(id * HUE_STEP) * 360).toFixed(1) + ";--job-tone:" + frac(0.5 + id * TONE_STEP).toFixed(3);
   }
 
-  window.BungeeFormat = { counted: counted, jobColour: jobColour };
+  // A span of time as people say it: "42 s", "11 min 53 s", "2 h 5 min".
+  function duration(seconds) {
+    const s = Math.max(0, Math.round(seconds));
+    return s < 60 ? s + " s" : s < 3600 ? Math.floor(s / 60) + " min " + (s % 60) + " s" : Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+  }
+
+  window.BungeeFormat = { counted: counted, jobColour: jobColour, duration: duration };
 })();

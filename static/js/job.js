@@ -23,6 +23,7 @@
   const phaseOrder = (name) => (PHASES.indexOf(name) + PHASES.length + 1) % (PHASES.length + 1);
   const compact = (v) => Math.abs(v) >= 1e4 ? (v / 1e3).toFixed(0) + "k" : String(v);
   const MAX_LOG_LINES = 500;
+  const FINAL = ["succeeded", "failed", "cancelled"];
 
   // --- charts --------------------------------------------------------------------------------
   // The curve covers the whole run in at most CURVE_POINTS points (the API downsamples it); live
@@ -102,16 +103,26 @@
       hooks: { draw: [placeMarkers] },
     }, data, target);
   }
+  // A chart with no point says so over its empty axes, rather than leaving a blank box.
+  function markEmpty(target) {
+    let note = target.querySelector(".chart-empty");
+    const empty = !segments.length;
+    if (!empty) { if (note) note.remove(); return; }
+    if (!note) note = target.appendChild(el("p", undefined, { class: "chart-empty" }));
+    note.textContent = FINAL.includes(job.state) ? "no data: the job trained no step" : "no data yet";
+  }
   let lossChart = null, speedChart = null;
   function drawCurves() {
     // A new rollback adds a line: the charts are built again; otherwise only their data changes.
     if (lossChart && lossChart.series.length === 2 * Math.max(segments.length, 1)) {
       lossChart.setData(aligned((p) => p.loss));
       speedChart.setData(aligned((p) => p.samples_per_s));
-      return;
+    } else {
+      lossChart = chart($("#loss-chart"), "loss", (p) => p.loss, "#d9480f", lossChart);
+      speedChart = chart($("#speed-chart"), "samples/s", (p) => p.samples_per_s, "#1c7ed6", speedChart);
     }
-    lossChart = chart($("#loss-chart"), "loss", (p) => p.loss, "#d9480f", lossChart);
-    speedChart = chart($("#speed-chart"), "samples/s", (p) => p.samples_per_s, "#1c7ed6", speedChart);
+    markEmpty($("#loss-chart"));
+    markEmpty($("#speed-chart"));
   }
   drawCurves();
   let reloading = false, reloadAgain = false;
@@ -211,9 +222,28 @@
     if (!last) return chosen ? chosen + ", chosen by the scheduler (no step yet)" : "–";
     return chosen && chosen !== last ? last + " at the last step; the scheduler chose " + chosen + " for the next generation" : String(last);
   }
-  function renderFacts() {
-    const facts = $("#facts");
-    facts.replaceChildren();
+  const hasEnded = () => FINAL.includes(job.state);
+  // How long the job ran: from its first start to its end; one that never started says how long
+  // it waited instead.
+  function ranFor() {
+    const end = Date.parse(job.finished_at);
+    if (job.started_at) return BungeeFormat.duration((end - Date.parse(job.started_at)) / 1000);
+    return "never started (" + BungeeFormat.duration((end - Date.parse(job.created_at)) / 1000) + " queued)";
+  }
+  // A job that has ended: how it ended, how long it ran, its final numbers; nothing live.
+  function endedFacts() {
+    return [
+      ["Owner", job.owner], ["Workload", job.workload],
+      ["Mode", job.consistency + ", " + job.priority],
+      ...modeFacts(),
+      ["Ended", job.state + " at step " + job.steps_done + " of " + job.total_steps +
+        (job.finished_at ? ", " + new Date(job.finished_at).toLocaleString() : "")],
+      ["Ran for", job.finished_at ? ranFor() : "–"],
+      ["Final loss", job.last_loss === null || job.last_loss === undefined ? "–" : job.last_loss.toFixed(4)],
+      ["Last throughput", job.samples_per_s ? job.samples_per_s.toFixed(0) + " samples/s" : "–"],
+    ];
+  }
+  function liveFacts() {
     const rows = [
       ["Owner", job.owner], ["Workload", job.workload],
       ["Mode", job.consistency + ", " + job.priority],
@@ -232,6 +262,15 @@
       rows.push(["Queue", BungeeLive.queueText(job)]);
       if (job.queue.holders.length) rows.push(["Waiting for", job.queue.holders.map(BungeeLive.holderText).join("; ")]);
     }
+    return rows;
+  }
+  function renderFacts() {
+    const facts = $("#facts");
+    facts.replaceChildren();
+    const ended = hasEnded();
+    const rows = ended ? endedFacts() : liveFacts();
+    markEmpty($("#loss-chart"));
+    markEmpty($("#speed-chart"));
     rows.forEach(([k, v]) => facts.append(el("dt", k), el("dd", v)));
     const model = $("#download-model");
     if (job.artifacts) {
@@ -260,10 +299,10 @@
     state.textContent = job.state;
     state.className = "state state-" + job.state;
     $("#job-message").textContent = job.message || "";
-    const ended = ["succeeded", "failed", "cancelled"].includes(job.state);
-    $("#resize").disabled = ended;
-    $("#cancel").disabled = ended;
-    $("#unpin").hidden = ended || job.pinned_workers === null || job.pinned_workers === undefined;
+    // The controls of a live job go when it ends (the page of an ended job has none).
+    const controls = $("#live-controls");
+    if (controls && ended) controls.remove();
+    else if (controls) $("#unpin").hidden = job.pinned_workers === null || job.pinned_workers === undefined;
   }
 
   const deviceSamples = new Map();
@@ -346,19 +385,20 @@
     box.textContent = text;
     box.hidden = !text;
   }
-  $("#resize").addEventListener("click", async () => {
+  const onClick = (sel, handler) => { const button = $(sel); if (button) button.addEventListener("click", handler); };
+  onClick("#resize", async () => {
     const raw = $("#resize-to").value.trim();
     const workers = raw === "" ? null : Number(raw);
     const result = await BungeeLive.post("/api/jobs/" + job.id + "/resize", { workers: workers });
     say(result.ok ? (workers === null ? "Pin lifted: the scheduler decides." : "Resizing to " + BungeeFormat.counted(workers, "worker") + "…") : BungeeLive.errorText(result));
     if (result.ok) { job = result.body; renderFacts(); }
   });
-  $("#unpin").addEventListener("click", async () => {
+  onClick("#unpin", async () => {
     const result = await BungeeLive.post("/api/jobs/" + job.id + "/unpin");
     say(result.ok ? "Pin lifted: the scheduler decides." : BungeeLive.errorText(result));
     if (result.ok) { job = result.body; $("#resize-to").value = ""; renderFacts(); }
   });
-  $("#cancel").addEventListener("click", async () => {
+  onClick("#cancel", async () => {
     if (!confirm("Cancel job " + job.name + "? Its workers stop and its devices are freed.")) return;
     const result = await BungeeLive.post("/api/jobs/" + job.id + "/cancel");
     say(result.ok ? "Cancelled." : BungeeLive.errorText(result));

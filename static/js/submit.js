@@ -1,16 +1,23 @@
-// The submit form: show the chosen workload's hyperparameters and the chosen consistency mode's
-// fields; load an uploaded YAML file into the text area so the person sees what will be sent.
+// The submit form: show what the chosen source needs (your own code's archive, or the chosen
+// catalogue workload and its hyperparameters) and the chosen consistency mode's fields; load an
+// uploaded YAML file into the text area so the person sees what will be sent.
 (function () {
   "use strict";
   const select = document.getElementById("workload");
+  const sources = document.querySelectorAll("input[name=source]");
   function showChosen() {
-    document.querySelectorAll("fieldset.hyper").forEach(function (set) {
-      const chosen = set.dataset.workload === select.value;
+    const ownCode = document.getElementById("source-own-code").checked;
+    const workload = ownCode ? "own-code" : select.value;
+    document.querySelectorAll(".hyper[data-workload], .source-fields[data-workload]").forEach(function (set) {
+      const name = set.dataset.workload;
+      const chosen = name === workload || (name === "catalogue" && !ownCode);
       set.hidden = !chosen;
-      set.querySelectorAll("input, textarea").forEach((input) => { input.disabled = !chosen; });
+      set.querySelectorAll("input, textarea, select").forEach((input) => { input.disabled = !chosen; });
     });
+    document.getElementById("hyperparameters-title").hidden = ownCode;
   }
   select.addEventListener("change", showChosen);
+  sources.forEach((radio) => radio.addEventListener("change", showChosen));
   showChosen();
   // Only the chosen consistency mode's own fields are shown and sent.
   const modes = document.querySelectorAll("input[name=consistency]");
