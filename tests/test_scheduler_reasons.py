@@ -267,15 +267,18 @@ def test_a_waiting_job_knows_its_place_who_holds_its_devices_and_when_it_starts(
     ]
     assert queue["start_estimate_at"] is None
     assert queue["no_estimate"] == f"it waits on jobs whose speed is not known yet (#{hog})"
-    # The hog reports 640 samples/s at a global batch of 32: 20 steps/s, 500 steps left, 25 s.
+    # The hog reports 10 steps/s over 40 s (portal.jobs.eta), up to step 500: 500 steps left, 50 s.
     job = Job.objects.get(pk=hog)
-    report(cluster, event(job, "progress", step=500, loss=1.0, samples_per_s=640.0, global_batch=32))
+    now = time.time()
+    for ago, step in ((40, 100), (20, 300), (0, 500)):
+        progress = event(job, "progress", step=step, loss=1.0, samples_per_s=320.0, global_batch=32)
+        report(cluster, progress.model_copy(update={"at": now - ago}))
     running = shown(api, hog)
     reported_at = Job.objects.get(pk=hog).last_progress_at.timestamp()
-    assert running["progress"] == 0.5 and running["finish_estimate_at"] == pytest.approx(reported_at + 25, abs=0.2)
+    assert running["progress"] == 0.5 and running["finish_estimate_at"] == pytest.approx(reported_at + 50, abs=0.2)
     run_cycle()
     queue = shown(api, following, "bob")["queue"]
-    assert queue["start_estimate_at"] == pytest.approx(time.time() + 25, abs=8), queue
+    assert queue["start_estimate_at"] == pytest.approx(time.time() + 50, abs=8), queue
     assert queue["holders"][0]["finish_estimate_at"] == pytest.approx(queue["start_estimate_at"])
     assert shown(api, last, "bob")["queue"]["no_estimate"] == (
         f"it waits on jobs whose speed is not known yet (#{following})"
