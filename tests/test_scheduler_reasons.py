@@ -285,3 +285,21 @@ def test_a_waiting_job_knows_its_place_who_holds_its_devices_and_when_it_starts(
     )
     assert api["alice"].post(f"/api/jobs/{hog}/cancel").status_code == 200
     assert shown(api, hog)["queue"] == {} and shown(api, hog)["finish_estimate_at"] is None
+
+
+def test_a_waiting_jobs_free_devices_are_those_the_listing_shows_free(api: dict, cluster: Any) -> None:
+    # A shrink that must wait for the resize in flight: the plan gives the hog 1 device, but it
+    # holds 3 until that resize lands. The waiting job said "3 free" beside a listing of 3 of the
+    # 4 devices held (issue 36).
+    hog = submit(api, name="hog", min_workers=1, max_workers=4)
+    assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 4}).status_code == 200
+    settle(cluster)
+    waiting = submit(api, user="bob", name="big", min_workers=4, max_workers=4)
+    assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 3}).status_code == 200
+    run_cycle()  # the generation of 3 is planned, not formed
+    assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 1}).status_code == 200
+    run_cycle()
+    listing = {row["id"]: row for row in api["bob"].get("/api/jobs").json()}
+    held = sum(row["workers"] for row in listing.values())
+    assert (listing[hog]["workers"], held) == (3, 3)
+    assert listing[waiting]["schedule_note"].endswith(f"needs at least 4, {4 - held} free"), listing[waiting]
