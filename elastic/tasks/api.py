@@ -66,7 +66,6 @@ class Job:
     """The job's seed."""
 
 
-
 class UserCodeError(Exception):
     """The job's own code failed in a way that will fail again on any node: an import error, a
     missing method, an exception in `loss`, a NaN loss. The job fails at once, with
