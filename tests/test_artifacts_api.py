@@ -183,3 +183,21 @@ def test_a_job_starts_from_a_kept_model_of_its_owner_only(tokens: dict, ran_here
     )
     assert get({"other": other}, "other", path).status_code == 403
     assert get(tokens, "alice", path).status_code in (401, 403)
+
+
+def test_a_failed_job_says_the_step_its_artifacts_hold_everywhere(tokens: dict, ran_here: Job, cluster: Any) -> None:
+    # Progress reports come every few seconds: the last was at step 94, the code failed in step
+    # 100 and rank 0 exported the state after step 99 (issue 36: the page said 94, the manifest 99).
+    def event(kind: str, **fields: Any) -> WorkerEvent:
+        return WorkerEvent(job_id=ran_here.pk, generation=ran_here.generation, rank=0, kind=kind, at=time.time(),
+                           **fields)
+
+    progress = event("progress", step=94, total_steps=300, loss=0.5, samples_per_s=100.0, global_batch=32)
+    failed = event("exited", reason="user_error", exit_code=77, device_index=0)
+    ingest_report(cluster, AgentReport(node="node-a", events=[progress, failed]))
+    ran_here.refresh_from_db()
+    assert ran_here.state == "failed" and ran_here.steps_done == 94
+    assert hand_over(tokens, ran_here.pk, bundle(ran_here.pk, ended="failed", step=99)).status_code == 200
+    shown = get(tokens, "alice", f"/api/jobs/{ran_here.pk}").json()
+    listed = next(job for job in get(tokens, "alice", "/api/jobs").json() if job["id"] == ran_here.pk)
+    assert (shown["steps_done"], listed["steps_done"], shown["artifacts"]["step"]) == (99, 99, 99)

@@ -267,18 +267,39 @@ def test_a_waiting_job_knows_its_place_who_holds_its_devices_and_when_it_starts(
     ]
     assert queue["start_estimate_at"] is None
     assert queue["no_estimate"] == f"it waits on jobs whose speed is not known yet (#{hog})"
-    # The hog reports 640 samples/s at a global batch of 32: 20 steps/s, 500 steps left, 25 s.
+    # The hog reports 10 steps/s over 40 s (portal.jobs.eta), up to step 500: 500 steps left, 50 s.
     job = Job.objects.get(pk=hog)
-    report(cluster, event(job, "progress", step=500, loss=1.0, samples_per_s=640.0, global_batch=32))
+    now = time.time()
+    for ago, step in ((40, 100), (20, 300), (0, 500)):
+        progress = event(job, "progress", step=step, loss=1.0, samples_per_s=320.0, global_batch=32)
+        report(cluster, progress.model_copy(update={"at": now - ago}))
     running = shown(api, hog)
     reported_at = Job.objects.get(pk=hog).last_progress_at.timestamp()
-    assert running["progress"] == 0.5 and running["finish_estimate_at"] == pytest.approx(reported_at + 25, abs=0.2)
+    assert running["progress"] == 0.5 and running["finish_estimate_at"] == pytest.approx(reported_at + 50, abs=0.2)
     run_cycle()
     queue = shown(api, following, "bob")["queue"]
-    assert queue["start_estimate_at"] == pytest.approx(time.time() + 25, abs=8), queue
+    assert queue["start_estimate_at"] == pytest.approx(time.time() + 50, abs=8), queue
     assert queue["holders"][0]["finish_estimate_at"] == pytest.approx(queue["start_estimate_at"])
     assert shown(api, last, "bob")["queue"]["no_estimate"] == (
         f"it waits on jobs whose speed is not known yet (#{following})"
     )
     assert api["alice"].post(f"/api/jobs/{hog}/cancel").status_code == 200
     assert shown(api, hog)["queue"] == {} and shown(api, hog)["finish_estimate_at"] is None
+
+
+def test_a_waiting_jobs_free_devices_are_those_the_listing_shows_free(api: dict, cluster: Any) -> None:
+    # A shrink that must wait for the resize in flight: the plan gives the hog 1 device, but it
+    # holds 3 until that resize lands. The waiting job said "3 free" beside a listing of 3 of the
+    # 4 devices held (issue 36).
+    hog = submit(api, name="hog", min_workers=1, max_workers=4)
+    assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 4}).status_code == 200
+    settle(cluster)
+    waiting = submit(api, user="bob", name="big", min_workers=4, max_workers=4)
+    assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 3}).status_code == 200
+    run_cycle()  # the generation of 3 is planned, not formed
+    assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 1}).status_code == 200
+    run_cycle()
+    listing = {row["id"]: row for row in api["bob"].get("/api/jobs").json()}
+    held = sum(row["workers"] for row in listing.values())
+    assert (listing[hog]["workers"], held) == (3, 3)
+    assert listing[waiting]["schedule_note"].endswith(f"needs at least 4, {4 - held} free"), listing[waiting]

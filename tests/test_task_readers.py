@@ -31,14 +31,16 @@ def bound() -> Iterator[list[BoundTask]]:
         task.close()
 
 
-def _bind(tasks: list[BoundTask], entrypoint: str, **hyperparameters: object) -> BoundTask:
-    task = bind_task(NOISY, f"task:{entrypoint}", dict(hyperparameters), seed=SEED)
+def _bind(tasks: list[BoundTask], entrypoint: str, steps: int | None = None, **hyperparameters: object) -> BoundTask:
+    task = bind_task(NOISY, f"task:{entrypoint}", dict(hyperparameters), seed=SEED, steps=steps)
     tasks.append(task)
     return task
 
 
 def test_an_item_is_what_its_seed_makes_it_whoever_reads_it(bound: list[BoundTask]) -> None:
-    two, one = _bind(bound, "Noisy"), _bind(bound, "NoisyOneReader")
+    # The one reader sizes its data set from the task's `job` (120 points, as the two have): it
+    # builds the task for the job as the worker does.
+    two, one = _bind(bound, "Noisy"), _bind(bound, "NoisyOneReader", steps=12, points_per_step=10)
     indices, seeds = list(range(0, 40, 3)), [1000 + i for i in range(14)]
     points, labels = two.batch(indices, seeds)
     assert torch.equal(points, one.batch(indices, seeds)[0]) and torch.equal(labels, one.batch(indices, seeds)[1])

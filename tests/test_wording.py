@@ -21,10 +21,10 @@ def test_the_schedulers_reasons_say_one_worker_and_one_device() -> None:
     least = JobView(id=2, min_workers=1, max_workers=1)
     snapshot = ClusterSnapshot(devices=devices, jobs=(pinned, least))
     plan = Plan(assignments={1: (0,), 2: (1,)}, reasons={1: (Reason.PINNED,), 2: (Reason.MINIMUM,)})
-    assert explain(pinned, plan, snapshot) == "pinned to 1 worker by a manual resize"
-    assert explain(least, plan, snapshot) == "its minimum of 1 worker"
+    assert explain(pinned, plan, snapshot, held=(0, 1)) == "pinned to 1 worker by a manual resize"
+    assert explain(least, plan, snapshot, held=(0, 1)) == "its minimum of 1 worker"
     lone = ClusterSnapshot(devices=devices[:1], jobs=(JobView(id=3, min_workers=2, max_workers=2),))
-    waiting = explain(lone.jobs[0], Plan(assignments={3: ()}, reasons={3: (Reason.WAITING,)}), lone)
+    waiting = explain(lone.jobs[0], Plan(assignments={3: ()}, reasons={3: (Reason.WAITING,)}), lone, held=())
     assert "needs at least 2 workers and the cluster has 1 device;" in waiting
 
 

@@ -175,3 +175,59 @@ def test_a_bf16_job_runs_its_loss_under_autocast_and_trains(precision: str, dtyp
     assert all(outcome.loss == outcome.loss and not outcome.skipped for outcome in outcomes)
     assert any(not torch.equal(a, b) for a, b in zip(before, made.problem.model.parameters(), strict=True))
     assert all(p.dtype == torch.float32 for p in made.problem.model.parameters()), "autocast leaves the weights fp32"
+
+
+SCHEDULED_TASK = '''
+from types import SimpleNamespace
+
+import torch
+
+
+class Scheduled:
+    def __init__(self, hyperparameters):
+        self.hp = hyperparameters
+
+    def model(self):
+        return torch.nn.Linear(2, 1)
+
+    def optimizer(self, model):
+        return torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def scheduler(self, optimizer):
+        # Down to nothing at the job's last step, whatever steps the spec gives.
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / self.job.steps)
+
+    def train_data(self):
+        generator = torch.Generator().manual_seed(self.job.seed)
+        return torch.utils.data.TensorDataset(torch.randn(32, 2, generator=generator), torch.randn(32, 1))
+
+    def loss(self, model, batch):
+        points, targets = batch
+        return torch.nn.functional.mse_loss(model(points), targets)
+
+
+class OwnJob(Scheduled):
+    def __init__(self, hyperparameters):
+        super().__init__(hyperparameters)
+        self.job = SimpleNamespace(steps=100, seed=1, mine=True)
+'''
+
+
+def test_a_task_learns_its_jobs_steps_and_seed_and_its_schedule_ends_with_the_job(
+    tmp_path: Path, group_of_one: None
+) -> None:
+    (tmp_path / "task.py").write_text(SCHEDULED_TASK)
+    spec = {
+        "name": "scheduled", "code": "0" * 64, "entrypoint": "task:Scheduled", "steps": 4, "seed": 9,
+        "hyperparameters": {"batch_size": 8},
+    }
+    own_code = {"rank": 0, "world_size": 1, "code_dir": str(tmp_path), "entrypoint": "task:Scheduled", "spec": spec}
+    made = build.build(config(**own_code), WorkerSettings())
+    assert made.problem.task.job.steps == 4 and made.problem.task.job.seed == 9
+    rates = []
+    for step in range(4):
+        made.trainer.step(step, False)
+        rates.append(made.trainer.lr)
+    assert rates == pytest.approx([0.5, 0.375, 0.25, 0.125]), "the rate falls over the job's 4 steps"
+    older = build.build(config(**{**own_code, "entrypoint": "task:OwnJob"}), WorkerSettings())
+    assert older.problem.task.job.mine, "a task that has a job of its own keeps it"

@@ -51,3 +51,17 @@ def test_progress_is_rate_limited_except_first_and_forced() -> None:
     assert (first.step, first.total_steps, first.epoch, first.loss) == (1, 10, 0.5, 1.0)
     assert (last.step, last.epoch, last.loss) == (10, 5.0, 0.1)
     assert last.samples_per_s is not None and last.samples_per_s > 0
+
+
+def test_a_flush_reports_the_last_step_recorded_once() -> None:
+    # A job whose code fails ends at its last applied step, which the rate limit may have kept
+    # back (issue 36: the page said step 94, the manifest 99).
+    stream = io.StringIO()
+    reporter = ProgressReporter(
+        EventWriter(CONFIG, stream), total_steps=300, batch_size=4, samples_per_epoch=8, every_s=3600
+    )
+    for step in range(94, 100):
+        reporter.step_done(step, 0.5, 4)
+    assert reporter.flush() and not reporter.flush()
+    assert [event.step for event in _events(stream)] == [94, 99]
+    assert _events(stream)[-1].samples_per_s is not None

@@ -34,15 +34,36 @@ and, when the class defines them:
     evaluate(model, batch)      -> {name: float}: metrics of one evaluation batch, averaged over
                                    the batches weighted by their sizes.
 
+What the task may know of its job is in `self.job`, a read-only `Job` that Bungee sets on the
+task right after constructing it (so in every method above, though not yet in `__init__`):
+
+    job.steps                   the steps the job trains in all (the spec's `steps`, or its
+                                `epochs` in steps): what a learning-rate schedule decays over.
+    job.seed                    the job's seed.
+
+A task whose own `__init__` sets an attribute `job` keeps its own.
+
 A step draws its randomness (dropout, a random crop in `__getitem__`) from torch's, numpy's and
 Python's generators, which the runtime seeds for each step (and each virtual worker in strict
 mode) before the step's items are read: a task must not keep generators of its own."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 TASK_METHODS = ("model", "optimizer", "train_data", "loss")
 """What every task class defines."""
 OPTIONAL_TASK_METHODS = ("scheduler", "collate", "eval_data", "evaluate")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a task may know of its job, set on the task as `job` (see above)."""
+
+    steps: int
+    """The steps the job trains in all: the spec's `steps`, or its `epochs` in steps."""
+    seed: int
+    """The job's seed."""
 
 
 class UserCodeError(Exception):

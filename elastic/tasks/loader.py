@@ -1,4 +1,4 @@
-"""Importing a task from its code directory.
+"""Importing a task from its code directory, and constructing it for a job.
 
 The directory goes first on `sys.path`, so the task imports its own modules as a script of that
 directory would (`import model`, `from data import Frames`). Modules imported from another
@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from elastic.tasks.api import TASK_METHODS, TaskDefinitionError
+from elastic.tasks.api import TASK_METHODS, Job, TaskDefinitionError
 
 _LOADED_FROM: dict[str, Path] = {}
 """Module name -> the task directory it was imported from, in this process."""
@@ -94,3 +94,15 @@ def load_task_class(directory: Path, entrypoint: str) -> type[Any]:
     if missing:
         raise TaskDefinitionError(f"task {entrypoint!r} does not define {', '.join(missing)}")
     return task_class
+
+
+def construct_task(task_class: type[Any], hyperparameters: Any, job: Job | None) -> Any:
+    """`task_class` constructed with its validated `hyperparameters` and given `job` as its
+    attribute `job` (api.Job), unless its own `__init__` set a `job` (a task written before
+    Bungee gave one keeps its own). Without `job` (a task bound outside a job: a test) it gets
+    none."""
+    task = task_class(hyperparameters)
+    own = getattr(task, "__dict__", None)
+    if job is not None and own is not None and "job" not in own:
+        task.job = job
+    return task

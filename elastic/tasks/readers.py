@@ -2,7 +2,7 @@
 whose `__getitem__` is slow: decoding, augmenting, reading files.
 
 Each reader process imports the task from its directory, builds it with the job's
-hyperparameters and calls `train_data()` once. A step's items are spread over the readers, and
+hyperparameters (and its `job`, as the worker does) and calls `train_data()` once. A step's items are spread over the readers, and
 before reading an item a reader seeds torch's, numpy's and Python's generators with the item's
 own seed, which the caller derives from the job's seed and the item's place in the sample stream
 (elastic.worker.trainer). So what an item draws (a random crop, noise) does not depend on how
@@ -31,15 +31,16 @@ from typing import Any
 import numpy
 import torch
 
+from elastic.tasks.api import Job
 from elastic.tasks.hyperparameters import validate_hyperparameters
-from elastic.tasks.loader import load_task_class
+from elastic.tasks.loader import construct_task, load_task_class
 
 _PR_SET_PDEATHSIG = 1
 ORPHAN_CHECK_S = 0.5
 _dataset: Any = None
 
 
-def _start(directory: str, entrypoint: str, hyperparameters: dict[str, Any]) -> None:
+def _start(directory: str, entrypoint: str, hyperparameters: dict[str, Any], job: Job | None) -> None:
     """A reader process's start: dies with its parent; builds the task's training data."""
     global _dataset
     parent = os.getppid()
@@ -49,7 +50,7 @@ def _start(directory: str, entrypoint: str, hyperparameters: dict[str, Any]) -> 
     threading.Thread(target=_exit_when_orphaned, args=(parent,), name="parent-watch", daemon=True).start()
     torch.set_num_threads(1)
     task_class = load_task_class(Path(directory), entrypoint)
-    _dataset = task_class(validate_hyperparameters(task_class, hyperparameters)).train_data()
+    _dataset = construct_task(task_class, validate_hyperparameters(task_class, hyperparameters), job).train_data()
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -66,15 +67,17 @@ def _read(index: int, seed: int) -> Any:
 
 
 class ItemReaders:
-    """`count` reader processes of the task `entrypoint` in `directory`."""
+    """`count` reader processes of the task `entrypoint` in `directory`, built for `job`."""
 
-    def __init__(self, count: int, directory: Path, entrypoint: str, hyperparameters: dict[str, Any]) -> None:
+    def __init__(
+        self, count: int, directory: Path, entrypoint: str, hyperparameters: dict[str, Any], job: Job | None
+    ) -> None:
         self.count = count
         self._pool = concurrent.futures.ProcessPoolExecutor(
             count,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start,
-            initargs=(str(directory), entrypoint, hyperparameters),
+            initargs=(str(directory), entrypoint, hyperparameters, job),
         )
 
     def read(self, indices: Sequence[int], seeds: Sequence[int]) -> list[Any]:

@@ -15,9 +15,9 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import default_collate
 
-from elastic.tasks.api import TaskDefinitionError, UserCodeError
+from elastic.tasks.api import Job, TaskDefinitionError, UserCodeError
 from elastic.tasks.hyperparameters import hyperparameter, validate_hyperparameters
-from elastic.tasks.loader import load_task_class
+from elastic.tasks.loader import construct_task, load_task_class
 from elastic.tasks.readers import ItemReaders
 
 
@@ -46,7 +46,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 class BoundTask:
     """The task `task_class` built for one job on `device`: the model's initial weights depend
-    only on `seed`. Raises TaskDefinitionError or UserCodeError if the task's code fails."""
+    only on `seed`. The task is given the job's `steps` and `seed` as its `job` (api.Job); with
+    `steps` None (a task bound outside a job, in a test) it gets no `job`. Raises
+    TaskDefinitionError or UserCodeError if the task's code fails."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class BoundTask:
         device: torch.device,
         source: tuple[Path, str] | None = None,
         precision: str = "fp32",
+        steps: int | None = None,
     ):
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, not {precision!r}")
@@ -71,9 +74,10 @@ class BoundTask:
             raise TaskDefinitionError("data_workers needs the task's directory and entrypoint (bind_task gives them)")
         self._source = source
         self._given_hyperparameters = dict(hyperparameters)
+        self.job = None if steps is None else Job(steps=steps, seed=seed)
         self._readers: ItemReaders | None = None
         with blaming_the_task(f"{task_class.__name__}(hyperparameters)"):
-            self.task = task_class(self.hyperparameters)
+            self.task = construct_task(task_class, self.hyperparameters, self.job)
         torch.manual_seed(seed)
         with blaming_the_task("model()"):
             model = self.task.model()
@@ -156,7 +160,7 @@ class BoundTask:
     def _read_elsewhere(self, indices: list[int], seeds: Sequence[int]) -> list[Any]:
         if self._readers is None:
             assert self._source is not None
-            self._readers = ItemReaders(self.data_workers, *self._source, self._given_hyperparameters)
+            self._readers = ItemReaders(self.data_workers, *self._source, self._given_hyperparameters, self.job)
         try:
             return self._readers.read(indices, seeds)
         except BrokenProcessPool as err:  # a reader was killed: the node's trouble, not the code's
@@ -236,9 +240,15 @@ class BoundTask:
 
 
 def bind_task(
-    directory: Path, entrypoint: str, hyperparameters: dict[str, Any], seed: int, device: torch.device | None = None
+    directory: Path,
+    entrypoint: str,
+    hyperparameters: dict[str, Any],
+    seed: int,
+    device: torch.device | None = None,
+    steps: int | None = None,
 ) -> BoundTask:
-    """Imports the task `entrypoint` from `directory` and binds it to one job (on the CPU unless
-    `device` says otherwise). Raises TaskDefinitionError or UserCodeError."""
+    """Imports the task `entrypoint` from `directory` and binds it to one job of `steps` steps
+    (on the CPU unless `device` says otherwise). Raises TaskDefinitionError or UserCodeError."""
     task_class = load_task_class(directory, entrypoint)
-    return BoundTask(task_class, hyperparameters, seed, device or torch.device("cpu"), source=(directory, entrypoint))
+    device = device or torch.device("cpu")
+    return BoundTask(task_class, hyperparameters, seed, device, source=(directory, entrypoint), steps=steps)

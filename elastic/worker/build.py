@@ -165,7 +165,9 @@ def build(config: WorkerConfig, settings: WorkerSettings) -> Build:
     began = time.monotonic()
     cls, source = task_class(config, spec)
     loaded = time.monotonic()
-    problem = BoundTask(cls, spec.hyperparameters, spec.seed, device, source, precision=spec.precision)
+    problem = BoundTask(
+        cls, spec.hyperparameters, spec.seed, device, source, precision=spec.precision, steps=spec.total_steps()
+    )
     try:
         if config.initial_model is not None:
             problem.load_initial_model(Path(config.initial_model), f"job {spec.init_from}")

@@ -94,6 +94,8 @@ class ProgressReporter:
         self._last_report_at = time.monotonic()
         self._samples_since_report = 0
         self._reported_once = False
+        self._unreported: dict[str, Any] | None = None
+        """The last step recorded and not yet reported, as its event's fields."""
 
     def restart_clock(self) -> None:
         """Measure throughput from now on (call it just before the first step)."""
@@ -117,22 +119,29 @@ class ProgressReporter:
         `step` fixed batches); `metrics`: the task's named training metrics. Return whether an
         event was written."""
         self._samples_since_report += samples
+        self._unreported = {
+            "step": step,
+            "total_steps": self._total_steps,
+            "epoch": (step * self._batch_size if samples_done is None else samples_done) / self._samples_per_epoch,
+            "loss": loss,
+            "global_batch": global_batch,
+            "lr": lr,
+            "metrics": finite_only(metrics),
+        }
+        if self._reported_once and not force and time.monotonic() - self._last_report_at < self._every_s:
+            return False
+        return self.flush()
+
+    def flush(self) -> bool:
+        """Reports the last step recorded, if it has not been: the job ends there (its code
+        failed), and the portal must know the last step applied. Returns whether it wrote one."""
+        if self._unreported is None:
+            return False
         now = time.monotonic()
         elapsed = now - self._last_report_at
-        if self._reported_once and not force and elapsed < self._every_s:
-            return False
-        self._events.emit(
-            "progress",
-            step=step,
-            total_steps=self._total_steps,
-            epoch=(step * self._batch_size if samples_done is None else samples_done)
-            / self._samples_per_epoch,
-            loss=loss,
-            samples_per_s=self._samples_since_report / elapsed if elapsed > 0 else 0.0,
-            global_batch=global_batch,
-            lr=lr,
-            metrics=finite_only(metrics),
-        )
+        samples_per_s = self._samples_since_report / elapsed if elapsed > 0 else 0.0
+        self._events.emit("progress", samples_per_s=samples_per_s, **self._unreported)
+        self._unreported = None
         self._reported_once = True
         self._last_report_at = now
         self._samples_since_report = 0

@@ -51,7 +51,9 @@ def export(config: dict, events: EventWriter) -> int:
         info = CATALOGUE[str(spec.workload)]
         source = (info.path, info.entrypoint)
     torch.set_num_threads(1)
-    problem = BoundTask(load_task_class(*source), spec.hyperparameters, spec.seed, torch.device("cpu"), source)
+    problem = BoundTask(
+        load_task_class(*source), spec.hyperparameters, spec.seed, torch.device("cpu"), source, steps=spec.total_steps()
+    )
     problem.model.load_state_dict(state.model)
     exporter = ArtifactExporter(
         run_dir, int(config["job_id"]), spec, problem, None, checkpoint_path(run_dir), events

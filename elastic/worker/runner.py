@@ -93,6 +93,8 @@ class WorkerRun:
             head = f"{USER_ERROR_LOG_PREFIX}{err}"[: MAX_LOG_CHARS // 4]
             tail = err.traceback_text.rstrip()[-(MAX_LOG_CHARS - len(head) - 1) :]
             self.events.log(f"{head}\n{tail}" if tail else head)
+            if self._loop is not None:  # the job fails at the last step applied: the portal hears of it first
+                self._loop.progress.flush()
             self._export_after_failure()
             return USER_ERROR_EXIT_CODE
         finally:

@@ -22,6 +22,7 @@ from elastic.artifacts import ARTIFACT_NAMES, MANIFEST_NAME, MODEL_NAME
 from elastic.spec import FieldError
 from portal.cluster.models import Node
 from portal.errors import ApiError, forbidden
+from portal.jobs import lifecycle
 from portal.jobs.models import Job, JobArtifacts, Worker
 from portal.live import broadcast
 from portal.uploads import CUT_SHORT
@@ -91,6 +92,7 @@ def store(node: Node, job: Job, uploads: dict[str, UploadedFile]) -> JobArtifact
             "stored_at": timezone.now(),
         },
     )
+    lifecycle.state_kept(job, row.step)
     broadcast.job_changed(job)
     return row
 

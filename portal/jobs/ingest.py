@@ -85,6 +85,14 @@ def _service_since_last_report(job: Job, generation: int, at: datetime) -> float
     return seconds * (workers or 0)
 
 
+def _rate_after(job: Job, step: int, at: datetime) -> dict[str, float]:
+    """The job's step rate (portal.jobs.eta) once it reported `step` at `at`, as Job's fields."""
+    rate = job.step_rate
+    if job.last_progress_at is not None:
+        rate = rate.after(step - job.steps_done, (at - job.last_progress_at).total_seconds())
+    return {"rate_steps": rate.steps, "rate_seconds": rate.seconds}
+
+
 def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
     at = _at(event.at)
     # Agents deliver at least once: one that took its workers back re-reads their output from
@@ -101,6 +109,7 @@ def _on_progress(node: Node, job: Job, event: WorkerEvent) -> None:
         "global_batch": event.global_batch,
         "learning_rate": event.lr,
         "last_progress_at": at,
+        **_rate_after(job, event.step or 0, at),
     }
     updated = Job.objects.filter(pk=job.pk, active_generation__lte=event.generation).update(
         **reported,

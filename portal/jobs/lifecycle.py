@@ -286,6 +286,17 @@ def _ask_for_export(job: Job) -> None:
     )
 
 
+def state_kept(job: Job, step: int) -> None:
+    """The job's artifacts arrived, holding its state after `step` steps: that is the last step
+    it applied and keeps, and `steps_done` says so on every page, list and the CLI. Progress
+    reports come every few seconds, so the last one is often behind the step the job ended at; a
+    failed job's state may come from an older checkpoint. The agent hands artifacts over only
+    once the events before them reached the portal (agent.main), so no earlier report of rank 0
+    overtakes them."""
+    Job.objects.filter(pk=job.pk).update(steps_done=step)
+    job.steps_done = step
+
+
 def cancel(job: Job) -> bool:
     """Cancels an active job; returns whether this call did."""
     return _end(job, JobState.CANCELLED, "cancel", message="cancelled by its owner")

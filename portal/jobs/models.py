@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from elastic.membership import GenerationPhase
 from portal.cluster.models import Device, Node
+from portal.jobs import eta
 from portal.jobs.states import JobState, check_transition
 
 
@@ -72,6 +73,8 @@ class Job(models.Model):
     global_batch = models.PositiveIntegerField(null=True, blank=True, help_text="of the last step reported")
     learning_rate = models.FloatField(null=True, blank=True, help_text="of the last step reported")
     last_progress_at = models.DateTimeField(null=True, blank=True)
+    rate_steps = models.FloatField(default=0.0, help_text="the step rate's decayed steps (portal.jobs.eta)")
+    rate_seconds = models.FloatField(default=0.0, help_text="the step rate's decayed seconds (portal.jobs.eta)")
 
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -134,16 +137,17 @@ class Job(models.Model):
         }
 
     def finish_estimate_at(self) -> float | None:
-        """When a running job should finish (Unix time): its remaining steps at the step rate of
-        its last report (samples per second over the global batch). None while it does not run
-        or has not reported."""
+        """When a running job should finish (Unix time): its remaining steps at its step rate
+        over a window of its progress (portal.jobs.eta). None while it does not run or its rate
+        is not known well enough yet."""
         if self.state not in (JobState.RUNNING, JobState.RESIZING) or self.last_progress_at is None:
             return None
-        if not self.samples_per_s or not self.global_batch:
-            return None
-        steps_per_s = self.samples_per_s / self.global_batch
-        left = max(self.total_steps - self.steps_done, 0)
-        return round(self.last_progress_at.timestamp() + left / steps_per_s, 1)
+        left = self.total_steps - self.steps_done
+        return eta.finish_estimate_at(self.step_rate, left, self.last_progress_at.timestamp())
+
+    @property
+    def step_rate(self) -> eta.StepRate:
+        return eta.StepRate(self.rate_steps, self.rate_seconds)
 
     @property
     def workers_now(self) -> int:

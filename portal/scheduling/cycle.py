@@ -21,7 +21,7 @@ from elastic.scheduling import ClusterSnapshot, Plan
 from portal.cluster import drain
 from portal.cluster.models import Device, Node
 from portal.jobs import lifecycle
-from portal.jobs.models import Generation, Job, Worker
+from portal.jobs.models import Allocation, Generation, Job, Worker
 from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
 from portal.scheduling.decisions import record_decision, store_job_reasons
@@ -160,9 +160,11 @@ def run_cycle() -> CycleResult:
     started = time.perf_counter()
     plan = policy(snapshot)
     decision_ms = (time.perf_counter() - started) * 1000
-    explained = store_job_reasons(plan, jobs, snapshot)
     result = CycleResult(changed_jobs=apply_plan(plan, jobs, snapshot), decision_ms=decision_ms)
-    record_decision(policy_name(), decision_ms, plan, jobs, snapshot, result.changed_jobs)
+    # The reasons count free devices from the allocations as written, which the job list shows.
+    held = set(Allocation.objects.values_list("device_id", flat=True))
+    explained = store_job_reasons(plan, jobs, snapshot, held)
+    record_decision(policy_name(), decision_ms, plan, jobs, snapshot, result.changed_jobs, held)
     to_publish = Generation.objects.filter(
         Q(phase=lifecycle.Phase.PLANNED), job__state__in=ACTIVE_STATES
     ).values_list("job_id", flat=True)

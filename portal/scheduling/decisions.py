@@ -3,6 +3,7 @@ the board and the job page, pushed live), and the decision as a whole (the staff
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from django.conf import settings
@@ -32,8 +33,12 @@ def reasons_of(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> tuple[Rea
     return (first, Reason.BORROWED) if lent.intersection(devices) else (first,)
 
 
-def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> str:
-    """One sentence (or a few, joined by "; ") on why `job` has what the plan gives it."""
+def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot, held: Collection[int]) -> str:
+    """One sentence (or a few, joined by "; ") on why `job` has what the plan gives it. `held`:
+    the devices that jobs hold once the plan is written (their allocations), which the job list
+    and the board show beside the sentence: a device is free only if no job holds it. (Counted
+    from the plan instead, a shrink still waiting for its resize in flight left "3 free" beside
+    a listing of 3 of 4 devices held.)"""
     devices = plan.assignments.get(job.id, ())
     lent = {d.id for d in snapshot.devices if d.lent}
     parts: list[str] = []
@@ -54,8 +59,7 @@ def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> str:
             borrowed = sum(1 for d in devices if d in lent)
             parts.append(f"{counted(borrowed, 'borrowed device')} that their owner may take back at any time")
         elif reason == Reason.WAITING:
-            given = {d for assigned in plan.assignments.values() for d in assigned}
-            free = sum(1 for d in snapshot.devices if d.available and d.id not in given)
+            free = sum(1 for d in snapshot.devices if d.available and d.id not in held)
             pool = "devices" if job.priority == "guaranteed" else "shared or lent devices"
             if job.min_workers > len(snapshot.devices):
                 parts.append(
@@ -120,9 +124,12 @@ def _same_queue(old: dict[str, Any], new: dict[str, Any], now: float) -> bool:
     return True
 
 
-def store_job_reasons(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> list[int]:
+def store_job_reasons(
+    plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot, held: Collection[int]
+) -> list[int]:
     """Writes each job's reasons, note, pin problem, queue view and (hybrid) batch size where
-    they changed. Returns the ids of the jobs that changed, to be pushed to the browsers."""
+    they changed, `held` the devices jobs hold once the plan is written (explain). Returns the
+    ids of the jobs that changed, to be pushed to the browsers."""
     changed = []
     ends = {job.pk: at - snapshot.now for job in jobs.values() if (at := job.finish_estimate_at()) is not None}
     queue = explain_queue(snapshot, plan, ends)
@@ -130,7 +137,7 @@ def store_job_reasons(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapsho
         job = jobs[view.id]
         fields: dict[str, Any] = {
             "schedule_reasons": [str(r) for r in reasons_of(view, plan, snapshot)],
-            "schedule_note": explain(view, plan, snapshot),
+            "schedule_note": explain(view, plan, snapshot, held),
             "pin_problem": plan.pin_problems.get(view.id, ""),
             "queue": queue_view(queue[view.id], jobs, snapshot.now) if view.id in queue else {},
         }
@@ -152,6 +159,7 @@ def record_decision(
     jobs: dict[int, Job],
     snapshot: ClusterSnapshot,
     changed_jobs: list[int],
+    held: Collection[int],
 ) -> SchedulerDecision:
     """Stores the decision and forgets all but the newest DECISIONS_KEPT. Returns it."""
     labels = {d.pk: str(d) for d in Device.objects.select_related("node")}
@@ -173,7 +181,7 @@ def record_decision(
                 "workers_before": len(view.current),
                 "target": [labels.get(d, str(d)) for d in target],
                 "reasons": [str(r) for r in reasons_of(view, plan, snapshot)],
-                "note": explain(view, plan, snapshot),
+                "note": explain(view, plan, snapshot, held),
                 "pin_problem": plan.pin_problems.get(view.id, ""),
                 "batch_size": plan.batch_sizes.get(view.id),
             }

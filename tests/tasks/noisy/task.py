@@ -1,6 +1,7 @@
 """A task written only for the tests of reader processes (elastic.tasks.readers): each item is a
 fixed point plus noise drawn in `__getitem__`, so what an item is depends on the generator state
-it was read with; the item at index 13 raises when `broken` is set."""
+it was read with; the item at index 13 raises when `broken` is set; with `points_per_step` the
+data set has that many points for each of the job's steps (its `job`, in every reader too)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from torch.utils.data import Dataset
 
 
 class NoisyPoints(Dataset):
-    def __init__(self, broken: bool) -> None:
-        self.points = torch.linspace(-1, 1, 240).reshape(120, 2)
+    def __init__(self, broken: bool, count: int = 120) -> None:
+        self.points = torch.linspace(-1, 1, 2 * count).reshape(count, 2)
         self.broken = broken
 
     def __len__(self) -> int:
@@ -29,6 +30,7 @@ class NoisyPoints(Dataset):
 class Hyperparameters(BaseModel):
     batch_size: int = 12
     broken: bool = False
+    points_per_step: int = 0
 
 
 class Noisy:
@@ -45,6 +47,8 @@ class Noisy:
         return torch.optim.SGD(model.parameters(), lr=0.1)
 
     def train_data(self) -> NoisyPoints:
+        if self.hp.points_per_step:
+            return NoisyPoints(self.hp.broken, self.hp.points_per_step * self.job.steps)
         return NoisyPoints(self.hp.broken)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
