@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,13 @@ class ItemReaders:
         """The items `indices`, in order, item i read right after seeding with `seeds[i]`.
         Raises what the task's code raised (with the reader's traceback as its cause), or
         concurrent.futures.process.BrokenProcessPool if a reader died."""
+        return list(self.start(indices, seeds))
+
+    def start(self, indices: Sequence[int], seeds: Sequence[int]) -> Iterator[Any]:
+        """Hands the items to the readers now and returns an iterator over them, in order, that
+        waits for each (raising as `read` does); closing it cancels the items not read yet."""
         chunk = max(1, len(indices) // (self.count * 4))
-        return list(self._pool.map(_read, indices, seeds, chunksize=chunk))
+        return self._pool.map(_read, indices, seeds, chunksize=chunk)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

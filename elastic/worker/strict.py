@@ -52,6 +52,7 @@ from elastic.consistency.exact_sum import spare_bits, tensor_scales
 from elastic.consistency.placement import check_shares, even_shares, hosted
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream, derive_seed, seed_torch, share_bounds
+from elastic.worker.readahead import Share
 from elastic.worker.trainer import (
     METRIC_SLOTS,
     CollectiveError,
@@ -60,7 +61,6 @@ from elastic.worker.trainer import (
     StepOutcome,
     SwitchVote,
     Trainer,
-    finite_or_zero,
     names_fingerprint,
     vote,
 )
@@ -179,6 +179,16 @@ class StrictTrainer(Trainer):
     def rebind_members(self, rank: int, world_size: int, shares: list[int] | None, step: int) -> None:
         self.rebind(rank, world_size, shares)
 
+    def shares_ahead(self, step: int) -> list[Share]:
+        first = self.next_batch_start(step)
+        ahead = []
+        for vw in self.hosted:
+            start, stop = share_bounds(self.batch_size, self.virtual_workers, vw)
+            indices = self.stream.positions(first + start, first + stop)
+            seed = virtual_worker_seed(self.seed, step + 1, vw)
+            ahead.append(Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start), seed, True))
+        return ahead
+
     # --- contexts ----------------------------------------------------------------------------
 
     def _pack(self) -> torch.Tensor:
@@ -236,6 +246,7 @@ class StrictTrainer(Trainer):
         total[width:].zero_()
         first = self.batch_start(step)
         trained = []
+        reading_ahead = False
         shares = [0.0] * len(terms)  # each row's share of the batch, applied with the scales
         for row, vw in enumerate(self.hosted):
             start, stop = share_bounds(batch, virtual, vw)
@@ -253,7 +264,10 @@ class StrictTrainer(Trainer):
             numpy.random.seed(vw_seed)
             random.seed(vw_seed)
             try:
-                items = self.problem.batch(indices, self.item_seeds(first + start, len(indices)))
+                items = self.readahead.batch(indices, self.item_seeds(first + start, len(indices)), vw_seed, True)
+                if not reading_ahead:  # the next step's items, once this step's first are in
+                    self.start_reading_ahead(step)
+                    reading_ahead = True
                 loss = self.problem.loss(items)
                 loss.backward()
             except BaseException:  # the task's own error: the model's buffers back to vw 0's
@@ -263,12 +277,16 @@ class StrictTrainer(Trainer):
             terms[row, g] = loss.detach() * share
             names = self.metric_names()
             if names:
-                values = [finite_or_zero(self.problem.metrics[name]) * share for name in names]
-                terms[row, g + 1 : g + 1 + len(names)] = torch.tensor(values, dtype=terms.dtype)
+                terms[row, g + 1 : g + 1 + len(names)] = self.metric_terms(names, share)
             if words:
                 outgoing[vw] = self._pack()
+        if not reading_ahead:
+            self.start_reading_ahead(step)
         max_abs = self._segment_max_abs(terms, shares)
-        magnitudes = max_abs.tolist()  # the step's one device-to-host copy before its collectives
+        self.readahead.prepare()  # the next step's items, while the device computes this one's
+        # The step's first device-to-host read, before its collectives: the votes on predicted
+        # scales and the skip of a step that is not finite are decided on the host from it.
+        magnitudes = self.to_host(max_abs)
         # A NaN or infinite loss or gradient here (NaN survives aminmax) is voted on; the terms
         # are zeroed so that the sums stay finite and every rank skips or fails the same step.
         nonfinite = not all(math.isfinite(magnitude) for magnitude in magnitudes)
@@ -300,8 +318,9 @@ class StrictTrainer(Trainer):
             stats[_NONFINITE_VOTES] = 1 if nonfinite else 0
             stats[_METRIC_NAMES] = names_fingerprint(self.metric_names())
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            agreed_and_votes = total[width : self._votes_at + votes.numel()].tolist()  # one read
-            agreed, voted = agreed_and_votes[:_STATS], agreed_and_votes[_STATS:]
+            # The second read: the loss's and metrics' integers, the agreed values, the votes.
+            read = self.to_host(total[g : self._votes_at + votes.numel()])
+            sums, agreed, voted = read[: width - g], read[width - g : width - g + _STATS], read[width - g + _STATS :]
             if predicted is not None and not self._accepted(voted):
                 self.scale_fallbacks += 1
                 dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
@@ -309,6 +328,7 @@ class StrictTrainer(Trainer):
                 self._to_fixed(terms, scales, shares, total[:width], scaled_by)
                 dist.all_reduce(total[:width], op=dist.ReduceOp.SUM)
                 predicted = None
+                sums = self.to_host(total[g:width])  # a step that fell back reads them again
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self.state_arrived()  # the model's buffers back to vw 0's committed context
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
@@ -333,8 +353,14 @@ class StrictTrainer(Trainer):
             if words:
                 self.contexts.copy_(outgoing)
                 self._unpack(self.contexts[0])
-            step_loss = float(exact[g])
-            metric_sums = exact[g + 1 :].tolist()  # weighted by share: they sum to 1 per batch
+            # The loss and metrics as the device's rows would hold them (integers to the terms'
+            # dtype, rounded once, times a power of two: exact), computed here from the read.
+            loss_scale, metrics_scale = scales[len(self._parameters) :]
+            reported = torch.tensor(sums, dtype=self._fixed).to(self._dtype)
+            reported[:1].mul_(1.0 / loss_scale)
+            reported[1:].mul_(1.0 / metrics_scale)
+            step_loss = float(reported[0])
+            metric_sums = reported[1:].tolist()  # weighted by share: they sum to 1 per batch
             self.agree_metrics(metric_sums, agreed[_METRIC_NAMES], agreed[_COUNT] / batch)
         outcome = StepOutcome(
             step=step + 1,
@@ -431,6 +457,7 @@ class StrictTrainer(Trainer):
         gradients' dtype's overflow (a tensor whose largest entry is below about 2^-66 then
         keeps fewer bits); every worker computes the same from the same MAX."""
         largest = 2.0 ** math.floor(math.log2(torch.finfo(self._dtype).max / 2))
+        self.host_reads += 1  # a step that takes the MAX all-reduce reads its result
         scales = tensor_scales(max_abs.cpu(), self.virtual_workers, self._int_bits)
         return scales.clamp_(max=largest).tolist()
 
