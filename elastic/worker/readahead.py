@@ -153,8 +153,9 @@ class ReadAhead:
         if self._side is None:
             self._side = torch.cuda.Stream(device)
         ahead.copied_on = self._side
+        # Fresh pinned memory and fresh device memory from the side stream's pool: the copy
+        # waits for nothing of the step's; the step that takes the batch waits for the copy.
         pinned = tree_map(lambda value: value.pin_memory() if isinstance(value, torch.Tensor) else value, batch)
-        self._side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._side):
             return tree_map(
                 lambda value: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value,

@@ -471,7 +471,8 @@ class StrictTrainer(Trainer):
         over = [value > self._highest_scaled for value in scaled]
         within = [value > self._lowest_scaled for value in scaled]
         nonzero = [magnitude > 0 for magnitude in magnitudes]
-        votes.copy_(torch.tensor([over, within, nonzero], dtype=votes.dtype))
+        decided = torch.tensor([over, within, nonzero], dtype=votes.dtype, pin_memory=votes.is_cuda)
+        votes.copy_(decided, non_blocking=votes.is_cuda)  # from pinned memory: no sync on a GPU
         return any(over)
 
     def _accepted(self, votes: list[int]) -> bool:

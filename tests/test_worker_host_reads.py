@@ -1,0 +1,115 @@
+"""A step reads the device back once (issue 37): metrics stay tensors on the device until they
+are reported, and the step's agreed statistics are its one device-to-host read (a strict step
+makes two: its magnitudes before the collectives, then its sums and votes). And reading the next
+step's items ahead (elastic.worker.readahead) trains bit for bit as reading them in the step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.tasks.runtime import BoundTask, bind_task
+from elastic.worker.data import SampleStream
+from elastic.worker.hybrid import HybridSchedule, HybridTrainer
+from elastic.worker.strict import StrictTrainer
+from elastic.worker.trainer import Trainer
+
+NOISY = Path(__file__).parent / "tasks" / "noisy"
+SEED = 6
+BATCH = 12
+STEPS = 4
+
+
+@pytest.fixture
+def bound() -> Iterator[list[BoundTask]]:
+    tasks: list[BoundTask] = []
+    yield tasks
+    for task in tasks:
+        task.close()
+
+
+def _trainer(tasks: list[BoundTask], mode: str, entrypoint: str = "NoisyMetrics") -> Trainer:
+    task = bind_task(NOISY, f"task:{entrypoint}", {}, seed=SEED)
+    tasks.append(task)
+    stream = SampleStream(task.num_samples, SEED)
+    optimizer = task.make_optimizer()
+    if mode == "strict":
+        return StrictTrainer(task, optimizer, stream, BATCH, SEED, 0, 1, virtual_workers=3)
+    if mode == "hybrid":
+        schedule = HybridSchedule(0.1, BATCH, BATCH, 1, 4 * BATCH, "linear", 0)
+        trainer = HybridTrainer(task, optimizer, stream, schedule, SEED, 0, 1)
+        trainer.rebind_members(0, 1, None, 0)
+        return trainer
+    return Trainer(task, optimizer, stream, BATCH, SEED, 0, 1)
+
+
+@pytest.mark.parametrize(("mode", "reads_per_step"), [("plain", 1), ("hybrid", 1), ("strict", 2)])
+def test_a_step_reads_the_device_back_once(
+    bound: list[BoundTask], group_of_one: None, mode: str, reads_per_step: int
+) -> None:
+    trainer = _trainer(bound, mode)
+    trainer.step(0, stop_requested=False)  # strict's first step takes the MAX all-reduce: one more
+    steady = 0
+    for step in range(1, 2 * STEPS):
+        before, fallbacks = trainer.host_reads, getattr(trainer, "scale_fallbacks", 0)
+        outcome = trainer.step(step, stop_requested=False)
+        if getattr(trainer, "scale_fallbacks", 0) == fallbacks:
+            assert trainer.host_reads - before == reads_per_step, (mode, step)
+            steady += 1
+        else:  # a strict step whose predicted scales were rejected: the MAX, then the sums again
+            assert trainer.host_reads - before == reads_per_step + 2, (mode, step)
+        assert outcome.samples == BATCH
+    assert steady >= STEPS
+    # The metrics are the batch's averages, read when asked, not before.
+    assert set(trainer.metrics) == {"accuracy", "confidence", "spread"}
+    assert 0 <= trainer.metrics["accuracy"] <= 1 and 0.5 <= trainer.metrics["confidence"] <= 1
+    assert all(isinstance(value, torch.Tensor) for value in trainer.problem.metric_values.values())
+
+
+@pytest.mark.parametrize("mode", ["plain", "hybrid", "strict"])
+def test_items_read_ahead_here_train_as_items_read_in_the_step(
+    bound: list[BoundTask], group_of_one: None, mode: str
+) -> None:
+    """Items and dropout draw from torch's global generator: the read-ahead seeds and restores
+    it exactly, so the model is the same bits. A rebind in the middle drops what was read."""
+    states = []
+    for ahead in (False, True):
+        trainer = _trainer(bound, mode)
+        trainer.read_ahead_here = ahead
+        for step in range(STEPS):
+            if step == 2:
+                trainer.rebind(0, 1)
+            trainer.step(step, stop_requested=False)
+        assert (trainer.readahead.hits > 0) == ahead
+        states.append({name: value.clone() for name, value in trainer.problem.model.state_dict().items()})
+    assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: set_sync_debug_mode checks CUDA syncs")
+def test_a_plain_step_syncs_the_gpu_once(group_of_one: None) -> None:
+    """On a GPU, torch itself flags each synchronisation: a plain step's one is its read of the
+    agreed statistics, counted by host_reads; with sync debug mode set to error, any other sync
+    in the step would raise."""
+    task = bind_task(NOISY, "task:NoisyMetrics", {}, seed=SEED, device=torch.device("cuda"))
+    trainer = Trainer(task, task.make_optimizer(), SampleStream(task.num_samples, SEED), BATCH, SEED, 0, 1)
+    trainer.step(0, stop_requested=False)
+    real_to_host = trainer.to_host
+
+    def flagged_read(tensor: torch.Tensor) -> list[object]:
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real_to_host(tensor)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    trainer.to_host = flagged_read  # type: ignore[method-assign]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, STEPS):
+            trainer.step(step, stop_requested=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert trainer.host_reads == STEPS
