@@ -10,6 +10,12 @@ cost nothing extra and all ranks reach them after the same step.
 
 The optimiser steps only after the all-reduce succeeded: when a peer dies mid-step the step
 raises CollectiveError and every survivor still holds the state of the last completed step.
+
+On a GPU the host must never wait for the device but once a step. The task's metrics stay
+tensors on the device and ride in the statistics; the statistics are the step's one
+device-to-host read (`to_host`, counted in `host_reads`), and it cannot come later: whether the
+optimiser steps (a loss that is not finite) is decided from it. Before that read, while the
+device computes, the next step's items are read ahead (elastic.worker.readahead).
 """
 
 from __future__ import annotations
