@@ -34,6 +34,14 @@ joiners with the rest of the state (Trainer.bulk_state) and into the periodic ch
 model's own buffers hold vw 0's context between steps (the model a checkpoint or an evaluation
 sees, as plain DDP's rank 0). The cost is V times the buffers' bytes per step, small next to the
 gradients for the usual models (batch norm keeps two values per channel).
+
+Reads from the device: a step whose predicted scales hold makes two, each a sync on a GPU: its
+segments' magnitudes before the collectives (the host votes on the predicted scales from them,
+and zeroes the terms of a step that is not finite), then one read of the loss's and metrics'
+fixed-point sums, the agreed values and the votes together, from which the loss and metrics
+are computed on the host exactly as on the device. A step that takes the MAX all-reduce reads
+its result too (the scales are computed on the host), and one whose prediction is rejected reads
+the sums again.
 """
 
 from __future__ import annotations
