@@ -481,7 +481,7 @@ class Trainer:
 
     def metric_names(self) -> list[str]:
         """The names of the metrics the step's all-reduce averages (METRIC_SLOTS at most)."""
-        return sorted(self.problem.metrics)[:METRIC_SLOTS]
+        return sorted(self.problem.metric_values)[:METRIC_SLOTS]
 
     def agree_metrics(self, sums: list[float], fingerprints: float, total_weight: float) -> None:
         """Takes the step's reduced metric sums as the metrics, if every rank summed metrics of
