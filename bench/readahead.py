@@ -12,7 +12,8 @@ Trainer (world size 1) three ways, interleaved in rounds:
 
 An item's read is a wait (`time.sleep`, as a file read or a remote fetch is), so that the readers
 do not take the cores the compute needs: on 2 shared cores a CPU-bound read would measure the
-machine, not the overlap. item_s is calibrated from the floor: floor step / batch size. Each
+machine, not the overlap. item_s is calibrated from the floor (its fastest step, the least
+disturbed by the machine's load) / batch size, unless --item-ms gives it. Each
 round runs every arm once, in an order that rotates from round to round; a step's time is
 taken around Trainer.step (the first steps of each arm are left out once). The figure is the
 median over rounds of each round's ratio of medians to the floor, with their min and max, and
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer (the readers take 1 each)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--item-ms", type=float, default=0.0, help="an item's read (default: calibrated)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -86,7 +88,7 @@ def main() -> None:
     floor = Arm("floor", floor_trainer)
     floor.run(WARMUP, device)
     calibration = floor.run(2 * args.steps, device)
-    item_s = statistics.median(calibration) / args.batch
+    item_s = args.item_ms / 1e3 if args.item_ms else min(calibration) / args.batch
     slow = {**base, "item_s": item_s}
     arms = [floor, Arm("read_ahead", _trainer("SlowItems", slow, device)),
             Arm("read_in_step", _trainer("SlowItems", slow, device), drop_each_step=True)]
