@@ -1,7 +1,8 @@
 """A step reads the device back once (issue 37): metrics stay tensors on the device until they
 are reported, and the step's agreed statistics are its one device-to-host read (a strict step
-makes two: its magnitudes before the collectives, then its sums and votes). And reading the next
-step's items ahead (elastic.worker.readahead) trains bit for bit as reading them in the step."""
+votes on the device as on a GPU, bit for bit as on the host; on a CPU it reads its magnitudes
+before the collectives too). And reading the next step's items ahead
+(elastic.worker.readahead) trains bit for bit as reading them in the step."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from elastic.worker.strict import StrictTrainer
 from elastic.worker.trainer import Trainer
 
 NOISY = Path(__file__).parent / "tasks" / "noisy"
+RINGS = Path(__file__).parent / "tasks" / "rings"
 SEED = 6
 BATCH = 12
 STEPS = 4
@@ -46,11 +48,16 @@ def _trainer(tasks: list[BoundTask], mode: str, entrypoint: str = "NoisyMetrics"
     return Trainer(task, optimizer, stream, BATCH, SEED, 0, 1)
 
 
-@pytest.mark.parametrize(("mode", "reads_per_step"), [("plain", 1), ("hybrid", 1), ("strict", 2)])
+@pytest.mark.parametrize(
+    ("mode", "reads_per_step"), [("plain", 1), ("hybrid", 1), ("strict", 2), ("strict-votes-on-device", 1)]
+)
 def test_a_step_reads_the_device_back_once(
     bound: list[BoundTask], group_of_one: None, mode: str, reads_per_step: int
 ) -> None:
-    trainer = _trainer(bound, mode)
+    trainer = _trainer(bound, mode.removesuffix("-votes-on-device"))
+    if mode.endswith("-votes-on-device"):  # as on a GPU
+        assert isinstance(trainer, StrictTrainer)
+        trainer.votes_on_device = True
     trainer.step(0, stop_requested=False)  # strict's first step takes the MAX all-reduce: one more
     steady = 0
     for step in range(1, 2 * STEPS):
@@ -85,6 +92,34 @@ def test_items_read_ahead_here_train_as_items_read_in_the_step(
             trainer.step(step, stop_requested=False)
         assert (trainer.readahead.hits > 0) == ahead
         states.append({name: value.clone() for name, value in trainer.problem.model.state_dict().items()})
+    assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+
+
+@pytest.mark.parametrize(
+    ("directory", "entrypoint", "hyperparameters"),
+    [(NOISY, "task:NoisyMetrics", {}), (RINGS, "task:RingsTask", {"nan_at_call": 5})],
+)
+def test_strict_votes_taken_on_the_device_train_as_votes_taken_on_the_host(
+    bound: list[BoundTask], group_of_one: None, directory: Path, entrypoint: str, hyperparameters: dict
+) -> None:
+    """A GPU's strict step votes on the device (no read before its collectives): the same
+    bits as the host's votes, through rejected predictions (the noisy task's) and a skipped
+    step that is not finite (the rings task's 5th call of 3 virtual workers': step 1)."""
+    states, outcomes, fallbacks = [], [], []
+    for on_device in (False, True):
+        task = bind_task(directory, entrypoint, hyperparameters, seed=SEED)
+        bound.append(task)
+        trainer = StrictTrainer(
+            task, task.make_optimizer(), SampleStream(task.num_samples, SEED), BATCH, SEED, 0, 1,
+            virtual_workers=3, skip_nonfinite=True,
+        )
+        trainer.votes_on_device = on_device
+        outcomes.append([trainer.step(step, stop_requested=False) for step in range(2 * STEPS)])
+        fallbacks.append(trainer.scale_fallbacks)
+        states.append({name: value.clone() for name, value in task.model.state_dict().items()})
+    assert [o.skipped for o in outcomes[1]] == [o.skipped for o in outcomes[0]]
+    assert fallbacks[0] == fallbacks[1] and (fallbacks[0] > 0 or any(o.skipped for o in outcomes[0]))
+    assert [o.loss for o in outcomes[1]] == pytest.approx([o.loss for o in outcomes[0]], rel=0, abs=0, nan_ok=True)
     assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
 
 
