@@ -62,6 +62,8 @@ def test_a_failure_in_a_reader_is_the_users_error_with_its_traceback(bound: list
 
 
 def test_strict_mode_trains_alike_with_one_reader_or_two(bound: list[BoundTask], group_of_one: None) -> None:
+    """Two readers reading each step's items a step ahead, one reading them in the step: the
+    same bits."""
     states = []
     for entrypoint in ("Noisy", "NoisyOneReader"):
         task = _bind(bound, entrypoint)
@@ -69,6 +71,9 @@ def test_strict_mode_trains_alike_with_one_reader_or_two(bound: list[BoundTask],
             task, task.make_optimizer(), SampleStream(task.num_samples, SEED), 12, SEED, 0, 1, virtual_workers=3
         )
         for step in range(6):
+            if entrypoint == "NoisyOneReader":
+                trainer.readahead.drop()  # each item read in its step, not ahead (issue 37)
             trainer.step(step, stop_requested=False)
+        assert (trainer.readahead.hits > 0) == (entrypoint == "Noisy")
         states.append({k: v.clone() for k, v in task.model.state_dict().items()})
     assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])

@@ -44,6 +44,18 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _scalar_metric(name: Any, value: Any) -> torch.Tensor:
+    """A metric the task's loss returned, as a detached one-element tensor (a number becomes a
+    CPU tensor; a tensor stays where it is, unread). Raises UserCodeError for anything else."""
+    try:
+        tensor = torch.as_tensor(value).detach()
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise UserCodeError(f"loss() returned metric {name!r} = {value!r:.80}, not a number or a scalar tensor") from err
+    if tensor.numel() != 1 or tensor.is_complex():
+        raise UserCodeError(f"loss() returned metric {name!r} = {value!r:.80}, not a number or a scalar tensor")
+    return tensor.reshape(())
+
+
 class BoundTask:
     """The task `task_class` built for one job on `device`: the model's initial weights depend
     only on `seed`. The task is given the job's `steps` and `seed` as its `job` (api.Job); with
@@ -91,8 +103,10 @@ class BoundTask:
         if self.num_samples < 1:
             raise TaskDefinitionError("train_data() returned an empty data set")
         self._collate: Callable[[list[Any]], Any] = getattr(self.task, "collate", None) or default_collate
-        self.metrics: dict[str, float] = {}
-        """The named metrics of the last `loss` call, if the task returns any."""
+        self.metric_values: dict[str, torch.Tensor] = {}
+        """The named metrics of the last `loss` call, if the task returns any, as the task gave
+        them (scalar tensors, on the device when the task computed them there): nothing reads
+        them back to the host until asked (`metrics`), so that a step needs no extra sync."""
 
     def load_initial_model(self, path: Path, source: str) -> None:
         """Loads the state dict at `path` (the final model of `source`) into the model, before
@@ -158,18 +172,43 @@ class BoundTask:
         return self._collate_items(self._read_elsewhere(listed, seeds))
 
     def _read_elsewhere(self, indices: list[int], seeds: Sequence[int]) -> list[Any]:
+        return self.start_reading(indices, seeds)()
+
+    def start_reading(self, indices: Sequence[int], seeds: Sequence[int]) -> Callable[[], list[Any]]:
+        """Hands the items `indices` (item i seeded with `seeds[i]`) to the reader processes at
+        once and returns the call that waits for them, in order (the task must have
+        data_workers). Dropping the call without calling it cancels what is not read yet.
+        The call raises UserCodeError for the task's error, RuntimeError if a reader died."""
         if self._readers is None:
             assert self._source is not None
             self._readers = ItemReaders(self.data_workers, *self._source, self._given_hyperparameters, self.job)
         try:
-            return self._readers.read(indices, seeds)
+            pending = self._readers.start(list(indices), list(seeds))
         except BrokenProcessPool as err:  # a reader was killed: the node's trouble, not the code's
             raise RuntimeError(f"a data reader process died: {err}") from err
-        except Exception as err:
-            remote = getattr(err.__cause__, "tb", "")  # the reader's traceback, as text
-            raise UserCodeError(
-                f"reading the data set (in a data reader) raised {type(err).__name__}: {err}", str(remote)
-            ) from err
+
+        def collect() -> list[Any]:
+            try:
+                return list(pending)
+            except BrokenProcessPool as err:
+                raise RuntimeError(f"a data reader process died: {err}") from err
+            except Exception as err:
+                remote = getattr(err.__cause__, "tb", "")  # the reader's traceback, as text
+                raise UserCodeError(
+                    f"reading the data set (in a data reader) raised {type(err).__name__}: {err}", str(remote)
+                ) from err
+
+        return collect
+
+    def read_items(self, indices: Sequence[int]) -> list[Any]:
+        """The training items `indices`, read here (drawing from this process's generators)."""
+        with blaming_the_task("reading the data set"):
+            return [self.dataset[index] for index in indices]
+
+    def collate(self, items: list[Any]) -> Any:
+        """`items` collated by the task, still on the CPU. Raises UserCodeError."""
+        with blaming_the_task("collate(items)"):
+            return self._collate(items)
 
     def close(self) -> None:
         """Stops the task's reader processes, if it has any."""
@@ -199,13 +238,18 @@ class BoundTask:
             raise UserCodeError(f"loss() must return a scalar tensor (or a pair of it and a dict), not {result!r:.80}")
         if not isinstance(metrics, dict):
             raise UserCodeError(f"loss() returned metrics of type {type(metrics).__name__}, not a dict")
-        self.metrics = {str(name): float(value) for name, value in metrics.items()}
+        self.metric_values = {str(name): _scalar_metric(name, value) for name, value in metrics.items()}
         return result.reshape(())
 
     def _autocast(self) -> AbstractContextManager[Any]:
         if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The named metrics of the last `loss` call as floats: one read from the device each."""
+        return {name: float(value) for name, value in self.metric_values.items()}
 
     def evaluate(self, batch_size: int | None = None) -> dict[str, float]:
         """The task's metrics over its whole evaluation data, in eval mode and without

@@ -56,12 +56,14 @@ def deterministic_cuda() -> None:
 
 def set_up_device(spec: JobSpec, settings: WorkerSettings, device: torch.device) -> None:
     """What this process does before its first tensor: torch's threads, and on a GPU the device
-    (made current) and, for strict mode, deterministic kernels."""
+    (made current) and deterministic kernels for strict mode, cuDNN's autotuner otherwise."""
     torch.set_num_threads(settings.threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if spec.consistency == "strict":
             deterministic_cuda()
+        else:  # cuDNN's autotuner, as a user's own loop sets it: the fastest kernels per shape
+            torch.backends.cudnn.benchmark = True
 
 
 @dataclass

@@ -140,6 +140,9 @@ class HybridTrainer(Trainer):
     def batch_start(self, step: int) -> int:
         return self.position
 
+    def next_batch_start(self, step: int) -> int:
+        return self.position + self.batch_size
+
     def step(self, step: int, stop_requested: bool, switch_to: SwitchVote = 0) -> StepOutcome:
         if self.ramp is None:
             raise RuntimeError("rebind_members must be called before the first step")

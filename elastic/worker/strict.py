@@ -34,6 +34,16 @@ joiners with the rest of the state (Trainer.bulk_state) and into the periodic ch
 model's own buffers hold vw 0's context between steps (the model a checkpoint or an evaluation
 sees, as plain DDP's rank 0). The cost is V times the buffers' bytes per step, small next to the
 gradients for the usual models (batch norm keeps two values per channel).
+
+Reads from the device (each a sync on a GPU): a step whose predicted scales hold reads once, after
+its SUM: the loss's and metrics' fixed-point sums, the agreed values and the votes together, the
+loss and metrics then computed on the host exactly as on the device. On a GPU
+(votes_on_device) the votes on the predicted scales and on a step that is not finite are taken
+on the device: a term over the range leaves its row unscaled (a factor of 1 per segment, chosen
+there) and its integers zeroed, as the host's vote does. On a CPU, where a read costs nothing,
+the host votes from a read of the magnitudes before the collectives (two reads), sparing the
+full-width scaling pass. A step that takes the MAX all-reduce reads its result (the scales are
+computed on the host), and one whose prediction is rejected reads the sums again.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from elastic.consistency.exact_sum import spare_bits, tensor_scales
 from elastic.consistency.placement import check_shares, even_shares, hosted
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream, derive_seed, seed_torch, share_bounds
+from elastic.worker.readahead import Share
 from elastic.worker.trainer import (
     METRIC_SLOTS,
     CollectiveError,
@@ -60,7 +71,6 @@ from elastic.worker.trainer import (
     StepOutcome,
     SwitchVote,
     Trainer,
-    finite_or_zero,
     names_fingerprint,
     vote,
 )
@@ -130,6 +140,12 @@ class StrictTrainer(Trainer):
         """[begin, stop) of each parameter's gradient, then of the loss and of the metrics, in a
         row of terms."""
         self._row_width = ends[-1]
+        self._segment_sizes = torch.tensor(sizes, device=self._device)
+        self.votes_on_device = self._device.type != "cpu"
+        """Whether the votes on predicted scales and on a step that is not finite are taken on
+        the device, sparing the read before the collectives (a sync on a GPU): a step whose
+        predicted scales hold then reads the device once. On a CPU a read costs nothing, and
+        the host's votes spare the full-width scaling pass this needs."""
         self._extremes = (
             torch.zeros(len(sizes), dtype=self._dtype, device=self._device),
             torch.zeros(len(sizes), dtype=self._dtype, device=self._device),
@@ -178,6 +194,16 @@ class StrictTrainer(Trainer):
 
     def rebind_members(self, rank: int, world_size: int, shares: list[int] | None, step: int) -> None:
         self.rebind(rank, world_size, shares)
+
+    def shares_ahead(self, step: int) -> list[Share]:
+        first = self.next_batch_start(step)
+        ahead = []
+        for vw in self.hosted:
+            start, stop = share_bounds(self.batch_size, self.virtual_workers, vw)
+            indices = self.stream.positions(first + start, first + stop)
+            seed = virtual_worker_seed(self.seed, step + 1, vw)
+            ahead.append(Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start), seed, True))
+        return ahead
 
     # --- contexts ----------------------------------------------------------------------------
 
@@ -236,6 +262,7 @@ class StrictTrainer(Trainer):
         total[width:].zero_()
         first = self.batch_start(step)
         trained = []
+        reading_ahead = False
         shares = [0.0] * len(terms)  # each row's share of the batch, applied with the scales
         for row, vw in enumerate(self.hosted):
             start, stop = share_bounds(batch, virtual, vw)
@@ -253,7 +280,10 @@ class StrictTrainer(Trainer):
             numpy.random.seed(vw_seed)
             random.seed(vw_seed)
             try:
-                items = self.problem.batch(indices, self.item_seeds(first + start, len(indices)))
+                items = self.readahead.batch(indices, self.item_seeds(first + start, len(indices)), vw_seed, True)
+                if not reading_ahead:  # the next step's items, once this step's first are in
+                    self.start_reading_ahead(step)
+                    reading_ahead = True
                 loss = self.problem.loss(items)
                 loss.backward()
             except BaseException:  # the task's own error: the model's buffers back to vw 0's
@@ -263,29 +293,48 @@ class StrictTrainer(Trainer):
             terms[row, g] = loss.detach() * share
             names = self.metric_names()
             if names:
-                values = [finite_or_zero(self.problem.metrics[name]) * share for name in names]
-                terms[row, g + 1 : g + 1 + len(names)] = torch.tensor(values, dtype=terms.dtype)
+                terms[row, g + 1 : g + 1 + len(names)] = self.metric_terms(names, share)
             if words:
                 outgoing[vw] = self._pack()
+        if not reading_ahead:
+            self.start_reading_ahead(step)
         max_abs = self._segment_max_abs(terms, shares)
-        magnitudes = max_abs.tolist()  # the step's one device-to-host copy before its collectives
-        # A NaN or infinite loss or gradient here (NaN survives aminmax) is voted on; the terms
-        # are zeroed so that the sums stay finite and every rank skips or fails the same step.
-        nonfinite = not all(math.isfinite(magnitude) for magnitude in magnitudes)
-        if nonfinite:
-            terms.zero_()
-            max_abs.zero_()
-            magnitudes = [0.0] * len(magnitudes)
+        self.readahead.prepare()  # the next step's items, while the device computes this one's
+        nonfinite: bool | torch.Tensor
+        if self.votes_on_device:
+            # No read before the collectives: a step that is not finite is voted on from the
+            # device (its integer sums are garbage, and every rank skips or fails it), and the
+            # votes on predicted scales are computed there (_vote_on_device).
+            nonfinite = ~torch.isfinite(max_abs).all()
+            max_abs.masked_fill_(nonfinite, 0.0)
+            magnitudes: list[float] = []
+        else:
+            # The step's first device-to-host read, before its collectives: the votes on
+            # predicted scales and the skip of a step that is not finite are decided from it.
+            magnitudes = self.to_host(max_abs)
+            # A NaN or infinite loss or gradient here (NaN survives aminmax) is voted on; the terms
+            # are zeroed so that the sums stay finite and every rank skips or fails the same step.
+            nonfinite = not all(math.isfinite(magnitude) for magnitude in magnitudes)
+            if nonfinite:
+                terms.zero_()
+                max_abs.zero_()
+                magnitudes = [0.0] * len(magnitudes)
         if self.compute_done is not None:
             self.compute_done()
         predicted = self.predicted_scales
         scaled_by: list[float] | None = None  # what the terms carry when a prediction is rejected
+        over_here: torch.Tensor | None = None  # on the device: some term here is over (votes_on_device)
         votes = total[self._votes_at : self._votes_at + _VOTES * len(self._bounds)].view(_VOTES, -1)
         try:
             if predicted is None:
                 dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
                 scales = self._scales(max_abs)
                 self._to_fixed(terms, scales, shares, total[:width])
+            elif self.votes_on_device:
+                scales = predicted
+                over_here = self._vote_on_device(max_abs, scales, votes)
+                self._to_fixed(terms, scales, shares, total[:width], unless=over_here)
+                scaled_by = predicted  # unless over_here: then the terms stay as they are
             else:
                 scales = predicted
                 over = self._vote(magnitudes, scales, votes)
@@ -297,18 +346,25 @@ class StrictTrainer(Trainer):
             stats[_COUNT] = sum(len(indices) for indices in trained)
             stats[_STOP_VOTES] = 1 if stop_requested else 0
             stats[_SWITCH_TO] = vote(switch_to)
-            stats[_NONFINITE_VOTES] = 1 if nonfinite else 0
+            stats[_NONFINITE_VOTES] = nonfinite if isinstance(nonfinite, torch.Tensor) else int(nonfinite)
             stats[_METRIC_NAMES] = names_fingerprint(self.metric_names())
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            agreed_and_votes = total[width : self._votes_at + votes.numel()].tolist()  # one read
-            agreed, voted = agreed_and_votes[:_STATS], agreed_and_votes[_STATS:]
+            # The second read: the loss's and metrics' integers, the agreed values, the votes.
+            read = self.to_host(total[g : self._votes_at + votes.numel()])
+            sums, agreed, voted = read[: width - g], read[width - g : width - g + _STATS], read[width - g + _STATS :]
             if predicted is not None and not self._accepted(voted):
                 self.scale_fallbacks += 1
                 dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
-                scales = self._scales(max_abs)
+                if over_here is not None:  # one read: the MAX, and whether the terms were scaled
+                    read = self.to_host(torch.cat([max_abs, over_here.to(max_abs.dtype).reshape(1)]))
+                    scales = self._scales_of(read[:-1])
+                    scaled_by = None if read[-1] > 0 else scaled_by
+                else:
+                    scales = self._scales(max_abs)
                 self._to_fixed(terms, scales, shares, total[:width], scaled_by)
                 dist.all_reduce(total[:width], op=dist.ReduceOp.SUM)
                 predicted = None
+                sums = self.to_host(total[g:width])  # a step that fell back reads them again
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self.state_arrived()  # the model's buffers back to vw 0's committed context
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
@@ -333,8 +389,14 @@ class StrictTrainer(Trainer):
             if words:
                 self.contexts.copy_(outgoing)
                 self._unpack(self.contexts[0])
-            step_loss = float(exact[g])
-            metric_sums = exact[g + 1 :].tolist()  # weighted by share: they sum to 1 per batch
+            # The loss and metrics as the device's rows would hold them (integers to the terms'
+            # dtype, rounded once, times a power of two: exact), computed here from the read.
+            loss_scale, metrics_scale = scales[len(self._parameters) :]
+            reported = torch.tensor(sums, dtype=self._fixed).to(self._dtype)
+            reported[:1].mul_(1.0 / loss_scale)
+            reported[1:].mul_(1.0 / metrics_scale)
+            step_loss = float(reported[0])
+            metric_sums = reported[1:].tolist()  # weighted by share: they sum to 1 per batch
             self.agree_metrics(metric_sums, agreed[_METRIC_NAMES], agreed[_COUNT] / batch)
         outcome = StepOutcome(
             step=step + 1,
@@ -430,9 +492,26 @@ class StrictTrainer(Trainer):
         """Each segment's power-of-two scale (exact_sum.tensor_scales), capped below the
         gradients' dtype's overflow (a tensor whose largest entry is below about 2^-66 then
         keeps fewer bits); every worker computes the same from the same MAX."""
+        return self._scales_of(self.to_host(max_abs))  # a step that takes the MAX reads it
+
+    def _scales_of(self, max_abs: list[float]) -> list[float]:
         largest = 2.0 ** math.floor(math.log2(torch.finfo(self._dtype).max / 2))
-        scales = tensor_scales(max_abs.cpu(), self.virtual_workers, self._int_bits)
+        scales = tensor_scales(torch.tensor(max_abs, dtype=torch.float64), self.virtual_workers, self._int_bits)
         return scales.clamp_(max=largest).tolist()
+
+    def _vote_on_device(self, max_abs: torch.Tensor, scales: list[float], votes: torch.Tensor) -> torch.Tensor:
+        """_vote computed on the device from the magnitudes there (float64, as the host's
+        floats: the same votes), with no read; returns whether some term here is over, on the
+        device."""
+        scaled = max_abs * self._on_device(scales, torch.float64)
+        over = scaled > self._highest_scaled
+        votes.copy_(torch.stack([over, scaled > self._lowest_scaled, max_abs > 0]))
+        return over.any()
+
+    def _on_device(self, values: list[float], dtype: torch.dtype) -> torch.Tensor:
+        """`values` on the device, copied from pinned memory on a GPU (no sync)."""
+        host = torch.tensor(values, dtype=dtype, pin_memory=self._device.type == "cuda")
+        return host.to(self._device, non_blocking=True)
 
     def _vote(self, magnitudes: list[float], scales: list[float], votes: torch.Tensor) -> bool:
         """Writes this rank's votes on the predicted `scales` into `votes` (a row each: terms
@@ -444,7 +523,8 @@ class StrictTrainer(Trainer):
         over = [value > self._highest_scaled for value in scaled]
         within = [value > self._lowest_scaled for value in scaled]
         nonzero = [magnitude > 0 for magnitude in magnitudes]
-        votes.copy_(torch.tensor([over, within, nonzero], dtype=votes.dtype))
+        decided = torch.tensor([over, within, nonzero], dtype=votes.dtype, pin_memory=votes.is_cuda)
+        votes.copy_(decided, non_blocking=votes.is_cuda)  # from pinned memory: no sync on a GPU
         return any(over)
 
     def _accepted(self, votes: list[int]) -> bool:
@@ -463,6 +543,7 @@ class StrictTrainer(Trainer):
         shares: list[float],
         into: torch.Tensor,
         scaled_by: list[float] | None = None,
+        unless: torch.Tensor | None = None,
     ) -> None:
         """Writes the sum over the hosted vws of each term in fixed point into `into`: the term
         times its row's share (gradients only: the loss and metrics carry it) and its segment's
@@ -482,11 +563,17 @@ class StrictTrainer(Trainer):
             else:
                 share = shares[index]
                 factors = [scale * share for scale in scales[:gradients]] + scales[gradients:]
-            torch._foreach_mul_(self._segments(row), factors)  # one kernel
+            if unless is None:
+                torch._foreach_mul_(self._segments(row), factors)  # one kernel
+            else:  # each segment's factor, or 1 where `unless` (on the device) holds
+                kept = torch.where(unless, 1.0, self._on_device(factors, self._dtype))
+                row.mul_(kept.repeat_interleave(self._segment_sizes, output_size=row.numel()))
             if index == 0:
                 into.copy_(row)  # float to int: truncated toward zero
             else:
                 into.add_(row.to(self._fixed))
+        if unless is not None:
+            into.masked_fill_(unless, 0)
 
     def _point_gradients_at(self, flat: torch.Tensor) -> None:
         """Makes every parameter's gradient a view of its slice of `flat`, so that backward

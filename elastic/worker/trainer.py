@@ -10,6 +10,12 @@ cost nothing extra and all ranks reach them after the same step.
 
 The optimiser steps only after the all-reduce succeeded: when a peer dies mid-step the step
 raises CollectiveError and every survivor still holds the state of the last completed step.
+
+On a GPU the host must never wait for the device but once a step. The task's metrics stay
+tensors on the device and ride in the statistics; the statistics are the step's one
+device-to-host read (`to_host`, counted in `host_reads`), and it cannot come later: whether the
+optimiser steps (a loss that is not finite) is decided from it. Before that read, while the
+device computes, the next step's items are read ahead (elastic.worker.readahead).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
 from elastic.wording import counted
 from elastic.worker.data import SampleStream, derive_seed, seed_torch, share_bounds
+from elastic.worker.readahead import ReadAhead, Share
 from elastic.worker.settings import BUCKET_BYTES
 
 METRIC_SLOTS = 8
@@ -269,6 +276,15 @@ class Trainer:
         self._device = first.device
         self._buffer: torch.Tensor | None = None
         self._buckets: GradientBuckets | None = None
+        self._saved_buffers: list[torch.Tensor] = []
+        self.host_reads = 0
+        """Device-to-host reads the steps made (each a sync on a GPU): a step makes one, the
+        read of its agreed statistics, but for a strict step (see StrictTrainer.step)."""
+        self.readahead = ReadAhead(problem)
+        self.read_ahead_here = self._device.type != "cpu"
+        """Whether items read in this process (no data_workers) are read a step ahead, on the
+        main thread while the device computes (elastic.worker.readahead); on a CPU that only
+        changes the order of the work. Reader processes always read a step ahead."""
 
     def _overlapped(self) -> GradientBuckets | None:
         """The buckets that overlap the gradient's all-reduce with backward: with the default
@@ -284,13 +300,49 @@ class Trainer:
         """Train later steps as `rank` of `world_size` (after a resize)."""
         self.rank = rank
         self.world_size = world_size
+        self.readahead.drop()
+
+    def to_host(self, tensor: torch.Tensor) -> list[Any]:
+        """`tensor`'s values on the host: one device-to-host read, counted in host_reads."""
+        self.host_reads += 1
+        return tensor.tolist()
+
+    def metric_terms(self, names: list[str], weight: float) -> torch.Tensor:
+        """The task's metrics `names` of its last loss, times `weight`, as one tensor on the
+        device in the gradients' dtype, NaN and infinities as 0 (finite_or_zero): no read."""
+        values = self.problem.metric_values
+        stacked = torch.stack([values[name].to(self._device, self._dtype) for name in names])
+        return torch.nan_to_num(stacked, nan=0.0, posinf=0.0, neginf=0.0).mul_(weight)
+
+    def next_batch_start(self, step: int) -> int:
+        """The stream position the step after `step` starts at, as far as is known during
+        `step` (a read-ahead that guessed wrong is dropped: see elastic.worker.readahead)."""
+        return self.batch_start(step + 1)
+
+    def shares_ahead(self, step: int) -> list[Share]:
+        """What step `step` + 1 reads on this rank, with the slicing of now."""
+        first = self.next_batch_start(step)
+        start, stop = share_bounds(self.batch_size, self.world_size, self.rank)
+        indices = self.stream.positions(first + start, first + stop)
+        return [Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start),
+                      step_seed(self.seed, step + 1, self.rank))]
+
+    def _seeds_tuple(self, position: int, count: int) -> tuple[int, ...] | None:
+        seeds = self.item_seeds(position, count)
+        return None if seeds is None else tuple(seeds)
+
+    def start_reading_ahead(self, step: int) -> None:
+        """Hands step `step` + 1's items to the readers (or, reading here, notes them)."""
+        if self.problem.data_workers or self.read_ahead_here:
+            self.readahead.start(self.shares_ahead(step))
 
     def step(self, step: int, stop_requested: bool, switch_to: SwitchVote = 0) -> StepOutcome:
         """Train 0-based step `step` and return what all ranks agree on. A collective call:
         every rank must call it with the same `step`; `switch_to` is the generation this rank
         asks to switch to (0: none), or a function that says it, asked once the step's compute
         is done (see SwitchVote). Raises CollectiveError if a peer fails or times out."""
-        seed_torch(step_seed(self.seed, step, self.rank), self._device)
+        rng_seed = step_seed(self.seed, step, self.rank)
+        seed_torch(rng_seed, self._device)
         first = self.batch_start(step)
         start, stop = share_bounds(self.batch_size, self.world_size, self.rank)
         indices = self.stream.positions(first + start, first + stop)
@@ -302,7 +354,8 @@ class Trainer:
             buckets.arm(buffer, count / self.batch_size)
         if count:
             try:
-                batch = self.problem.batch(indices, self.item_seeds(first + start, count))
+                batch = self.readahead.batch(indices, self.item_seeds(first + start, count), rng_seed)
+                self.start_reading_ahead(step)
                 loss = self.problem.loss(batch)
                 loss.backward()  # accumulates into the zeroed views, that is into the buffer
             except BaseException:  # the task's own error: nothing of the step stays
@@ -316,8 +369,9 @@ class Trainer:
             buffer[_NONFINITE_VOTES] = (~torch.isfinite(loss.detach())).to(buffer.dtype)
             names = self.metric_names()
             if names:
-                sums = [finite_or_zero(self.problem.metrics[name]) * count for name in names]
-                buffer[-_STATS : len(names) - _STATS] = torch.tensor(sums, dtype=buffer.dtype)
+                buffer[-_STATS : len(names) - _STATS] = self.metric_terms(names, count)
+        else:
+            self.start_reading_ahead(step)
         buffer[_METRIC_NAMES] = names_fingerprint(self.metric_names())
         buffer[_COUNT] = count
         buffer[_STOP_VOTES] = 1.0 if stop_requested else 0.0
@@ -335,7 +389,8 @@ class Trainer:
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included
             self._restore_model_buffers(saved_buffers)
             raise CollectiveError(f"the all-reduce of step {step} failed: {err}") from err
-        stats = buffer[-_STATS:].tolist()  # one device-to-host copy; the indices work on both
+        self.readahead.prepare()  # the next step's items, while the device computes this one's
+        stats = self.to_host(buffer[-_STATS:])  # the step's one device-to-host read
         try:
             skipped = self.nonfinite_agreed(step, stats[_NONFINITE_VOTES])
         except NonFiniteLossError:
@@ -389,13 +444,23 @@ class Trainer:
     def _copy_model_buffers(self) -> list[torch.Tensor]:
         """Copies of the model's buffers (running statistics, small beside the parameters), to
         undo the forward of a step that is not applied: skipped, failed, or cut by a peer's
-        death."""
-        return [buffer.detach().clone() for buffer in self.problem.model.buffers()]
+        death. Into copies kept from step to step, in one multi-tensor copy (one kernel on a
+        GPU, where a clone each was a kernel and an allocation per buffer)."""
+        buffers = [buffer.detach() for buffer in self.problem.model.buffers()]
+        saved = self._saved_buffers
+        if len(saved) != len(buffers) or any(
+            kept.shape != buffer.shape or kept.dtype != buffer.dtype or kept.device != buffer.device
+            for kept, buffer in zip(saved, buffers, strict=True)
+        ):
+            saved = self._saved_buffers = [torch.empty_like(buffer) for buffer in buffers]
+        if buffers:
+            torch._foreach_copy_(saved, buffers)
+        return saved
 
     def _restore_model_buffers(self, saved: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for buffer, value in zip(self.problem.model.buffers(), saved, strict=True):
-                buffer.copy_(value)
+        buffers = [buffer.detach() for buffer in self.problem.model.buffers()]
+        if buffers:
+            torch._foreach_copy_(buffers, saved)
 
     # --- what a subclass changes -------------------------------------------------------------
 
@@ -416,7 +481,7 @@ class Trainer:
 
     def metric_names(self) -> list[str]:
         """The names of the metrics the step's all-reduce averages (METRIC_SLOTS at most)."""
-        return sorted(self.problem.metrics)[:METRIC_SLOTS]
+        return sorted(self.problem.metric_values)[:METRIC_SLOTS]
 
     def agree_metrics(self, sums: list[float], fingerprints: float, total_weight: float) -> None:
         """Takes the step's reduced metric sums as the metrics, if every rank summed metrics of
@@ -424,8 +489,12 @@ class Trainer:
         names = self.metric_names()
         if names and total_weight > 0 and round(fingerprints) == names_fingerprint(names) * self.world_size:
             self._metrics = {name: sums[slot] / total_weight for slot, name in enumerate(names)}
+        elif self.problem.metric_values:  # this rank's own, in one more read (the ranks disagree)
+            own = dict(self.problem.metric_values)
+            values = self.to_host(torch.stack([value.to(self._device, torch.float64) for value in own.values()]))
+            self._metrics = dict(zip(own, values, strict=True))
         else:
-            self._metrics = dict(self.problem.metrics)
+            self._metrics = {}
 
     @property
     def lr(self) -> float:
@@ -450,6 +519,7 @@ class Trainer:
     def load_small_state(self, state: dict[str, Any]) -> None:
         """Takes on what small_state returned on a holder of the state. Raises ValueError if
         the state has a scheduler's and this job has none, or the other way round."""
+        self.readahead.drop()
         carried = state.get("scheduler")
         if (carried is None) != (self.scheduler is None):
             raise ValueError(

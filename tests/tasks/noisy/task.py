@@ -62,3 +62,17 @@ class NoisyOneReader(Noisy):
 
 class NoisyHere(Noisy):
     data_workers = 0
+
+
+class NoisyMetrics(NoisyHere):
+    """Read here, with three metrics returned as tensors, as a task written for a GPU would."""
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        points, labels = batch
+        logits = model(points)
+        probabilities = logits.softmax(dim=1)
+        return functional.cross_entropy(logits, labels), {
+            "accuracy": (logits.argmax(dim=1) == labels).float().mean(),
+            "confidence": probabilities.amax(dim=1).mean(),
+            "spread": logits.std(),
+        }
