@@ -343,11 +343,16 @@ class StrictTrainer(Trainer):
                 else:
                     self._to_fixed(terms, scales, shares, total[:width])
                     scaled_by = predicted
-            stats[_COUNT] = sum(len(indices) for indices in trained)
-            stats[_STOP_VOTES] = 1 if stop_requested else 0
-            stats[_SWITCH_TO] = vote(switch_to)
-            stats[_NONFINITE_VOTES] = nonfinite if isinstance(nonfinite, torch.Tensor) else int(nonfinite)
-            stats[_METRIC_NAMES] = names_fingerprint(self.metric_names())
+            # fill_, not `stats[i] = number`: that copies from pageable host memory, a wait for
+            # the whole step queued before it on a GPU (elastic.worker.trainer).
+            stats[_COUNT].fill_(sum(len(indices) for indices in trained))
+            stats[_STOP_VOTES].fill_(1 if stop_requested else 0)
+            stats[_SWITCH_TO].fill_(vote(switch_to))
+            if isinstance(nonfinite, torch.Tensor):
+                stats[_NONFINITE_VOTES] = nonfinite
+            else:
+                stats[_NONFINITE_VOTES].fill_(int(nonfinite))
+            stats[_METRIC_NAMES].fill_(names_fingerprint(self.metric_names()))
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             # The second read: the loss's and metrics' integers, the agreed values, the votes.
             read = self.to_host(total[g : self._votes_at + votes.numel()])

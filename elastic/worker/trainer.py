@@ -372,10 +372,12 @@ class Trainer:
                 buffer[-_STATS : len(names) - _STATS] = self.metric_terms(names, count)
         else:
             self.start_reading_ahead(step)
-        buffer[_METRIC_NAMES] = names_fingerprint(self.metric_names())
-        buffer[_COUNT] = count
-        buffer[_STOP_VOTES] = 1.0 if stop_requested else 0.0
-        buffer[_SWITCH_TO] = vote(switch_to)
+        # fill_ passes a number to the kernel; `buffer[i] = number` copies it from pageable host
+        # memory, which waits for everything queued before it (the whole backward) on a GPU.
+        buffer[_METRIC_NAMES].fill_(names_fingerprint(self.metric_names()))
+        buffer[_COUNT].fill_(count)
+        buffer[_STOP_VOTES].fill_(1.0 if stop_requested else 0.0)
+        buffer[_SWITCH_TO].fill_(vote(switch_to))
         if self.compute_done is not None:
             self.compute_done()
         try:
