@@ -52,10 +52,12 @@ conditions.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
 import math
 import os
+import pstats
 import socket
 import statistics
 import sys
@@ -288,6 +290,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads of every arm")
     parser.add_argument("--arms", default=",".join(ARMS), help="which arms, comma-separated")
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps; a narrow ResNet for the default task")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds, where each arm's host time goes: cProfile over one more block, "
+                        "the top functions by own time")  # fmt: skip
     args = parser.parse_args()
     task_dir = args.task.resolve()
     entrypoint = args.entrypoint or (RESNET[1] if task_dir == RESNET[0] else None)
@@ -346,6 +351,12 @@ def main() -> int:
                 wall, used = runs[arm].block(args.steps, threads)
                 times[arm].append(wall * 1000)
                 cpu[arm].append(used * 1000)
+        if args.profile:
+            for arm, run in runs.items():
+                profiler = cProfile.Profile()
+                profiler.runcall(run.block, args.steps, threads)
+                print(f"\nwhere {arm}'s host time goes ({args.steps + 1} steps, by own time):")
+                pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(18)
         for run in runs.values():
             if isinstance(run, BungeeArm):
                 run.problem.close()

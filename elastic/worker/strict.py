@@ -71,6 +71,7 @@ from elastic.worker.trainer import (
     StepOutcome,
     SwitchVote,
     Trainer,
+    all_reduce,
     names_fingerprint,
     vote,
 )
@@ -327,7 +328,7 @@ class StrictTrainer(Trainer):
         votes = total[self._votes_at : self._votes_at + _VOTES * len(self._bounds)].view(_VOTES, -1)
         try:
             if predicted is None:
-                dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+                all_reduce(max_abs, dist.ReduceOp.MAX)
                 scales = self._scales(max_abs)
                 self._to_fixed(terms, scales, shares, total[:width])
             elif self.votes_on_device:
@@ -353,13 +354,13 @@ class StrictTrainer(Trainer):
             else:
                 stats[_NONFINITE_VOTES].fill_(int(nonfinite))
             stats[_METRIC_NAMES].fill_(names_fingerprint(self.metric_names()))
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            all_reduce(total, dist.ReduceOp.SUM)
             # The second read: the loss's and metrics' integers, the agreed values, the votes.
             read = self.to_host(total[g : self._votes_at + votes.numel()])
             sums, agreed, voted = read[: width - g], read[width - g : width - g + _STATS], read[width - g + _STATS :]
             if predicted is not None and not self._accepted(voted):
                 self.scale_fallbacks += 1
-                dist.all_reduce(max_abs, op=dist.ReduceOp.MAX)
+                all_reduce(max_abs, dist.ReduceOp.MAX)
                 if over_here is not None:  # one read: the MAX, and whether the terms were scaled
                     read = self.to_host(torch.cat([max_abs, over_here.to(max_abs.dtype).reshape(1)]))
                     scales = self._scales_of(read[:-1])
@@ -367,7 +368,7 @@ class StrictTrainer(Trainer):
                 else:
                     scales = self._scales(max_abs)
                 self._to_fixed(terms, scales, shares, total[:width], scaled_by)
-                dist.all_reduce(total[:width], op=dist.ReduceOp.SUM)
+                all_reduce(total[:width], dist.ReduceOp.SUM)
                 predicted = None
                 sums = self.to_host(total[g:width])  # a step that fell back reads them again
         except RuntimeError as err:  # what gloo and NCCL raise, DistBackendError included

