@@ -6,7 +6,7 @@ achieve; with --decision-time, times the policies' decisions at 64, 512 and 2,04
     python bench/simulate.py --workload PATH.csv [--resize-cost S]
     python bench/simulate.py --decision-time
 
-The last line is one JSON object (see the README's "Simulator" section for the fields).
+The last line is one JSON object (bench/SIMULATION.md describes the fields).
 """
 
 from __future__ import annotations

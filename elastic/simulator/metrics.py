@@ -1,4 +1,4 @@
-"""What a simulation run measured, summarised the way the README and the JSON line report it.
+"""What a simulation run measured, summarised the way docs/design/scheduler.md and the JSON line report it.
 
 - JCT: finish minus submission, per job (unfinished jobs are left out and counted).
 - makespan: last finish minus first submission.

@@ -40,5 +40,5 @@ def check_policy_setting(app_configs: Any = None, **kwargs: Any) -> list[checks.
     try:
         configured_policy()
     except ImproperlyConfigured as err:
-        return [checks.Error(str(err), id="bungee.E001", hint="see the README's configuration table")]
+        return [checks.Error(str(err), id="bungee.E001", hint="see docs/reference/configuration.md")]
     return []
