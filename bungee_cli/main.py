@@ -161,7 +161,7 @@ ProgressEvery = Annotated[
 
 @app.command()
 def submit(
-    spec_file: Annotated[Path, typer.Argument(help="the job's spec, YAML or JSON (see the README)")],
+    spec_file: Annotated[Path, typer.Argument(help="the job's spec, YAML or JSON (every field: docs/reference/spec.md)")],
     code: Annotated[
         Path | None, typer.Option(help="a directory of your own code: uploaded, and the spec's `code`")
     ] = None,

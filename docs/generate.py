@@ -51,7 +51,7 @@ def _amount(value: Any) -> str:
         return _code(json.dumps(value))
     if isinstance(value, int) and value >= 2**20:
         unit, size = ("GiB", 2**30) if value % 2**30 == 0 else ("MiB", 2**20)
-        return f"`{value}` ({value / size:g} {unit})"
+        return f"`{value}` ({value:,} bytes, {value / size:g} {unit})"
     if isinstance(value, (int, float)):
         return _code(f"{value:g}" if isinstance(value, float) else value)
     if isinstance(value, (list, dict)):

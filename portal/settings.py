@@ -1,5 +1,5 @@
-"""Django settings for the Bungee portal. Everything comes from the environment (see the README's
-configuration table); the defaults make a laptop run work with no configuration at all."""
+"""Django settings for the Bungee portal. Everything comes from the environment (every setting:
+docs/reference/configuration.md); the defaults make a laptop run work with no configuration at all."""
 
 from __future__ import annotations
 
