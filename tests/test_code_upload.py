@@ -182,3 +182,35 @@ def test_an_agent_fetches_only_the_code_of_a_job_its_node_runs(
     assert fetch(other).status_code == 403
     user_token = Client().get(f"/api/agent/code/{digest}", HTTP_AUTHORIZATION=f"Bearer {tokens['alice']}")
     assert user_token.status_code == 403
+
+
+@pytest.mark.parametrize(
+    ("files", "where", "said"),
+    [
+        ({"requirements.txt": b"einops==0.8\n# the node's torch is too new for me\ntorch<2\n"},
+         "requirements.txt line 3", "the nodes run torch"),
+        ({"pyproject.toml": b'[project]\nname = "mine"\ndependencies = ["einops", "torch==1.13"]\n'},
+         "pyproject.toml dependencies[1]", "the nodes run torch"),
+        ({"requirements.txt": b"einops\n-e ./mylib\n"}, "requirements.txt line 2", "option -e is not taken"),
+        ({"requirements.txt": b"--index-url https://example.org/simple\neinops\n"}, "requirements.txt line 1",
+         "option --index-url is not taken"),
+        ({"requirements.txt": b"mylib @ file:///home/me/mylib\n"}, "requirements.txt line 1", "a local path"),
+        ({"requirements.txt": b"einops >= \n"}, "requirements.txt line 1", "not a requirement"),
+    ],
+)
+def test_requirements_a_node_cannot_build_are_400_naming_the_line(
+    tokens: dict, code_dir: Path, files: dict[str, bytes], where: str, said: str
+) -> None:
+    reply = upload(tokens, "alice", tar_gz({"task.py": b"x = 1\n", **files}))
+    assert reply.status_code == 400, reply.content
+    error = error_of(reply)
+    assert error["code"] == "invalid_requirements"
+    assert where in error["message"] and said in error["message"], error
+    assert error["fields"][0]["field"] == f"file: {where}"
+    assert list(code_dir.glob("*.tar.gz")) == []
+
+
+def test_requirements_the_nodes_can_build_are_taken(tokens: dict) -> None:
+    files = {"task.py": b"x = 1\n", "requirements.txt": b"einops>=0.8  # layers\ntorch>=2\n\nmylib @ https://example.org/mylib-1.0-py3-none-any.whl\n"}
+    reply = upload(tokens, "alice", tar_gz(files))
+    assert reply.status_code == 201, reply.content

@@ -649,11 +649,15 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         if job.state in ACTIVE_STATES and event.rank == 0:
             finish(job)
     elif job.state in (JobState.RUNNING, JobState.RESIZING) and event.reason == "user_error":
-        _end(
-            job, JobState.FAILED, "finished",
-            message=f"the job's code failed on worker rank {event.rank} of generation {event.generation}; "
-            "the traceback is in the log. Not restarted: the same code fails on any device",
+        # A worker that never started: the agent refused the job's code before it could (its
+        # environment did not build); the event says why.
+        why = (
+            f"the job could not start on {node.name}: {event.message}"
+            if row is None and event.message
+            else f"the job's code failed on worker rank {event.rank} of generation {event.generation}; "
+            "the traceback is in the log"
         )
+        _end(job, JobState.FAILED, "finished", message=f"{why}. Not restarted: the same code fails on any device")
     elif job.state in ACTIVE_STATES and mattered and event.reason == "failed":
         _worker_failed(job, event, device)
     elif (
