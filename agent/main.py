@@ -514,7 +514,9 @@ class Agent:
             backend,
             report_now=self.report_now.set,
             code=self.code,
-            exporter=CheckpointExporter(supervisor.running, self.code, self.uploader.submit),
+            exporter=CheckpointExporter(
+                supervisor.running, self.code, self.uploader.submit, supervisor.config.python, self.environments
+            ),
             drain=self.drain,
             environments=self.environments,
         )
