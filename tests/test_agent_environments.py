@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,21 @@ def test_an_unresolvable_requirement_fails_with_the_resolvers_words(
     assert not list(cache.root.glob("tmp-*")), "nothing half-built is left"
     with pytest.raises(BuildFailed, match="torch"):
         cache.ensure(declared("torch<2\n"))
+
+
+def test_callers_at_once_share_one_build(tmp_path: Path, wheelhouse: Path) -> None:
+    """Jobs and workers asking at the same moment (threads of one agent, or two agents on one
+    root: the lock is an flock) get one build between them."""
+    first, second = environments(tmp_path, wheelhouse), environments(tmp_path, wheelhouse)
+    results = []
+    threads = [threading.Thread(target=lambda c=cache: results.append(c.ensure(declared(f"{TINY}==1.0"))))
+               for cache in (first, second, first)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 3 and len({r.path for r in results}) == 1
+    assert sum(r.built_s is not None for r in results) == 1, "one built it, the others found it"
 
 
 def test_a_build_killed_half_way_leaves_no_entry_and_the_next_build_succeeds(
