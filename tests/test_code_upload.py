@@ -206,7 +206,7 @@ def test_requirements_a_node_cannot_build_are_400_naming_the_line(
     error = error_of(reply)
     assert error["code"] == "invalid_requirements"
     assert where in error["message"] and said in error["message"], error
-    assert error["fields"][0]["field"] == f"file: {where}"
+    assert error["fields"][0]["field"] == "file" and where in error["fields"][0]["message"]
     assert list(code_dir.glob("*.tar.gz")) == []
 
 

@@ -81,7 +81,7 @@ def check_requirements(archive: Path, name: str) -> None:
     if refused:
         raise ApiError(
             400, "invalid_requirements", f"{name}: {refused[0]}",
-            [FieldError(f"file: {err.where}", err.reason, err.text) for err in refused],
+            [FieldError("file", str(err), err.text) for err in refused],
         )
 
 
