@@ -183,7 +183,9 @@ class CommandDispatcher:
         declared = None
         if code_dir is not None:
             try:
-                declared = declared_in_directory(code_dir)
+                declared = declared_in_directory(
+                    code_dir, self._environments is not None and self._environments.settings.index_options
+                )
             except RequirementsError as err:
                 self._supervisor.launch_failed(command, f"the job's requirements are refused: {err}", "user_error")
                 return

@@ -114,6 +114,8 @@ class EnvironmentSettings:
     deadline_setting: str = "--env-build-deadline (BUNGEE_ENV_BUILD_DEADLINE_S)"
     """Named in the message of a build that passed its deadline."""
     max_bytes: int = DEFAULT_MAX_BYTES
+    index_options: bool = False
+    """Jobs' requirements may hold elastic.requirements.INDEX_OPTIONS lines (the operator's choice)."""
 
 
 @dataclass(frozen=True)

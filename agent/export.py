@@ -53,7 +53,8 @@ class CheckpointExporter:
         requirements (found in the node's cache, or built again), else the node's; None if that
         environment cannot be had (logged)."""
         try:
-            declared = declared_in_directory(code_dir)
+            index_options = self._environments is not None and self._environments.settings.index_options
+            declared = declared_in_directory(code_dir, index_options)
             if declared is None:
                 return self._python
             if self._environments is None:

@@ -129,6 +129,8 @@ class AgentConfig:
     """Wheelhouses the environments' packages may come from, beside the node's index."""
     env_build_deadline_s: float = DEFAULT_BUILD_DEADLINE_S
     env_cache_bytes: int = DEFAULT_MAX_BYTES
+    env_index_options: bool = False
+    """Jobs' requirements may name where packages come from (as the portal's setting of the same name)."""
 
 
 def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
@@ -204,6 +206,14 @@ def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def _on_off(text: str) -> bool:
+    if text.strip().lower() in {"on", "true", "1", "yes"}:
+        return True
+    if text.strip().lower() in {"off", "false", "0", "no"}:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is neither on nor off")
 
 
 def _gigabytes(text: str) -> float:
@@ -357,6 +367,14 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "the wheelhouses only)",
     )
     flag(
+        "--env-index-options",
+        "BUNGEE_ENV_INDEX_OPTIONS",
+        "off",
+        "on: a job's requirements.txt may name its own index or wheelhouse (--index-url, --extra-index-url, "
+        "--find-links, --no-index); set the portal's BUNGEE_ENV_INDEX_OPTIONS alike",
+        type=_on_off,
+    )
+    flag(
         "--env-build-deadline",
         "BUNGEE_ENV_BUILD_DEADLINE_S",
         f"{DEFAULT_BUILD_DEADLINE_S:g}",
@@ -451,6 +469,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         env_find_links=tuple((args.env_find_links or "").split()),
         env_build_deadline_s=args.env_build_deadline,
         env_cache_bytes=int(args.env_cache_gb * 1024**3),
+        env_index_options=args.env_index_options,
     )
 
 
@@ -508,6 +527,7 @@ class Agent:
             find_links=config.env_find_links,
             build_deadline_s=config.env_build_deadline_s,
             max_bytes=config.env_cache_bytes,
+            index_options=config.env_index_options,
         ))
         self._dispatcher = CommandDispatcher(
             supervisor,

@@ -6,8 +6,9 @@ environment (agent.environments), with the same rules:
 - one requirement a line (PEP 508: a name, extras, a version range, a marker); comments and
   blank lines are skipped, a trailing backslash continues a line;
 - no option lines (`-e`, `-r`, `-c`, `--index-url`, `--find-links`, ...): packages come from the
-  index or wheelhouse the node's operator configured, never from one a job names, and an
-  environment depends on nothing outside the requirements themselves;
+  index or wheelhouse the node's operator configured, and an environment depends on nothing
+  outside the requirements themselves. An operator may allow the index options (INDEX_OPTIONS:
+  a lab's own index named by its users), on the portal and the agents alike;
 - no local paths and no `name @ file:...`: the nodes do not have the user's disk (a
   `name @ https://...` or `git+https` reference is taken);
 - a requirement on a package the node's runtime is built on (torch first, and whatever else the
@@ -29,6 +30,8 @@ from packaging.version import InvalidVersion, Version
 
 REQUIREMENTS_FILE = "requirements.txt"
 PYPROJECT_FILE = "pyproject.toml"
+INDEX_OPTIONS = frozenset({"--index-url", "-i", "--extra-index-url", "--find-links", "-f", "--no-index"})
+"""Option lines an operator may allow (BUNGEE_ENV_INDEX_OPTIONS): where uv looks for packages."""
 MAX_REQUIREMENTS = 500
 """More than this many lines is refused: an environment is a job's few extra packages."""
 
@@ -52,32 +55,37 @@ class Declared:
     source: str
     """REQUIREMENTS_FILE or PYPROJECT_FILE."""
     requirements: tuple[tuple[str, Requirement], ...]
+    index_options: tuple[str, ...] = ()
+    """The INDEX_OPTIONS lines, as written, where the operator allows them."""
 
     def lines(self) -> list[str]:
-        """The requirements as uv reads them, sorted (the order does not change a resolution)."""
-        return sorted({str(requirement) for _, requirement in self.requirements})
+        """The index options, then the requirements as uv reads them, sorted (the order does not
+        change a resolution)."""
+        return [*self.index_options, *sorted({str(requirement) for _, requirement in self.requirements})]
 
 
-def declared_in(files: Mapping[str, bytes]) -> Declared | None:
+def declared_in(files: Mapping[str, bytes], index_options: bool = False) -> Declared | None:
     """The requirements among a code directory's top-level `files` (name -> content; only
     REQUIREMENTS_FILE and PYPROJECT_FILE are read), or None if it declares none (no such file,
-    or a pyproject.toml without dependencies). Raises RequirementsError."""
+    or a pyproject.toml without dependencies); `index_options`: the operator allows
+    INDEX_OPTIONS lines. Raises RequirementsError."""
     if REQUIREMENTS_FILE in files:
-        return Declared(REQUIREMENTS_FILE, tuple(_parse_requirements_txt(files[REQUIREMENTS_FILE])))
+        found, options = _parse_requirements_txt(files[REQUIREMENTS_FILE], index_options)
+        return Declared(REQUIREMENTS_FILE, tuple(found), tuple(options))
     if PYPROJECT_FILE in files:
         found = _parse_pyproject(files[PYPROJECT_FILE])
         return Declared(PYPROJECT_FILE, tuple(found)) if found else None
     return None
 
 
-def declared_in_directory(directory: Path) -> Declared | None:
+def declared_in_directory(directory: Path, index_options: bool = False) -> Declared | None:
     """declared_in for an unpacked code directory. Raises RequirementsError."""
     files = {
         name: (directory / name).read_bytes()
         for name in (REQUIREMENTS_FILE, PYPROJECT_FILE)
         if (directory / name).is_file()
     }
-    return declared_in(files)
+    return declared_in(files, index_options)
 
 
 def conflicts(declared: Declared, installed: Mapping[str, str]) -> list[RequirementsError]:
@@ -107,12 +115,13 @@ def _version(text: str) -> Version | str:
         return text
 
 
-def _parse_requirements_txt(content: bytes) -> list[tuple[str, Requirement]]:
+def _parse_requirements_txt(content: bytes, index_options: bool) -> tuple[list[tuple[str, Requirement]], list[str]]:
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as err:
         raise RequirementsError(REQUIREMENTS_FILE, content[:40].decode("latin-1"), f"not UTF-8 text ({err})") from err
     found: list[tuple[str, Requirement]] = []
+    options: list[str] = []
     pending, first = "", 0
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
@@ -123,11 +132,14 @@ def _parse_requirements_txt(content: bytes) -> list[tuple[str, Requirement]]:
             pending += line[:-1] + " "
             continue
         line, pending = (pending + line).strip(), ""
-        if line:
+        option = line.split()[0].split("=", 1)[0] if line else ""
+        if index_options and option in INDEX_OPTIONS:
+            options.append(line)
+        elif line:
             found.append(_requirement(f"{REQUIREMENTS_FILE} line {first}", line))
         if len(found) > MAX_REQUIREMENTS:
             raise RequirementsError(REQUIREMENTS_FILE, line, f"more than {MAX_REQUIREMENTS} requirements")
-    return found
+    return found, options
 
 
 def _parse_pyproject(content: bytes) -> list[tuple[str, Requirement]]:
@@ -147,10 +159,12 @@ def _parse_pyproject(content: bytes) -> list[tuple[str, Requirement]]:
 def _requirement(where: str, line: str) -> tuple[str, Requirement]:
     if line.startswith("-"):
         option = line.split()[0].split("=", 1)[0]
+        allowed = " unless the operator allows index options (BUNGEE_ENV_INDEX_OPTIONS)" if option in INDEX_OPTIONS else ""
         raise RequirementsError(
             where, line,
-            f"option {option} is not taken in a job's requirements: packages come from the index or wheelhouse "
-            "the node's operator configured (docs/operator/environments.md), and each line is one requirement",
+            f"option {option} is not taken in a job's requirements{allowed}: packages come from the index or "
+            "wheelhouse the node's operator configured (docs/operator/environments.md), and each line is one "
+            "requirement",
         )
     try:
         requirement = Requirement(line)

@@ -47,6 +47,7 @@ def test_the_flags() -> None:
         "--env-find-links",
         "--env-build-deadline",
         "--env-cache-gb",
+        "--env-index-options",
     }
 
 

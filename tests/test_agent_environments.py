@@ -26,7 +26,7 @@ from agent.environments import (
     build_environment,
     uv_binary,
 )
-from elastic.requirements import declared_in
+from elastic.requirements import RequirementsError, declared_in
 from tests.environment_support import TINY, tiny_wheelhouse
 
 OFFLINE = {"PATH": os.defpath, "UV_OFFLINE": "1"}
@@ -190,3 +190,18 @@ def test_the_build_sees_neither_the_token_nor_the_jobs_variables() -> None:
     assert clean["UV_INDEX_URL"] == "https://pypi.lab/simple" and clean["UV_FIND_LINKS"] == "/wheels"
     assert clean["PATH"] == "/usr/bin" and clean["HOME"] == "/home/agent"
     assert not {"BUNGEE_AGENT_TOKEN", "BUNGEE_AGENT_TOKEN_FILE", "WANDB_API_KEY", "PYTHONPATH"} & set(clean)
+
+
+def test_index_options_in_a_jobs_requirements_only_where_the_operator_allows_them(
+    tmp_path: Path, wheelhouse: Path
+) -> None:
+    text = f"--find-links {wheelhouse}\n{TINY}==1.0\n"
+    with pytest.raises(RequirementsError, match="unless the operator allows index options"):
+        declared_in({"requirements.txt": text.encode()})
+    allowed = declared_in({"requirements.txt": text.encode()}, index_options=True)
+    assert allowed is not None and allowed.lines() == [f"--find-links {wheelhouse}", f"{TINY}==1.0"]
+    cache = Environments(
+        EnvironmentSettings(root=tmp_path, python=sys.executable, uv=uv_binary(), index_options=True), OFFLINE
+    )
+    built = cache.ensure(allowed)  # the node names no wheelhouse: the job's line does
+    assert run_in(built.path, f"import {TINY}; print({TINY}.VERSION)") == "1.0"

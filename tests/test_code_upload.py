@@ -214,3 +214,13 @@ def test_requirements_the_nodes_can_build_are_taken(tokens: dict) -> None:
     files = {"task.py": b"x = 1\n", "requirements.txt": b"einops>=0.8  # layers\ntorch>=2\n\nmylib @ https://example.org/mylib-1.0-py3-none-any.whl\n"}
     reply = upload(tokens, "alice", tar_gz(files))
     assert reply.status_code == 201, reply.content
+
+
+def test_index_options_are_taken_where_the_operator_allows_them(tokens: dict, settings: Any) -> None:
+    files = {"task.py": b"x = 1\n", "requirements.txt": b"--index-url https://pypi.lab.example/simple\neinops\n"}
+    refused = upload(tokens, "alice", tar_gz(files))
+    assert refused.status_code == 400 and "BUNGEE_ENV_INDEX_OPTIONS" in error_of(refused)["message"]
+    settings.BUNGEE = {**settings.BUNGEE, "ENV_INDEX_OPTIONS": True}
+    assert upload(tokens, "alice", tar_gz(files)).status_code == 201
+    editable = upload(tokens, "alice", tar_gz({**files, "requirements.txt": b"-e ./mylib\n"}))
+    assert editable.status_code == 400, "an editable or local path never is"

@@ -74,7 +74,9 @@ def check_requirements(archive: Path, name: str) -> None:
     that the nodes do not have: 400 `invalid_requirements`, naming the line. The nodes' packages
     are taken to be this portal's: the portal and the agents run one image."""
     try:
-        declared = declared_in(read_top_files(archive, (REQUIREMENTS_FILE, PYPROJECT_FILE)))
+        declared = declared_in(
+            read_top_files(archive, (REQUIREMENTS_FILE, PYPROJECT_FILE)), settings.BUNGEE["ENV_INDEX_OPTIONS"]
+        )
         refused = conflicts(declared, installed_distributions()) if declared is not None else []
     except RequirementsError as err:
         refused = [err]
