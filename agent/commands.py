@@ -139,6 +139,10 @@ class CommandDispatcher:
     ) -> None:
         self.redis_url = redis_url
         self._environments = environments
+        self._pythons: dict[int, str] = {}
+        """Job id -> the interpreter of its environment, once one of its launches had it built: a
+        later launch that starts no worker here keeps it (so no standby is prepared for the job
+        in the node's environment)."""
         self._drain = drain
         self._exporter = exporter
         self._backend = backend
@@ -190,7 +194,8 @@ class CommandDispatcher:
                 self._supervisor.launch_failed(command, f"the job's requirements are refused: {err}", "user_error")
                 return
         if declared is None:
-            self._supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model)
+            python = None if command.workers else self._pythons.get(command.job_id)
+            self._supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model, python)
             return
         threading.Thread(
             target=self._launch_in_environment, args=(command, declared, code_dir, initial_model),
@@ -223,6 +228,7 @@ class CommandDispatcher:
             if environment.built_s is not None else
             f"the environment {environment.digest[:12]} is in this node's cache"
         ))
+        self._pythons[command.job_id] = str(environment.python)
         with self._environments.hold(environment.digest):
             supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model, str(environment.python))
 
