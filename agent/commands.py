@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import redis
@@ -23,8 +24,10 @@ from pydantic import ValidationError
 from agent.code import CodeCache, CodeUnavailable
 from agent.devices import DeviceBackend, DeviceError
 from agent.drain import Drain
+from agent.environments import BuildFailed, Environments
 from agent.export import CheckpointExporter
 from agent.supervisor import WorkerSupervisor
+from elastic.requirements import Declared, RequirementsError, declared_in_directory
 from elastic.wire import (
     DrainCommand,
     ExportCommand,
@@ -36,6 +39,9 @@ from elastic.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_BUILD_LOG_LINES = 200
+"""The last lines of a failed build's output that go to the job's log."""
 
 COMMAND_FIELD = "command"
 """The field of a stream entry that holds the command's JSON."""
@@ -129,8 +135,14 @@ class CommandDispatcher:
         code: CodeCache | None = None,
         exporter: CheckpointExporter | None = None,
         drain: Drain | None = None,
+        environments: Environments | None = None,
     ) -> None:
         self.redis_url = redis_url
+        self._environments = environments
+        self._pythons: dict[int, str] = {}
+        """Job id -> the interpreter of its environment, once one of its launches had it built: a
+        later launch that starts no worker here keeps it (so no standby is prepared for the job
+        in the node's environment)."""
         self._drain = drain
         self._exporter = exporter
         self._backend = backend
@@ -150,7 +162,8 @@ class CommandDispatcher:
         """Starts the command's workers; a job with code of its own gets it first (fetched and
         checked once per digest), and one that starts from another job's model gets that; if
         either fails, its workers here are reported as failed to
-        start."""
+        start. Code that declares requirements gets its environment first, in a thread of its own
+        (`_launch_in_environment`), so that a build holds up no other command."""
         if self._drain is not None and self._drain.notice is not None and command.workers:
             # The portal plans this node's jobs without it once it reads the drain notice; a
             # generation published before that starts no worker here (its survivors and leavers
@@ -171,7 +184,53 @@ class CommandDispatcher:
             except CodeUnavailable as err:
                 self._supervisor.launch_failed(command, str(err))
                 return
-        self._supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model)
+        declared = None
+        if code_dir is not None:
+            try:
+                declared = declared_in_directory(
+                    code_dir, self._environments is not None and self._environments.settings.index_options
+                )
+            except RequirementsError as err:
+                self._supervisor.launch_failed(command, f"the job's requirements are refused: {err}", "user_error")
+                return
+        if declared is None:
+            python = None if command.workers else self._pythons.get(command.job_id)
+            self._supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model, python)
+            return
+        threading.Thread(
+            target=self._launch_in_environment, args=(command, declared, code_dir, initial_model),
+            name=f"environment-job-{command.job_id}", daemon=True,
+        ).start()
+
+    def _launch_in_environment(
+        self, command: LaunchCommand, declared: Declared, code_dir: Path | None, initial_model: Path | None
+    ) -> None:
+        """Builds (or finds) the job's environment, saying so in the job's log, then starts the
+        command's workers in it. A build that fails fails the job at once ("user_error": the same
+        requirements fail on every node), uv's output in its log and the gist in its message."""
+        supervisor = self._supervisor
+        if self._environments is None:
+            supervisor.launch_failed(command, "this agent cannot build environments (no --env-dir)")
+            return
+        supervisor.job_log(command, f"building the environment ({len(declared.requirements)} requirements from "
+                                    f"{declared.source}), or finding it in this node's cache")
+        try:
+            environment = self._environments.ensure(
+                declared, lambda seconds: supervisor.job_log(command, f"building the environment ({seconds:.0f} s)")
+            )
+        except BuildFailed as err:
+            for line in err.output.splitlines()[-MAX_BUILD_LOG_LINES:]:
+                supervisor.job_log(command, line)
+            supervisor.launch_failed(command, f"the job's environment could not be built: {err}", "user_error")
+            return
+        supervisor.job_log(command, (
+            f"built the environment {environment.digest[:12]} in {environment.built_s:.1f} s"
+            if environment.built_s is not None else
+            f"the environment {environment.digest[:12]} is in this node's cache"
+        ))
+        self._pythons[command.job_id] = str(environment.python)
+        with self._environments.hold(environment.digest):
+            supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model, str(environment.python))
 
     def _start_drain(self, command: DrainCommand) -> None:
         if self._drain is None:

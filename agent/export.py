@@ -1,6 +1,6 @@
 """The agent's side of elastic.wire.ExportCommand: once no worker of the failed job runs on this
 node, it runs `python -m elastic.worker.export` on the job's checkpoint (with the job's own code,
-fetched as for a launch) and hands the "artifacts" event that process writes to the uploader. One
+fetched as for a launch, in its own environment if it has one) and hands the "artifacts" event that process writes to the uploader. One
 thread per command; every wait has a deadline."""
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from agent.code import CodeCache, CodeUnavailable
+from agent.environments import BuildFailed, Environments
 from agent.supervisor import process_environment, python_path
 from elastic.membership.codec import decode
+from elastic.requirements import RequirementsError, declared_in_directory
 from elastic.wire import ExportCommand, RunningWorker, WorkerEvent
 
 log = logging.getLogger(__name__)
@@ -35,13 +38,32 @@ class CheckpointExporter:
         code: CodeCache | None,
         on_artifacts: Callable[[WorkerEvent], None],
         python: str = sys.executable,
+        environments: Environments | None = None,
     ) -> None:
+        self._environments = environments
         self._running = running
         self._code = code
         self._on_artifacts = on_artifacts
         self._python = python
         self.finished = threading.Event()
         """Set after each export ends, whatever its outcome (for tests)."""
+
+    def _python_for(self, job_id: int, code_dir: Path) -> str | None:
+        """The interpreter that can import the job's code: its environment's if it declares
+        requirements (found in the node's cache, or built again), else the node's; None if that
+        environment cannot be had (logged)."""
+        try:
+            index_options = self._environments is not None and self._environments.settings.index_options
+            declared = declared_in_directory(code_dir, index_options)
+            if declared is None:
+                return self._python
+            if self._environments is None:
+                raise BuildFailed("this agent builds no environments")
+            environment = self._environments.ensure(declared)
+        except (RequirementsError, BuildFailed) as err:
+            log.error("job %d: cannot export: its environment: %s", job_id, err)
+            return None
+        return str(environment.python)
 
     def start(self, command: ExportCommand) -> threading.Thread:
         thread = threading.Thread(target=self._run, args=(command,), name=f"export-job-{command.job_id}", daemon=True)
@@ -63,6 +85,7 @@ class CheckpointExporter:
                 log.error("job %d: its workers here did not exit; not exporting its checkpoint", command.job_id)
                 return
             time.sleep(0.2)
+        python = self._python
         config = {
             "job_id": command.job_id, "generation": command.generation, "spec": command.spec, "run_dir": command.run_dir,
         }
@@ -72,15 +95,20 @@ class CheckpointExporter:
                 log.error("job %d: cannot export, this agent cannot fetch code", command.job_id)
                 return
             try:
-                config["code_dir"] = str(self._code.prepare(command.job_id, str(digest)))
+                code_dir = self._code.prepare(command.job_id, str(digest))
             except CodeUnavailable as err:
                 log.error("job %d: cannot export: %s", command.job_id, err)
                 return
+            config["code_dir"] = str(code_dir)
             config["entrypoint"] = command.spec.get("entrypoint")
+            found = self._python_for(command.job_id, code_dir)
+            if found is None:
+                return
+            python = found
         env = {**process_environment(), "BUNGEE_EXPORT_CONFIG": json.dumps(config), "PYTHONPATH": python_path()}
         try:
             done = subprocess.run(
-                [self._python, "-m", "elastic.worker.export"],
+                [python, "-m", "elastic.worker.export"],
                 env=env, capture_output=True, text=True, timeout=EXPORT_DEADLINE_S, check=False,
             )
         except subprocess.TimeoutExpired:

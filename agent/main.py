@@ -42,6 +42,13 @@ from agent.commands import CommandDispatcher, CommandReader, StreamMark
 from agent.devices import DeviceBackend, DeviceError, GpuSelection, backend_names, make_backend
 from agent.devices.simulated import MAX_PACE
 from agent.drain import Drain, term_cause
+from agent.environments import (
+    DEFAULT_BUILD_DEADLINE_S,
+    DEFAULT_MAX_BYTES,
+    Environments,
+    EnvironmentSettings,
+    uv_binary,
+)
 from agent.events import EventBuffer, PoisonIsolation
 from agent.export import CheckpointExporter
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
@@ -116,6 +123,14 @@ class AgentConfig:
     """How long a drain may take before the agent stops what is left."""
     gpus: GpuSelection | None = None
     """nvml only: the machine's GPUs that are this node's (a Slurm allocation's); None: all."""
+    env_dir: Path | None = None
+    """Where jobs' own environments are cached (agent.environments); None: STATE_DIR/environments."""
+    env_find_links: tuple[str, ...] = ()
+    """Wheelhouses the environments' packages may come from, beside the node's index."""
+    env_build_deadline_s: float = DEFAULT_BUILD_DEADLINE_S
+    env_cache_bytes: int = DEFAULT_MAX_BYTES
+    env_index_options: bool = False
+    """Jobs' requirements may name where packages come from (as the portal's setting of the same name)."""
 
 
 def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
@@ -191,6 +206,24 @@ def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def _on_off(text: str) -> bool:
+    if text.strip().lower() in {"on", "true", "1", "yes"}:
+        return True
+    if text.strip().lower() in {"off", "false", "0", "no"}:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is neither on nor off")
+
+
+def _gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+    return value
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -319,6 +352,44 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=_standby_start,
     )
     flag(
+        "--env-dir",
+        "BUNGEE_ENV_DIR",
+        None,
+        "where jobs' own Python environments (a requirements.txt with their code) are built and "
+        "cached (default: STATE_DIR/environments)",
+    )
+    flag(
+        "--env-find-links",
+        "BUNGEE_ENV_FIND_LINKS",
+        None,
+        "wheelhouses (directories or URLs, separated by spaces) that jobs' packages may come from, "
+        "beside the index uv or pip is configured with (UV_INDEX_URL, PIP_INDEX_URL; UV_OFFLINE=1: "
+        "the wheelhouses only)",
+    )
+    flag(
+        "--env-index-options",
+        "BUNGEE_ENV_INDEX_OPTIONS",
+        "off",
+        "on: a job's requirements.txt may name its own index or wheelhouse (--index-url, --extra-index-url, "
+        "--find-links, --no-index); set the portal's BUNGEE_ENV_INDEX_OPTIONS alike",
+        type=_on_off,
+    )
+    flag(
+        "--env-build-deadline",
+        "BUNGEE_ENV_BUILD_DEADLINE_S",
+        f"{DEFAULT_BUILD_DEADLINE_S:g}",
+        "seconds a job's environment may take to build before the job fails",
+        type=_seconds(minimum_exclusive=True),
+    )
+    flag(
+        "--env-cache-gb",
+        "BUNGEE_ENV_CACHE_GB",
+        f"{DEFAULT_MAX_BYTES / 1024**3:g}",
+        "the most disk the cached environments may take, in GiB; the least recently used ones not in "
+        "use go first",
+        type=_gigabytes,
+    )
+    flag(
         "--state-dir",
         "BUNGEE_AGENT_STATE_DIR",
         None,
@@ -394,6 +465,11 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         standby_start=args.standby_start,
         gpus=slurm.gpu_selection(allocation, args.backend),
         state_dir=Path(args.state_dir).resolve() if args.state_dir else default_state_dir(environ, args.name),
+        env_dir=Path(args.env_dir).resolve() if args.env_dir else None,
+        env_find_links=tuple((args.env_find_links or "").split()),
+        env_build_deadline_s=args.env_build_deadline,
+        env_cache_bytes=int(args.env_cache_gb * 1024**3),
+        env_index_options=args.env_index_options,
     )
 
 
@@ -444,13 +520,25 @@ class Agent:
         """Set (by the supervisor, on a worker's exit; by the dispatcher, when a played owner
         comes or goes) to send the next report without waiting."""
         self.code = CodeCache(client, supervisor.state_dir)
+        self.environments = Environments(EnvironmentSettings(
+            root=config.env_dir or supervisor.state_dir / "environments",
+            python=supervisor.config.python,
+            uv=uv_binary(),
+            find_links=config.env_find_links,
+            build_deadline_s=config.env_build_deadline_s,
+            max_bytes=config.env_cache_bytes,
+            index_options=config.env_index_options,
+        ))
         self._dispatcher = CommandDispatcher(
             supervisor,
             backend,
             report_now=self.report_now.set,
             code=self.code,
-            exporter=CheckpointExporter(supervisor.running, self.code, self.uploader.submit),
+            exporter=CheckpointExporter(
+                supervisor.running, self.code, self.uploader.submit, supervisor.config.python, self.environments
+            ),
             drain=self.drain,
+            environments=self.environments,
         )
         self._next_sweep = 0.0
         self._registration = NodeRegistration(

@@ -323,6 +323,8 @@ class _Launch:
     redis_url: str
     code_dir: Path | None
     initial_model: Path | None
+    python: str | None = None
+    """The interpreter of the job's own environment (agent.environments); None: the node's."""
 
 
 class WorkerSupervisor:
@@ -379,9 +381,11 @@ class WorkerSupervisor:
         redis_url: str,
         code_dir: Path | None = None,
         initial_model: Path | None = None,
+        python: str | None = None,
     ) -> bool:
         """Starts the joiners of `command.generation` here (their membership board is at
-        `redis_url`; a job with code of its own runs it from `code_dir`; one that starts from
+        `redis_url`; a job with code of its own runs it from `code_dir`, with the interpreter of
+        its own environment `python` if it has one; one that starts from
         another job's model finds it at `initial_model`) and sets leavers a
         deadline; survivors go on untouched. Returns False, and does nothing, if that generation
         was already launched or passed, or the supervisor is shut down."""
@@ -407,7 +411,7 @@ class WorkerSupervisor:
                 )
                 return False
             job.launched_generation = command.generation
-            job.launch = _Launch(command, backend, redis_url, code_dir, initial_model)
+            job.launch = _Launch(command, backend, redis_url, code_dir, initial_model, python)
             job.deferred = {}
             mine = [w for w in self._workers if w.job_id == command.job_id and not w.done.is_set()]
             for worker in mine:
@@ -429,13 +433,22 @@ class WorkerSupervisor:
                     )
                     job.deferred[assignment.device_index] = assignment
                     continue
-                self._spawn(command, assignment, backend, redis_url, code_dir, initial_model)
+                self._spawn(command, assignment, backend, redis_url, code_dir, initial_model, python)
         return True
 
-    def launch_failed(self, command: LaunchCommand, message: str) -> None:
-        """Reports that none of the workers `command` would start here could start."""
+    def launch_failed(self, command: LaunchCommand, message: str, reason: ExitReason = "failed") -> None:
+        """Reports that none of the workers `command` would start here could start (`reason`
+        "user_error": through the job's fault, so that it fails at once)."""
         for assignment in command.workers:
-            self._start_failed(command, assignment, message)
+            self._start_failed(command, assignment, message, reason)
+
+    def job_log(self, command: LaunchCommand, line: str) -> None:
+        """Adds `line` to the log of `command`'s job, as its first worker here (what the agent
+        does for the job before a worker runs: building its environment)."""
+        if command.workers:
+            with self._lock:
+                self._events.add(WorkerEvent(job_id=command.job_id, generation=command.generation,
+                                             rank=command.workers[0].rank, kind="log", at=time.time(), message=line))
 
     def stop(self, command: StopCommand) -> int:
         """Asks the job's workers here whose generation is below `command.before_generation`
@@ -509,6 +522,7 @@ class WorkerSupervisor:
             for job_id, job in sorted(self._jobs.items())
             if job_id in live
             and job.launch is not None
+            and job.launch.python is None  # a standby runs the node's environment, not the job's
             and job.launch.command.world_size < int(job.launch.command.spec.get("max_workers", 0))
         ]
 
@@ -642,7 +656,9 @@ class WorkerSupervisor:
 
     # --- launching ---------------------------------------------------------------------------
 
-    def _start_failed(self, command: LaunchCommand, assignment: WorkerAssignment, message: str) -> None:
+    def _start_failed(
+        self, command: LaunchCommand, assignment: WorkerAssignment, message: str, reason: ExitReason = "failed"
+    ) -> None:
         log.error("job %d generation %d rank %d: %s", command.job_id, command.generation, assignment.rank, message)
         self._events.add(
             WorkerEvent(
@@ -652,7 +668,7 @@ class WorkerSupervisor:
                 kind="exited",
                 at=time.time(),
                 device_index=assignment.device_index,
-                reason="failed",
+                reason=reason,
                 message=message,
             )
         )
@@ -665,6 +681,7 @@ class WorkerSupervisor:
         redis_url: str,
         code_dir: Path | None = None,
         initial_model: Path | None = None,
+        python: str | None = None,
     ) -> None:
         def failed(message: str) -> None:
             self._start_failed(command, assignment, message)
@@ -676,21 +693,24 @@ class WorkerSupervisor:
             return
         config = self._worker_config(command, assignment, placement, redis_url, code_dir, initial_model)
         env = {**self._worker_env(), **placement.env, WORKER_CONFIG_ENV: config.model_dump_json()}
-        argv = [self.config.python, "-m", self.config.worker_module]
+        argv = [python or self.config.python, "-m", self.config.worker_module]
         stem = f"job{command.job_id}-gen{command.generation}-rank{assignment.rank}-{uuid.uuid4().hex[:8]}"
         output_path = self._records.output_path(stem)
         try:
             # A file, not a pipe: the worker must outlive the agent. Its own session keeps it out
             # of the agent's process group and away from the agent's terminal.
             with output_path.open("ab") as output:
+                # Standbys and the fork server run the node's environment: a job with its own
+                # starts a new interpreter of it (docs/operator/environments.md: what a grow costs).
+                pool = self._standbys if python is None else None
                 standby = (
-                    self._standbys.take(assignment.device_index, placement, output_path, env, command.job_id)
-                    if self._standbys is not None
+                    pool.take(assignment.device_index, placement, output_path, env, command.job_id)
+                    if pool is not None
                     else None
                 )
                 forked = (
-                    self._standbys.fork_worker(self.config.worker_module, placement, output.fileno(), env)
-                    if standby is None and self._standbys is not None
+                    pool.fork_worker(self.config.worker_module, placement, output.fileno(), env)
+                    if standby is None and pool is not None
                     else None
                 )
                 process: subprocess.Popen[bytes] | ForkedProcess
@@ -969,7 +989,10 @@ class WorkerSupervisor:
             launch.command.generation,
             exited.device_index,
         )
-        self._spawn(launch.command, assignment, launch.backend, launch.redis_url, launch.code_dir, launch.initial_model)
+        self._spawn(
+            launch.command, assignment, launch.backend, launch.redis_url, launch.code_dir, launch.initial_model,
+            launch.python,
+        )
 
     # --- stopping ----------------------------------------------------------------------------
 

@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.main import DEFAULT_PREPARED  # noqa: E402
 from bench.conditions import RESNET50_SIZED, BenchModel, machine, show, spread  # noqa: E402
 from elastic.worker.standby import PREPARED_LINE, READY_LINE  # noqa: E402
+from elastic.workloads import CATALOGUE  # noqa: E402
+from tests.environment_support import TINY, tiny_wheelhouse  # noqa: E402
 
 SCALE_OUT_1_2, SCALE_OUT_2_3, MIGRATION = "scale out 1->2", "scale out 2->3", "migration"
 LAND_SCENARIOS = (SCALE_OUT_1_2, SCALE_OUT_2_3, MIGRATION)
@@ -70,6 +72,18 @@ def job_spec(model: BenchModel) -> dict[str, Any]:
             "batch_size": model.batch_size, "hidden": model.hidden, "layers": model.layers, "dropout": 0.0, "lr": 0.01,
         },
     }
+
+
+def own_code(alice: Any) -> dict[str, Any]:
+    """The digits task uploaded as the job's own code, with a requirements.txt (a package from
+    the agents' wheelhouse): the spec's code and entrypoint."""
+    from tests.code_support import directory_files, tar_gz
+
+    info = CATALOGUE["digits-mlp"]
+    files = {**directory_files(info.path), "requirements.txt": f"{TINY}==2.0\n".encode()}
+    reply = alice.post("/api/code", files={"file": ("digits.tar.gz", tar_gz(files), "application/gzip")})
+    reply.raise_for_status()
+    return {"code": reply.json()["digest"], "entrypoint": info.entrypoint}
 
 
 def waiting_standbys(state_dir: Path) -> list[tuple[psutil.Process, bool]]:
@@ -121,6 +135,10 @@ def standby_cost(state_dir: Path, seconds: float = 5.0) -> dict[str, Any]:
 
 ARMS = ("standbys", "unprepared", "cold")
 """Standbys prepared for the job (ours), standbys none of which is prepared, no standbys."""
+ENVIRONMENT = "environment"
+"""The arm (only on request, --arms) of the same task as the job's own code with a requirements.txt:
+its workers start from its environment's interpreter, never from a standby (agent.environments)."""
+ALL_ARMS = (*ARMS, ENVIRONMENT)
 
 
 @dataclass
@@ -161,7 +179,10 @@ class LandRun:
             f"{DEVICES} devices",
             lambda: sum(len(n["devices"]) for n in self.alice.get("/api/cluster").json()["nodes"]) == DEVICES,
         )
-        reply = self.alice.post("/api/jobs", json=job_spec(self.model))
+        spec = job_spec(self.model)
+        if self.arm == ENVIRONMENT:
+            spec = {key: value for key, value in spec.items() if key != "workload"} | own_code(self.alice)
+        reply = self.alice.post("/api/jobs", json=spec)
         reply.raise_for_status()
         self.job_id = reply.json()["id"]
         self.pin(1)
@@ -292,6 +313,8 @@ def run_land(model: BenchModel, arm: str, rounds: int, work: Path) -> tuple[Land
         # it) would stretch the steps a land time waits for: the bench runs flat out.
         "BUNGEE_SIM_PACE": "1",
     }
+    if arm == ENVIRONMENT:
+        env |= {"BUNGEE_ENV_FIND_LINKS": str(tiny_wheelhouse(work / "wheelhouse")), "UV_OFFLINE": "1"}
     with running_platform(work / arm, {"node-a": DEVICES}, env) as platform:
         run = LandRun(platform, model, arm)
         run.start()
@@ -310,7 +333,7 @@ def land_report(model: BenchModel, rounds: int, work: Path, arms: tuple[str, ...
     table."""
     times: dict[str, LandTimes] = {}
     costs: dict[str, dict[str, Any]] = {}
-    for arm in ARMS:
+    for arm in ALL_ARMS:
         times[arm], costs[arm] = run_land(model, arm, rounds, work) if arm in arms else (LandTimes(arm), {})
 
     def row(field_name: str, scenario: str) -> str:
@@ -340,12 +363,13 @@ def land_report(model: BenchModel, rounds: int, work: Path, arms: tuple[str, ...
         "land_scale_out_median_s": median("standbys", "land_s", scale_out),
         "land_scale_out_median_s_unprepared": median("unprepared", "land_s", scale_out),
         "land_to_first_step_start_scale_out_median_s": median("standbys", "start_s", scale_out),
-        "land_by_scenario_s": {s: {arm: spread(times[arm].land_s[s]) for arm in ARMS} for s in LAND_SCENARIOS},
+        "land_median_s_environment": median(ENVIRONMENT, "land_s"),
+        "land_by_scenario_s": {s: {arm: spread(times[arm].land_s[s]) for arm in ALL_ARMS} for s in LAND_SCENARIOS},
         "land_to_first_step_start_by_scenario_s": {
-            s: {arm: spread(times[arm].start_s[s]) for arm in ARMS} for s in LAND_SCENARIOS
+            s: {arm: spread(times[arm].start_s[s]) for arm in ALL_ARMS} for s in LAND_SCENARIOS
         },
         "land_phases_s": {
-            arm: {s: {k: spread(v) for k, v in p.items()} for s, p in times[arm].phases_s.items()} for arm in ARMS
+            arm: {s: {k: spread(v) for k, v in p.items()} for s, p in times[arm].phases_s.items()} for arm in ALL_ARMS
         },
         "standby_idle_cost": costs["standbys"] or costs["unprepared"],
     }
@@ -356,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 rounds each arm")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument(
-        "--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run (default: all three)"
+        "--arms", nargs="+", choices=ALL_ARMS, default=list(ARMS),
+        help=f"the arms to run (default: {', '.join(ARMS)}; {ENVIRONMENT} on request)",
     )
     args = parser.parse_args(argv)
     began = time.monotonic()

@@ -33,7 +33,7 @@ import struct
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -386,6 +386,19 @@ def unpack(archive: Path, target: Path, max_unpacked_bytes: int) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def read_top_files(archive: Path, names: Collection[str], max_bytes: int = 1 << 20) -> dict[str, bytes]:
+    """The files called `names` at the top of a canonical tar.gz (a job's requirements.txt and
+    pyproject.toml), each if it is at most `max_bytes`: name -> content."""
+    found = {}
+    with tarfile.open(archive, "r:gz") as packed:
+        for info in packed:
+            if info.name in names and info.isfile() and info.size <= max_bytes:
+                stream = packed.extractfile(info)
+                if stream is not None:
+                    found[info.name] = stream.read()
+    return found
 
 
 SKIPPED_WHEN_PACKING = ("__pycache__", ".git")

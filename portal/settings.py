@@ -260,6 +260,9 @@ BUNGEE = {
     "CODE_MAX_BYTES": env_int("BUNGEE_CODE_MAX_BYTES", 50 * 1024 * 1024),
     "CODE_MAX_UNPACKED_BYTES": env_int("BUNGEE_CODE_MAX_UNPACKED_BYTES", 200 * 1024 * 1024),
     "CODE_MAX_FILES": env_int("BUNGEE_CODE_MAX_FILES", 10_000),
+    # Whether a job's requirements.txt may name where its packages come from (--index-url,
+    # --find-links, ...: elastic.requirements.INDEX_OPTIONS); the agents need the same setting.
+    "ENV_INDEX_OPTIONS": env_bool("BUNGEE_ENV_INDEX_OPTIONS", False),
     "CODE_DIR": str(DATA_DIR / "code"),
     # A job's model, checkpoint and manifest (portal.jobs.artifacts): where they are kept, the
     # largest upload of them an agent may send, and for how many days after the job's end

@@ -43,6 +43,11 @@ def test_the_flags() -> None:
         "--prepared-standbys",
         "--standby-start",
         "--slurm",
+        "--env-dir",
+        "--env-find-links",
+        "--env-build-deadline",
+        "--env-cache-gb",
+        "--env-index-options",
     }
 
 

@@ -3,6 +3,7 @@ the reader, the dispatcher, and `python -m agent.simulate`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from typing import cast
 import pytest
 import redis
 
+from agent.code import CodeCache
 from agent.commands import (
     COMMAND_FIELD,
     CommandDispatcher,
@@ -27,6 +29,8 @@ from agent.commands import (
 )
 from agent.devices.api import DeviceError
 from agent.devices.simulated import SimulatedBackend
+from agent.environments import Environment, EnvironmentSettings
+from agent.environments import Environments as Environments_
 from agent.simulate import main as simulate_main
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
 from elastic.wire import (
@@ -242,3 +246,50 @@ def test_a_slowdown_factor_below_one_is_refused_by_the_cli(capsys: pytest.Captur
     with pytest.raises(SystemExit):
         simulate_main(["slow", "--node", "n", "--device", "0", "--factor", "0.5"])
     assert "--factor must be between 1 and 100, got 0.5" in capsys.readouterr().err
+
+
+def test_a_job_in_its_own_environment_keeps_it_when_a_launch_starts_no_worker_here(tmp_path: Path) -> None:
+    """The launch that starts a worker runs it from the job's environment (built in a thread of
+    its own); a later launch of the job that starts none here (its survivors go on) keeps that
+    interpreter, so that no standby is prepared for the job in the node's environment."""
+    code_dir = tmp_path / "code"
+    code_dir.mkdir()
+    (code_dir / "requirements.txt").write_text("einops\n")
+    launched: list[tuple[int, str | None]] = []
+    done = threading.Event()
+
+    class Code:
+        def prepare(self, job_id: int, digest: str) -> Path:
+            return code_dir
+
+    class Environments:
+        settings = EnvironmentSettings(root=tmp_path, python=sys.executable)
+
+        def ensure(self, declared: object, progress: object = None) -> Environment:
+            return Environment("d" * 64, tmp_path / "env", None)
+
+        def hold(self, digest: str) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+    class Supervisor:
+        def launch(self, command: LaunchCommand, *args: object) -> bool:
+            launched.append((command.generation, cast(str | None, args[-1]) if len(args) == 5 else None))
+            done.set()
+            return True
+
+        def job_log(self, command: LaunchCommand, line: str) -> None:
+            pass
+
+        def stop(self, command: StopCommand) -> int:
+            return 0
+
+    dispatcher = CommandDispatcher(cast(WorkerSupervisor, Supervisor()), SimulatedBackend(slots=1),
+                                   code=cast(CodeCache, Code()), environments=cast(Environments_, Environments()))
+    command = LaunchCommand(job_id=3, generation=1, world_size=1, master_addr="127.0.0.1", master_port=29500,
+                            workers=[WorkerAssignment(rank=0, device_index=0)], spec={"code": "c" * 64},
+                            run_dir=str(tmp_path), coordination_key="bungee-agent-test:job:3")
+    dispatcher.dispatch(command)
+    assert done.wait(10)
+    dispatcher.dispatch(command.model_copy(update={"generation": 2, "workers": []}))
+    python = str(tmp_path / "env" / "bin" / "python")
+    assert launched == [(1, python), (2, python)]

@@ -239,3 +239,45 @@ def test_the_docs_state_the_real_code_limits() -> None:
     assert stating, "some page states the limit"
     for line in stating:
         assert all(default in line for setting, default in defaults.items() if f"`{setting}`" in line), line
+
+
+@pytest.mark.parametrize(
+    ("files", "where", "said"),
+    [
+        ({"requirements.txt": b"einops==0.8\n# the node's torch is too new for me\ntorch<2\n"},
+         "requirements.txt line 3", "the nodes run torch"),
+        ({"pyproject.toml": b'[project]\nname = "mine"\ndependencies = ["einops", "torch==1.13"]\n'},
+         "pyproject.toml dependencies[1]", "the nodes run torch"),
+        ({"requirements.txt": b"einops\n-e ./mylib\n"}, "requirements.txt line 2", "option -e is not taken"),
+        ({"requirements.txt": b"--index-url https://example.org/simple\neinops\n"}, "requirements.txt line 1",
+         "option --index-url is not taken"),
+        ({"requirements.txt": b"mylib @ file:///home/me/mylib\n"}, "requirements.txt line 1", "a local path"),
+        ({"requirements.txt": b"einops >= \n"}, "requirements.txt line 1", "not a requirement"),
+    ],
+)
+def test_requirements_a_node_cannot_build_are_400_naming_the_line(
+    tokens: dict, code_dir: Path, files: dict[str, bytes], where: str, said: str
+) -> None:
+    reply = upload(tokens, "alice", tar_gz({"task.py": b"x = 1\n", **files}))
+    assert reply.status_code == 400, reply.content
+    error = error_of(reply)
+    assert error["code"] == "invalid_requirements"
+    assert where in error["message"] and said in error["message"], error
+    assert error["fields"][0]["field"] == "file" and where in error["fields"][0]["message"]
+    assert list(code_dir.glob("*.tar.gz")) == []
+
+
+def test_requirements_the_nodes_can_build_are_taken(tokens: dict) -> None:
+    files = {"task.py": b"x = 1\n", "requirements.txt": b"einops>=0.8  # layers\ntorch>=2\n\nmylib @ https://example.org/mylib-1.0-py3-none-any.whl\n"}
+    reply = upload(tokens, "alice", tar_gz(files))
+    assert reply.status_code == 201, reply.content
+
+
+def test_index_options_are_taken_where_the_operator_allows_them(tokens: dict, settings: Any) -> None:
+    files = {"task.py": b"x = 1\n", "requirements.txt": b"--index-url https://pypi.lab.example/simple\neinops\n"}
+    refused = upload(tokens, "alice", tar_gz(files))
+    assert refused.status_code == 400 and "BUNGEE_ENV_INDEX_OPTIONS" in error_of(refused)["message"]
+    settings.BUNGEE = {**settings.BUNGEE, "ENV_INDEX_OPTIONS": True}
+    assert upload(tokens, "alice", tar_gz(files)).status_code == 201
+    editable = upload(tokens, "alice", tar_gz({**files, "requirements.txt": b"-e ./mylib\n"}))
+    assert editable.status_code == 400, "an editable or local path never is"

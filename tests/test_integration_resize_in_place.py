@@ -22,6 +22,7 @@ import torch
 
 from elastic.worker.data import SampleStream
 from tests.code_support import RINGS, directory_files, evaluate_without_bungee, tar_gz
+from tests.environment_support import TINY, tiny_wheelhouse
 from tests.membership_support import SilentListener
 from tests.platform import Platform, running_platform
 from tests.worker_support import DIGITS_SAMPLES, Ledger
@@ -73,8 +74,10 @@ def inplace_platform(tmp_path_factory: pytest.TempPathFactory, record: Path, ext
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory, record: Path) -> Any:
     # With warm standbys, as the agent runs by default: joiners start from them (the tests of a
-    # joiner caught warming up, which need cold ones, are in test_integration_warm_up).
-    with inplace_platform(tmp_path_factory, record, {}) as running:
+    # joiner caught warming up, which need cold ones, are in test_integration_warm_up). The
+    # agents build jobs' environments from a wheelhouse, offline.
+    wheelhouse = tiny_wheelhouse(tmp_path_factory.mktemp("wheelhouse"))
+    with inplace_platform(tmp_path_factory, record, {"BUNGEE_ENV_FIND_LINKS": str(wheelhouse), "UV_OFFLINE": "1"}) as running:
         yield running
 
 
@@ -423,6 +426,65 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
     # What it trained before the bug is kept: the state of its last completed step.
     kept = platform.wait_for("the failed job's artifacts", lambda: detail(platform, job_id)["artifacts"])
     assert kept["ended"] == "failed" and kept["step"] >= 1, kept
+
+
+TINY_STEPS = 12
+TINY_TASK = f"""import {TINY}
+from task import RingsTask
+
+assert {TINY}.VERSION == "2.0", {TINY}.VERSION
+
+
+class TinyRingsTask(RingsTask):
+    pass
+""".encode()
+
+
+def test_code_with_its_own_requirements_trains_in_its_environment_on_both_nodes(
+    platform: Platform, tmp_path: Path
+) -> None:
+    """A task that imports a package of its own (from the agents' wheelhouse, offline): each
+    node builds the environment once, the workers of both nodes train in it, a second job with
+    the same requirements finds it in the cache and, in strict mode, ends bitwise where the
+    first did; a requirement no wheelhouse has fails the next job at once, in uv's words."""
+    alice = platform.api("alice")
+    files = {**directory_files(RINGS), "requirements.txt": f"{TINY}==2.0\n".encode(), "tiny_task.py": TINY_TASK}
+    reply = alice.post("/api/code", files={"file": ("tiny.tar.gz", tar_gz(files), "application/gzip")})
+    assert reply.status_code == 201, reply.text
+    spec = {"name": "tiny", "code": reply.json()["digest"], "entrypoint": "tiny_task:TinyRingsTask", "min_workers": 1,
+            "max_workers": 3, "seed": SEED, "hyperparameters": {"batch_size": 24, "hidden": 16}}
+    three = {**spec, "min_workers": 3, "max_workers": 3, "steps": TINY_STEPS}
+    reply = alice.post("/api/jobs", json=three)
+    assert reply.status_code == 201, reply.text
+    job_id = reply.json()["id"]
+    done = platform.wait_for("the job on 3 workers to end", lambda: (j := detail(platform, job_id))["artifacts"] and j,
+                             timeout_s=180)
+    assert done["state"] == "succeeded" and {row["node"] for row in done["workers_history"]} == {"node-a", "node-b"}
+    built = [line for line in logs(platform, job_id) if line.startswith("built the environment")]
+    assert len(built) == 2, logs(platform, job_id)  # once per node; the task's import proves the workers use it
+    (tmp_path / "three.pt").write_bytes(alice.get(f"/api/jobs/{job_id}/artifacts/model.pt").content)
+
+    fixed = {**spec, "name": "tiny-fixed", "min_workers": 1, "max_workers": 1, "virtual_workers": 3,
+             "steps": TINY_STEPS}
+    reply = alice.post("/api/jobs", json=fixed)
+    assert reply.status_code == 201, reply.text
+    fixed_id = reply.json()["id"]
+    platform.wait_for("the fixed run's model", lambda: detail(platform, fixed_id)["artifacts"], timeout_s=180)
+    lines = logs(platform, fixed_id)
+    assert any("is in this node's cache" in line for line in lines), lines
+    assert not any(line.startswith("built the environment") for line in lines), "no second build"
+    (tmp_path / "fixed.pt").write_bytes(alice.get(f"/api/jobs/{fixed_id}/artifacts/model.pt").content)
+    resized_model = torch.load(tmp_path / "three.pt", weights_only=True)
+    fixed_model = torch.load(tmp_path / "fixed.pt", weights_only=True)
+    assert [name for name in fixed_model if not torch.equal(resized_model[name], fixed_model[name])] == []
+
+    files["requirements.txt"] = f"{TINY}==3.0\n".encode()
+    reply = alice.post("/api/code", files={"file": ("tiny.tar.gz", tar_gz(files), "application/gzip")})
+    assert reply.status_code == 201, reply.text
+    job_id = submit(platform, 1, {**spec, "name": "tiny-unresolvable", "code": reply.json()["digest"]})
+    failed = platform.wait_for("the job to fail", lambda: (j := detail(platform, job_id))["state"] == "failed" and j)
+    assert "No solution found when resolving dependencies" in failed["message"] and failed["restarts"] == 0, failed
+    assert any(f"{TINY}==3.0" in line for line in logs(platform, job_id)), logs(platform, job_id)
 
 
 def test_no_password_or_token_in_any_log(platform: Platform) -> None:

@@ -494,6 +494,27 @@ def test_a_user_error_fails_the_job_at_once_and_stops_the_other_workers(
     assert run_cycle().launched_jobs == [], "no new generation for a job whose code is broken"
 
 
+def test_an_environment_that_does_not_build_fails_the_job_at_once_saying_why(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    """The agent could not build the job's environment (agent.environments): its workers never
+    started; uv's output is in the log and its gist in the job's message."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    gist = "No solution found when resolving dependencies: Because nosuchpkg was not found"
+    report(
+        cluster,
+        event(job, "log", rank=0, message=f"error: {gist}"),
+        event(job, "exited", rank=0, reason="user_error", device_index=0,
+              message=f"the job's environment could not be built: {gist}"),
+    )
+    job.refresh_from_db()
+    assert job.state == "failed" and job.restarts == 0
+    assert gist in job.message and "could not start on" in job.message and "Not restarted" in job.message
+    assert JobLog.objects.filter(job=job, line__contains="nosuchpkg").exists()
+
+
 def test_a_job_that_fails_stops_a_joiner_that_has_not_reported_yet(
     api: dict, cluster: Any, redis_client: Any
 ) -> None:

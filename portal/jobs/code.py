@@ -4,6 +4,8 @@ staff). The API (portal.jobs.code_api), the submit form and the agents' fetch go
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
 import tempfile
 from pathlib import Path
@@ -19,8 +21,10 @@ from elastic.codepack import (
     Limit,
     Packed,
     check_entrypoint,
+    read_top_files,
     repack,
 )
+from elastic.requirements import PYPROJECT_FILE, REQUIREMENTS_FILE, RequirementsError, conflicts, declared_in
 from elastic.spec import FieldError
 from portal.errors import ApiError
 from portal.jobs.models import CodeUpload
@@ -63,6 +67,7 @@ def store(owner: AbstractBaseUser, upload: BinaryIO, size: int, name: str) -> tu
                 packed = repack(upload, out, limits["CODE_MAX_UNPACKED_BYTES"], limits["CODE_MAX_FILES"])
             except ArchiveError as err:
                 raise _refusal(err, name) from err
+        check_requirements(Path(temporary), name)
         os.replace(temporary, archive_path(packed.digest))
     finally:
         if os.path.exists(temporary):
@@ -71,6 +76,31 @@ def store(owner: AbstractBaseUser, upload: BinaryIO, size: int, name: str) -> tu
         owner=owner, digest=packed.digest, defaults={"size": packed.size, "files": packed.files}
     )
     return row, packed
+
+
+def check_requirements(archive: Path, name: str) -> None:
+    """Refuses code whose requirements.txt (or pyproject.toml dependencies) is not one a node
+    builds (elastic.requirements), or asks for a version of a package the runtime is built on
+    that the nodes do not have: 400 `invalid_requirements`, naming the line. The nodes' packages
+    are taken to be this portal's: the portal and the agents run one image."""
+    try:
+        declared = declared_in(
+            read_top_files(archive, (REQUIREMENTS_FILE, PYPROJECT_FILE)), settings.BUNGEE["ENV_INDEX_OPTIONS"]
+        )
+        refused = conflicts(declared, installed_distributions()) if declared is not None else []
+    except RequirementsError as err:
+        refused = [err]
+    if refused:
+        raise ApiError(
+            400, "invalid_requirements", f"{name}: {refused[0]}",
+            [FieldError("file", str(err), err.text) for err in refused],
+        )
+
+
+@functools.cache
+def installed_distributions() -> dict[str, str]:
+    """name -> version of every distribution installed where the portal runs."""
+    return {dist.metadata["Name"]: dist.version for dist in importlib.metadata.distributions() if dist.metadata["Name"]}
 
 
 def _refusal(err: ArchiveError, name: str) -> ApiError:

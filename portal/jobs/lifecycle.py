@@ -661,7 +661,16 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         if job.state in ACTIVE_STATES and event.rank == 0:
             finish(job)
     elif job.state in (JobState.RUNNING, JobState.RESIZING) and event.reason == "user_error":
-        _end(job, JobState.FAILED, "finished", message=_user_error_message(job, event))
+        if row is None and event.message:
+            # A worker that never started: the agent refused the job's code before it could (its
+            # environment did not build); the event says why.
+            message = (
+                f"the job could not start on {node.name}: {event.message}. "
+                "Not restarted: the same code fails on any device"
+            )
+        else:
+            message = _user_error_message(job, event)
+        _end(job, JobState.FAILED, "finished", message=message)
     elif job.state in ACTIVE_STATES and mattered and event.reason == "failed":
         _worker_failed(job, event, device)
     elif (
