@@ -140,3 +140,12 @@ def group_of_one() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def bound() -> Iterator[list[Any]]:
+    """Tasks a test binds (elastic.tasks.runtime.BoundTask), closed (their readers stopped) after it."""
+    tasks: list[Any] = []
+    yield tasks
+    for task in tasks:
+        task.close()

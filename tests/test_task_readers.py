@@ -7,7 +7,6 @@ cause not found; see the session note.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,6 @@ from elastic.worker.strict import StrictTrainer
 NOISY = Path(__file__).parent / "tasks" / "noisy"
 SEED = 4
 
-
-@pytest.fixture
-def bound() -> Iterator[list[BoundTask]]:
-    """Tasks bound by the test, closed (their readers stopped) after it."""
-    tasks: list[BoundTask] = []
-    yield tasks
-    for task in tasks:
-        task.close()
 
 
 def _bind(tasks: list[BoundTask], entrypoint: str, steps: int | None = None, **hyperparameters: object) -> BoundTask:

@@ -6,7 +6,6 @@ before the collectives too). And reading the next step's items ahead
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,6 @@ SEED = 6
 BATCH = 12
 STEPS = 4
 
-
-@pytest.fixture
-def bound() -> Iterator[list[BoundTask]]:
-    tasks: list[BoundTask] = []
-    yield tasks
-    for task in tasks:
-        task.close()
 
 
 def _trainer(tasks: list[BoundTask], mode: str, entrypoint: str = "NoisyMetrics") -> Trainer:
