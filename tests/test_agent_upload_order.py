@@ -13,6 +13,7 @@ from typing import Any
 
 from agent.devices.simulated import SimulatedBackend
 from agent.main import Agent, AgentConfig
+from agent.supervisor import SupervisorConfig
 from elastic.artifacts import ARTIFACT_NAMES
 from elastic.wire import AgentReport, WorkerEvent
 
@@ -45,6 +46,7 @@ class OneWorker:
 
     def __init__(self, state_dir: Path, run_dir: Path) -> None:
         self.state_dir = state_dir
+        self.config = SupervisorConfig(state_dir=state_dir)  # the agent reads its interpreter
         now = time.time()
         key = {"job_id": 3, "generation": 1, "rank": 0}
         self._events = [
