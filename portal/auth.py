@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 from django.http import HttpRequest
 from django.utils import timezone
 from ninja.security import HttpBearer, django_auth
@@ -26,6 +26,14 @@ _POOL_TOKEN_REFUSED = (
     "this is a pool token: it only registers new nodes of its pool (POST /api/agent/register); "
     "report, upload and fetch with the node token that registration returned (node_token)"
 )
+
+
+class SignedInRequest(HttpRequest):
+    """The type of a request that only a signed-in user reaches: a view behind login_required,
+    or an API endpoint behind user_auth. It tells the type checker what they let through: the
+    request's user is a User, never AnonymousUser."""
+
+    user: User
 
 
 class TokenAuth(HttpBearer):
@@ -66,7 +74,7 @@ registration_auth = TokenAuth(ApiToken.Role.AGENT, ApiToken.Role.POOL, refuse_ot
 """POST /api/agent/register alone: a node's agent token, or a pool token registering a new node."""
 
 
-def require_staff(user: AbstractBaseUser | AnonymousUser, what: str) -> None:
+def require_staff(user: User | AnonymousUser, what: str) -> None:
     """Raises ApiError 401 for anonymous users and 403 for users who are not staff; `what` says
     what only staff may do ("see the scheduler's decisions")."""
     if not user.is_authenticated:

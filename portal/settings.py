@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import TypedDict
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -204,7 +205,49 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0, "inte
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 
 # --- Bungee ----------------------------------------------------------------------------------
-BUNGEE = {
+class BungeeSettings(TypedDict):
+    """The types of settings.BUNGEE's entries (what each means: the comments on BUNGEE below)."""
+
+    SCHEDULE_TICK_S: float
+    REPORT_INTERVAL_S: float
+    NODE_TIMEOUT_S: float
+    UNREACHABLE_TIMEOUT_S: float
+    SAMPLE_HISTORY_EVERY_S: float
+    MAX_RESTARTS: int
+    RESTART_WINDOW_S: float
+    RESTART_HEALTHY_S: float
+    PUBLISH_TIMEOUT_S: float
+    WARMUP_TIMEOUT_S: float
+    FORM_TIMEOUT_S: float
+    SETTLE_TIMEOUT_S: float
+    RUN_DIR: str
+    MASTER_PORT_BASE: int
+    REDIS_PREFIX: str
+    POLICY: str
+    RESIZE_COST_S: float
+    LOGIN_ADDRESS_FAILURES: int
+    LOGIN_ADDRESS_WINDOW_S: int
+    DECISIONS_KEPT: int
+    BODY_MAX_BYTES: int
+    CODE_MAX_BYTES: int
+    CODE_MAX_UNPACKED_BYTES: int
+    CODE_MAX_FILES: int
+    ENV_INDEX_OPTIONS: bool
+    CODE_DIR: str
+    ARTIFACT_DIR: str
+    ARTIFACT_MAX_BYTES: int
+    ARTIFACT_RETENTION_DAYS: int
+    METRICS_FULL_STEPS: int
+    METRICS_FULL_DAYS: float
+    METRICS_OLD_POINTS: int
+    DEVICE_SAMPLES_FULL_HOURS: float
+    DEVICE_SAMPLES_BUCKET_S: int
+    DEVICE_SAMPLES_KEEP_DAYS: float
+    LOG_RETENTION_DAYS: float
+    LOG_LINES_KEPT: int
+
+
+BUNGEE: BungeeSettings = {
     # How often the beat runs the scheduler even when nothing happened.
     "SCHEDULE_TICK_S": env_float("BUNGEE_SCHEDULE_TICK_S", 5.0),
     # How often agents report; the portal tells them at registration.
@@ -289,10 +332,39 @@ BUNGEE = {
     "LOG_LINES_KEPT": env_int("BUNGEE_LOG_LINES_KEPT", 1000),
 }
 
+
+class SlurmSettings(TypedDict):
+    """The types of settings.BUNGEE_SLURM's entries (portal.slurm.config checks their values)."""
+
+    ENABLED: bool
+    POOL: str
+    PARTITION: str
+    ACCOUNT: str
+    QOS: str
+    GRES: str
+    DEVICES_PER_AGENT: int
+    TIME_LIMIT: str
+    GRACE_S: int
+    MAX_AGENTS: int
+    IDLE_S: float
+    START_TIMEOUT_S: float
+    AGENT_ARGS: str
+    SBATCH_ARGS: str
+    PORTAL_URL: str
+    TOKEN_FILE: str
+    PYTHON: str
+    WORKDIR: str
+    OUTPUT: str
+    EXPORT: str
+    JOB_NAME: str
+    EVERY_S: float
+    COMMAND_TIMEOUT_S: float
+
+
 # Bungee's Slurm pool (portal.slurm): agents submitted as Slurm batch jobs when jobs want more
 # devices than the cluster has, cancelled when idle. Off by default; read and checked by
 # portal.slurm.config, which says what each one means.
-BUNGEE_SLURM = {
+BUNGEE_SLURM: SlurmSettings = {
     "ENABLED": env_bool("BUNGEE_SLURM_ENABLED", False),
     "POOL": env_str("BUNGEE_SLURM_POOL", "slurm"),
     "PARTITION": env_str("BUNGEE_SLURM_PARTITION", ""),

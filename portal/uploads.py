@@ -10,6 +10,7 @@ word: an endpoint that finds a field missing says so (`CUT_SHORT`)."""
 from __future__ import annotations
 
 from django.core.exceptions import SuspiciousMultipartForm, TooManyFieldsSent, TooManyFilesSent
+from django.core.files.uploadedfile import UploadedFile
 from django.http import HttpRequest
 from django.http.multipartparser import MultiPartParserError
 from django.utils.datastructures import MultiValueDict
@@ -24,7 +25,7 @@ CUT_SHORT = "a part the body cuts short before its boundary is dropped"
 _UNREADABLE = (MultiPartParserError, SuspiciousMultipartForm, TooManyFieldsSent, TooManyFilesSent)
 
 
-def multipart_files(request: HttpRequest, expected: str) -> MultiValueDict:
+def multipart_files(request: HttpRequest, expected: str) -> MultiValueDict[str, UploadedFile]:
     """The files of `request`'s multipart/form-data body (`expected` names what the endpoint
     takes, for the message: "the archive, in a field named 'file'"). Raises ApiError 415 for a
     body of another type, 400 `malformed_body` for one the multipart parser refuses."""

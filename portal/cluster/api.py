@@ -74,7 +74,7 @@ def workloads(request: HttpRequest) -> list[dict[str, Any]]:
 
 class DrainIn(Schema):
     deadline_s: float = Field(
-        60.0, gt=0, le=MAX_DRAIN_S, description="how long the node's jobs have to move off it before its agent "
+        default=60.0, gt=0, le=MAX_DRAIN_S, description="how long the node's jobs have to move off it before its agent "
         "stops what is left and exits"
     )
 

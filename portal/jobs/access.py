@@ -4,18 +4,18 @@ actions belong to its owner and to staff."""
 
 from __future__ import annotations
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 
 from portal.errors import ApiError, forbidden, not_found
 from portal.jobs.models import Job, listed
 
 
-def may_manage(user: AbstractBaseUser | AnonymousUser, job: Job) -> bool:
+def may_manage(user: User | AnonymousUser, job: Job) -> bool:
     """Whether `user` may read the job's details and act on it."""
     return bool(user.is_authenticated and (job.owner_id == user.pk or user.is_staff))
 
 
-def job_for(user: AbstractBaseUser | AnonymousUser, job_id: int) -> Job:
+def job_for(user: User | AnonymousUser, job_id: int) -> Job:
     """The job, if `user` may manage it. Raises ApiError 404 if there is no such job and 403 if
     it belongs to someone else."""
     if not user.is_authenticated:

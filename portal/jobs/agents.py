@@ -195,7 +195,7 @@ def artifacts_endpoint(request: HttpRequest, job_id: int) -> dict[str, Any]:
     if job is None:
         raise not_found(f"job {job_id}")
     uploads = multipart_files(request, "model.pt, checkpoint.pt and manifest.json, a field each")
-    row = artifacts.store(node, job, dict(uploads.items()))
+    row = artifacts.store(node, job, uploads)
     return {"job_id": job_id, "step": row.step, "files": row.files}
 
 

@@ -6,11 +6,11 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 from django.contrib.auth import get_user_model
-from django.http import FileResponse, HttpRequest, HttpResponse, QueryDict
+from django.http import FileResponse, HttpRequest, HttpResponse
 from ninja import Field, Query, Router, Schema, Status
 
 from elastic.spec import FieldError, JobSpec
-from portal.auth import user_auth
+from portal.auth import SignedInRequest, user_auth
 from portal.bodies import BodyError, parse_json, parse_yaml
 from portal.errors import ApiError, not_found
 from portal.jobs import artifacts, curves
@@ -118,7 +118,7 @@ SPEC_BODY = {
     summary="Submit a job",
     openapi_extra={"requestBody": SPEC_BODY},
 )
-def submit(request: HttpRequest) -> Status:
+def submit(request: SignedInRequest) -> Status:
     job = submit_job(request.user, _parse_body(request))
     return Status(201, detail(job))
 
@@ -129,7 +129,7 @@ def submit(request: HttpRequest) -> Status:
     summary="Check a job spec as a submit would, storing nothing (a dry run: before uploading code)",
     openapi_extra={"requestBody": SPEC_BODY},
 )
-def validate(request: HttpRequest) -> dict[str, Any]:
+def validate(request: SignedInRequest) -> dict[str, Any]:
     spec, uploaded = dry_run(request.user, _parse_body(request))
     return {"spec": spec.model_dump(), "code_uploaded": uploaded}
 
@@ -165,20 +165,19 @@ def list_jobs(request: HttpRequest, response: HttpResponse, filters: Query[JobFi
     page = list(listed(jobs).order_by("-pk")[: filters.limit + 1])
     if len(page) > filters.limit:
         page = page[: filters.limit]
-        following = QueryDict(mutable=True)
-        following.update({k: v for k, v in request.GET.items() if k != "before"})
+        following = request.GET.copy()  # the same filters, every value of each
         following["before"] = str(page[-1].pk)
         response["Link"] = f'<{request.build_absolute_uri(request.path)}?{following.urlencode()}>; rel="next"'
     return [summary(job) for job in page]
 
 
 @router.get("/{int:job_id}", response=JobDetailOut, summary="A job's details (owner and staff)")
-def get_job(request: HttpRequest, job_id: int) -> dict[str, Any]:
+def get_job(request: SignedInRequest, job_id: int) -> dict[str, Any]:
     return detail(job_for(request.user, job_id))
 
 
 @router.post("/{int:job_id}/resize", response=JobDetailOut, summary="Pin a job to a worker count")
-def resize(request: HttpRequest, job_id: int, payload: ResizeIn) -> dict[str, Any]:
+def resize(request: SignedInRequest, job_id: int, payload: ResizeIn) -> dict[str, Any]:
     job = request_resize(job_for(request.user, job_id), payload.workers, request.user)
     return detail(job)
 
@@ -186,7 +185,7 @@ def resize(request: HttpRequest, job_id: int, payload: ResizeIn) -> dict[str, An
 @router.post(
     "/{int:job_id}/unpin", response=JobDetailOut, summary="Lift a job's pin: the scheduler decides its size again"
 )
-def unpin(request: HttpRequest, job_id: int) -> dict[str, Any]:
+def unpin(request: SignedInRequest, job_id: int) -> dict[str, Any]:
     return detail(request_resize(job_for(request.user, job_id), None, request.user))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.core.files.uploadedfile import UploadedFile
 from django.utils import timezone
 
@@ -122,7 +122,7 @@ def file_path(job: Job, name: str) -> Path | None:
     return path if path.exists() else None
 
 
-def check_init_from(user: AbstractBaseUser, job_id: int) -> None:
+def check_init_from(user: User, job_id: int) -> None:
     """Raises ApiError 400 on the spec's `init_from` unless job `job_id` is `user`'s (or `user`
     is staff) and its final model is kept. Another user's job reads as absent."""
     source = Job.objects.filter(pk=job_id).first()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
+from django.contrib.auth.models import AnonymousUser, User
 
 from elastic.codepack import (
     LEAVE_OUT_ADVICE,
@@ -51,7 +51,7 @@ def too_big(size: int) -> ApiError:
     )
 
 
-def store(owner: AbstractBaseUser, upload: BinaryIO, size: int, name: str) -> tuple[CodeUpload, Packed]:
+def store(owner: User, upload: BinaryIO, size: int, name: str) -> tuple[CodeUpload, Packed]:
     """Checks the archive `upload` (`size` bytes, called `name`), keeps its canonical form, and
     records that `owner` uploaded it. Raises ApiError 413 when a limit is passed, 400 when the
     archive is not acceptable (the member named)."""
@@ -111,7 +111,7 @@ def _refusal(err: ArchiveError, name: str) -> ApiError:
     return ApiError(413, "too_large", f"{name}: {reason}; {LEAVE_OUT_ADVICE}", [FieldError("file", reason, name)])
 
 
-def upload_for(user: AbstractBaseUser | AnonymousUser, digest: str) -> CodeUpload | None:
+def upload_for(user: User | AnonymousUser, digest: str) -> CodeUpload | None:
     """The upload of `digest` that `user` may use: their own, or for staff anyone's."""
     if not user.is_authenticated:
         return None
@@ -124,7 +124,7 @@ def upload_for(user: AbstractBaseUser | AnonymousUser, digest: str) -> CodeUploa
     return row
 
 
-def check_usable(user: AbstractBaseUser, digest: str, entrypoint: str) -> None:
+def check_usable(user: User, digest: str, entrypoint: str) -> None:
     """Raises ApiError 400 on the spec's `code` if `user` may not run `digest`, and on its
     `entrypoint` if the code's module does not define that class (read statically: nothing of
     the user's code is imported or run here)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.http import QueryDict
 from django.utils.datastructures import MultiValueDict
 
@@ -86,7 +86,7 @@ def uses_yaml(post: QueryDict, files: MultiValueDict) -> bool:
     return files.get("spec_file") is not None or bool(post.get("spec_yaml", "").strip())
 
 
-def code_from_post(post: QueryDict, files: MultiValueDict, owner: AbstractBaseUser) -> str:
+def code_from_post(post: QueryDict, files: MultiValueDict, owner: User) -> str:
     """The digest of the code the form brings: the uploaded archive (stored now), or the digest
     an earlier try of this form stored. Raises ApiError on `code_file`."""
     archive = files.get("code_file")
@@ -114,7 +114,7 @@ def _code_hyperparameters(text: str) -> Any:
                        [FieldError("code_hyperparameters", str(exc), text[:200])]) from exc
 
 
-def spec_from_post(post: QueryDict, files: MultiValueDict, owner: AbstractBaseUser) -> Any:
+def spec_from_post(post: QueryDict, files: MultiValueDict, owner: User) -> Any:
     """The spec a person submitted: the uploaded or pasted YAML if there is one, else the form's
     fields (empty ones left out so that defaults apply). A job with its own code has its archive
     stored first (`code_from_post`)."""
@@ -124,8 +124,9 @@ def spec_from_post(post: QueryDict, files: MultiValueDict, owner: AbstractBaseUs
             raise ApiError(400, "invalid_spec", f"the uploaded spec is {upload.size} bytes; at most {MAX_YAML_BYTES}",
                            [FieldError("spec_file", "too large", upload.size)])
         return spec_from_yaml(upload.read().decode("utf-8", errors="replace"))
-    if post.get("spec_yaml", "").strip():
-        return spec_from_yaml(post["spec_yaml"])
+    spec_yaml = post.get("spec_yaml", "")
+    if spec_yaml.strip():
+        return spec_from_yaml(spec_yaml)
     mode_fields = HYBRID_FIELDS if post.get("consistency") == "hybrid" else STRICT_FIELDS
     spec: dict[str, Any] = {
         key: post[key] for key in (*SPEC_FIELDS, *mode_fields) if post.get(key, "").strip() != ""

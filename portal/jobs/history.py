@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -54,11 +54,18 @@ class Retention:
     def from_settings(cls) -> Retention:
         """Raises ImproperlyConfigured, quoting it, for a negative value."""
         bungee = settings.BUNGEE
-        names = ["METRICS_FULL_STEPS", "METRICS_FULL_DAYS", "METRICS_OLD_POINTS", "LOG_RETENTION_DAYS", "LOG_LINES_KEPT"]
-        for name in names:
-            if bungee[name] < 0:
-                raise ImproperlyConfigured(f"BUNGEE_{name}={bungee[name]!r} must not be negative")
-        return cls(*(bungee[name] for name in names))
+        retention = cls(
+            bungee["METRICS_FULL_STEPS"],
+            bungee["METRICS_FULL_DAYS"],
+            bungee["METRICS_OLD_POINTS"],
+            bungee["LOG_RETENTION_DAYS"],
+            bungee["LOG_LINES_KEPT"],
+        )
+        for field in fields(retention):  # each named as its setting, in lower case
+            value = getattr(retention, field.name)
+            if value < 0:
+                raise ImproperlyConfigured(f"BUNGEE_{field.name.upper()}={value!r} must not be negative")
+        return retention
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -64,7 +64,10 @@ MASTER_PORT_SPAN = 5000
 _OPEN_PHASES = [p.value for p in GenerationPhase if not p.final]
 
 
-def _deadline(name: str) -> datetime:
+PhaseTimeout = Literal["PUBLISH_TIMEOUT_S", "WARMUP_TIMEOUT_S", "FORM_TIMEOUT_S", "SETTLE_TIMEOUT_S"]
+
+
+def _deadline(name: PhaseTimeout) -> datetime:
     return timezone.now() + timedelta(seconds=settings.BUNGEE[name])
 
 
@@ -219,7 +222,7 @@ def _maybe_settle(job: Job, generation: Generation, note: str = "") -> None:
 # --- jobs ----------------------------------------------------------------------------------------
 
 
-def create_job(owner: AbstractBaseUser, spec: JobSpec) -> Job:
+def create_job(owner: User, spec: JobSpec) -> Job:
     """Stores a validated job, queued, and asks the scheduler to run."""
     job = Job.objects.create(
         owner=owner,
@@ -617,8 +620,10 @@ def form_failed(node: Node, job: Job, event: WorkerEvent) -> None:
     """A member could not form its generation's group in time: if that is still the job's
     newest generation and has not formed, it expires at once."""
     number = event.failed_generation
+    if number is None or number != job.generation:
+        return
     generation = Generation.objects.filter(job=job, number=number).first()
-    if number != job.generation or generation is None or generation.phase != Phase.PUBLISHED:
+    if generation is None or generation.phase != Phase.PUBLISHED:
         return
     _end_generation(
         job, Phase.EXPIRED, "its group did not form",
@@ -649,11 +654,17 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
             "exited_at": _at(event.at),
         },
     )
-    device = Device.objects.filter(node=node, index=event.device_index).values_list("pk", flat=True).first()
+    # The worker's device, if the event or the worker's row says which it was.
+    device_index = event.device_index
+    device = (
+        None
+        if device_index is None
+        else Device.objects.filter(node=node, index=device_index).values_list("pk", flat=True).first()
+    )
     # A death matters to the job if the worker was a member of its newest generation or held
     # the state; a joiner already planned out (one that hung while warming up) does not.
     mattered = was_running and row is not None and (
-        row.joined_at is not None or job.allocations.filter(device_id=device).exists()
+        row.joined_at is not None or (device is not None and job.allocations.filter(device_id=device).exists())
     )
     if event.reason == "completed":
         # Every rank trains the last step; rank 0 then writes the job's artifacts and exits
@@ -677,16 +688,17 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         job.state in (JobState.RUNNING, JobState.RESIZING)
         and was_running
         and device is not None
+        and device_index is not None
         and not _stopped_late_joiner(job, row, event)
     ):
         held = job.allocations.filter(device_id=device).exists()
         replaced = Worker.objects.filter(
-            job=job, node=node, device_index=event.device_index, state=Worker.State.RUNNING
+            job=job, node=node, device_index=device_index, state=Worker.State.RUNNING
         ).exists()
         if held and not replaced:
             _end_generation(
                 job, Phase.LOST, "a worker exited",
-                f"worker on {node.name}/{event.device_index} {event.reason} although its device is still "
+                f"worker on {node.name}/{device_index} {event.reason} although its device is still "
                 f"the job's; planning again",
             )
     generation = current(job)
@@ -843,7 +855,8 @@ def expire_overdue() -> list[int]:
     ).select_related("job")
     for generation in open_generations:
         job = generation.job
-        if generation.number != job.generation:
+        deadline_at = generation.deadline_at
+        if generation.number != job.generation or deadline_at is None:  # None: filtered out above
             continue
         if generation.phase == Phase.PUBLISHED:
             board = dispatch.board(job.pk)
@@ -851,14 +864,14 @@ def expire_overdue() -> list[int]:
             ready = board.ready(generation.number)
             if generation.ready_at is None and set(joiners) <= ready:
                 Generation.objects.filter(pk=generation.pk).update(
-                    ready_at=now, deadline_at=min(generation.deadline_at, _deadline("FORM_TIMEOUT_S"))
+                    ready_at=now, deadline_at=min(deadline_at, _deadline("FORM_TIMEOUT_S"))
                 )
                 continue
-            if generation.deadline_at > now:
+            if deadline_at > now:
                 continue
             late = {key: device for key, device in joiners.items() if key not in ready}
             _expire_published(job, generation, late)
-        elif generation.deadline_at <= now:
+        elif deadline_at <= now:
             if generation.phase == Phase.PLANNED:
                 _end_generation(
                     job, Phase.EXPIRED, "stopping workers did not exit",

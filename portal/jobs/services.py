@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -23,7 +23,7 @@ from portal.live import broadcast
 from portal.trigger import request_schedule
 
 
-def check_spec(owner: AbstractBaseUser, data: Any, code_uploaded: bool = True) -> JobSpec:
+def check_spec(owner: User, data: Any, code_uploaded: bool = True) -> JobSpec:
     """The validated spec that `owner` may submit. Raises ApiError 400 listing every bad field,
     then for code `owner` cannot use or whose module lacks the entrypoint's class, or for an
     `init_from` that is not theirs. `code_uploaded` False (a dry run before the upload) leaves
@@ -39,7 +39,7 @@ def check_spec(owner: AbstractBaseUser, data: Any, code_uploaded: bool = True) -
     return spec
 
 
-def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
+def submit_job(owner: User, data: Any) -> Job:
     """Validate a spec (`check_spec`) and store the job, queued. Raises ApiError 400."""
     spec = check_spec(owner, data)
     with transaction.atomic():
@@ -48,7 +48,7 @@ def submit_job(owner: AbstractBaseUser, data: Any) -> Job:
     return job
 
 
-def dry_run(owner: AbstractBaseUser, data: Any) -> tuple[JobSpec, bool]:
+def dry_run(owner: User, data: Any) -> tuple[JobSpec, bool]:
     """Checks a spec as `submit_job` would, storing nothing: returns the validated spec and
     whether its code (if it names any) is already uploaded and usable by `owner` (then its
     entrypoint is checked too; if not, the caller uploads it and submits). Raises ApiError 400."""
@@ -69,7 +69,7 @@ def usable_device_count() -> int:
     return usable_devices().count()
 
 
-def request_resize(job: Job, workers: int | None, by: AbstractBaseUser) -> Job:
+def request_resize(job: Job, workers: int | None, by: User) -> Job:
     """Pin the job to `workers` workers (None lifts the pin), as `by` asks. Raises ApiError 400
     for a count outside [min, max] or above the cluster's usable devices, 409 for a job that has
     ended."""

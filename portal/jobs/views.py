@@ -13,6 +13,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 
 from elastic.workloads import CATALOGUE
+from portal.auth import SignedInRequest
 from portal.errors import ApiError
 from portal.jobs import curves
 from portal.jobs.access import job_for
@@ -80,7 +81,7 @@ def job_list(request: HttpRequest) -> HttpResponse:
 
 
 @login_required
-def submit_page(request: HttpRequest) -> HttpResponse:
+def submit_page(request: SignedInRequest) -> HttpResponse:
     values: dict[str, Any] = {"source": "catalogue", "workload": "digits-mlp", "min_workers": "1", "max_workers": "2",
                               "priority": "guaranteed", "consistency": "strict", "length_kind": "steps",
                               "length": "2000", "seed": "0"}
@@ -91,7 +92,7 @@ def submit_page(request: HttpRequest) -> HttpResponse:
         workload = chosen_workload(request.POST)
         values["source"] = OWN_CODE if workload == OWN_CODE else "catalogue"
         try:
-            spec = spec_from_post(request.POST, request.FILES, request.user)  # type: ignore[arg-type]
+            spec = spec_from_post(request.POST, request.FILES, request.user)
             if isinstance(spec, dict) and spec.get("code"):
                 values["code_digest"] = spec["code"]  # kept for the next try, if this one fails
             job = submit_job(request.user, spec)

@@ -43,10 +43,9 @@ def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot, held: Collectio
     lent = {d.id for d in snapshot.devices if d.lent}
     parts: list[str] = []
     for reason in reasons_of(job, plan, snapshot):
-        if reason == Reason.PINNED:
-            parts.append(f"pinned to {counted(job.pinned_workers, 'worker')} by a manual resize")
-        elif reason == Reason.PIN_UNMET:
-            parts.append(f"pinned to {counted(job.pinned_workers, 'worker')}, which cannot be met now")
+        if reason in (Reason.PINNED, Reason.PIN_UNMET) and job.pinned_workers is not None:  # a pinned job's
+            pinned = f"pinned to {counted(job.pinned_workers, 'worker')}"
+            parts.append(f"{pinned} by a manual resize" if reason == Reason.PINNED else f"{pinned}, which cannot be met now")
         elif reason == Reason.MINIMUM:
             parts.append(f"its minimum of {counted(job.min_workers, 'worker')}")
         elif reason == Reason.FAIR_SHARE:

@@ -111,8 +111,9 @@ def worker_step_times(
     found: dict[int, tuple[tuple[float, ...], ...]] = {}
     for job in settled:
         ranks = [next(values) for _ in current[job.pk]]
-        if all(ranks):
-            found[job.pk] = tuple(tuple(float(t) for t in json.loads(raw)) for raw in ranks)
+        reported = [raw for raw in ranks if raw]
+        if len(reported) == len(ranks):
+            found[job.pk] = tuple(tuple(float(t) for t in json.loads(raw)) for raw in reported)
     return found
 
 

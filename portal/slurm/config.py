@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,11 +83,12 @@ def _words(variable: str, text: str) -> tuple[str, ...]:
         raise ImproperlyConfigured(f"{variable}={text!r} is not a list of shell words: {err}") from None
 
 
-def pool_config(raw: dict[str, Any] | None = None) -> PoolConfig:
+def pool_config(raw: Mapping[str, Any] | None = None) -> PoolConfig:
     """The pool's settings from `raw` (default settings.BUNGEE_SLURM). Raises
     ImproperlyConfigured, quoting the variable and its value, for one that cannot work; when the
     pool is off only the types are checked (by portal.settings)."""
-    raw = settings.BUNGEE_SLURM if raw is None else raw
+    if raw is None:
+        raw = settings.BUNGEE_SLURM
     gres = str(raw["GRES"]).strip()
     match = GRES_PATTERN.match(gres)
     time_limit = str(raw["TIME_LIMIT"]).strip()
