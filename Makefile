@@ -34,7 +34,9 @@ demo: install
 
 test: install $(TEST_LIBS)
 	$(PY) -m ruff check .
-	$(PY) -m mypy elastic agent
+	# As a module, not the mypy script: django-stubs' plugin imports the portal's settings, and
+	# only `python -m` puts this checkout ahead of the installed CLI's one-module `elastic`.
+	$(PY) -m mypy elastic agent portal
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The reference pages (docs/reference/) from the code: the job spec, the configuration, /metrics.
