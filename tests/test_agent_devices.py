@@ -24,13 +24,59 @@ from agent.devices import (
 )
 from agent.devices.nvml import GpuProcess, NvmlBackend, classify_processes, with_descendants
 from agent.devices.simulated import SLOWDOWN_ENV, SimulatedBackend, simulated_power_w, simulated_temperature_c
+from elastic.wire import DeviceSample
 
-BUSY = "import time\nwhile True:\n    pass\n"
 SLEEPY = "import time\ntime.sleep(600)\n"
+BURNS = (
+    "import sys, time\n"
+    "for _ in sys.stdin:\n"
+    "    end = time.process_time() + 0.1\n"
+    "    while time.process_time() < end:\n"
+    "        pass\n"
+    "    print('burnt', flush=True)\n"
+)
+"""Burns 0.1 s of CPU for each line it reads, then says so; idle in between, gone at EOF."""
 
 
-def _spawn(code: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", code])
+def _spawn(code: str, piped: bool = False) -> subprocess.Popen[bytes]:
+    pipe = subprocess.PIPE if piped else None
+    return subprocess.Popen([sys.executable, "-c", code], stdin=pipe, stdout=pipe)
+
+
+def _burn(process: subprocess.Popen[bytes]) -> None:
+    """Has a BURNS process (or one whose child it is) burn 0.1 s of CPU, and waits until it did."""
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(b"burn\n")
+    process.stdin.flush()
+    assert process.stdout.readline() == b"burnt\n"
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """The CPU time (user and system) these processes used so far, as /proc counts it."""
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def _sample_around_a_burn(
+    backend: SimulatedBackend, workers: dict[int, tuple[int, int]], burner: subprocess.Popen[bytes], pids: list[int]
+) -> tuple[list[DeviceSample], float, float]:
+    """Samples `backend` twice with a burn of `burner` between, and returns the second sample
+    with the bounds of the CPU percent of `pids` over the backend's window, measured here from
+    their CPU times and the clock read on either side of each sample: whatever share of a core
+    the machine gave them, the backend must report a value between the two."""
+    before_first, cpu_before_first = time.monotonic(), _cpu_s(pids)
+    backend.sample(workers)  # psutil measures between two readings
+    after_first, cpu_after_first = time.monotonic(), _cpu_s(pids)
+    _burn(burner)
+    before_second, cpu_before_second = time.monotonic(), _cpu_s(pids)
+    samples = backend.sample(workers)
+    after_second, cpu_after_second = time.monotonic(), _cpu_s(pids)
+    low = 100 * (cpu_before_second - cpu_after_first) / (after_second - before_first)
+    high = 100 * (cpu_after_second - cpu_before_first) / (before_second - after_first)
+    return samples, min(100.0, low), min(100.0, high)
 
 
 @pytest.fixture
@@ -40,6 +86,9 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     for process in started:
         process.kill()
         process.wait()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                pipe.close()  # a BURNS child of it reads EOF and ends
 
 
 def _nvml_works() -> bool:
@@ -112,15 +161,14 @@ def test_idle_slots_read_zero_with_the_model_at_idle() -> None:
 
 
 def test_utilisation_rises_while_a_busy_process_runs_on_its_slot(processes: list) -> None:
-    busy = _spawn(BUSY)
+    busy = _spawn(BURNS, piped=True)
     processes.append(busy)
     backend = SimulatedBackend(slots=2)
     workers = {busy.pid: (7, 1)}
-    backend.sample(workers)  # psutil measures between two readings
-    time.sleep(0.5)
-    idle, loaded = backend.sample(workers)
+    (idle, loaded), low, high = _sample_around_a_burn(backend, workers, busy, [busy.pid])
     assert idle.utilization_pct == 0 and idle.processes == []
-    assert loaded.utilization_pct > 20
+    assert low - 0.1 <= loaded.utilization_pct <= high + 0.1, (low, loaded.utilization_pct, high)
+    assert loaded.utilization_pct > idle.utilization_pct
     assert loaded.temperature_c is not None and loaded.temperature_c > simulated_temperature_c(0)
     assert loaded.power_w is not None and loaded.power_w > simulated_power_w(0)
     assert loaded.memory_used_bytes > 0
@@ -131,19 +179,15 @@ def test_utilisation_rises_while_a_busy_process_runs_on_its_slot(processes: list
 
 
 def test_utilisation_counts_the_children_of_a_worker(processes: list) -> None:
-    parent = _spawn(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {BUSY!r}])\n")
+    parent = _spawn(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {BURNS!r}])\n", piped=True)
     processes.append(parent)
-    deadline = time.monotonic() + 10
-    while not psutil.Process(parent.pid).children() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _burn(parent)  # its child answers: it runs
+    [child] = psutil.Process(parent.pid).children()
     backend = SimulatedBackend(slots=1)
-    backend.sample({parent.pid: (1, 0)})
-    time.sleep(0.5)
-    [sample] = backend.sample({parent.pid: (1, 0)})
-    assert sample.utilization_pct > 20
+    [sample], low, high = _sample_around_a_burn(backend, {parent.pid: (1, 0)}, parent, [parent.pid, child.pid])
+    assert low - 0.1 <= sample.utilization_pct <= high + 0.1, (low, sample.utilization_pct, high)
+    assert sample.utilization_pct > 0, "the child's CPU counts"
     assert [p.pid for p in sample.processes] == [parent.pid]
-    for child in psutil.Process(parent.pid).children(recursive=True):
-        child.kill()
 
 
 def test_a_worker_that_is_gone_is_left_out(processes: list) -> None:

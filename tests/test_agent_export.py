@@ -6,7 +6,6 @@ hands them to the uploader. Without a checkpoint on the node there is nothing to
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +41,29 @@ def checkpoint_of_three_steps(run_dir: Path) -> TrainingState:
     return state
 
 
-def run_export(run_dir: Path, running: list[list[RunningWorker]]) -> list[WorkerEvent]:
-    handed: list[WorkerEvent] = []
-    exporter = CheckpointExporter(lambda: running.pop(0) if len(running) > 1 else running[0], None, handed.append)
+def run_export(run_dir: Path, running: list[list[RunningWorker]]) -> list[list[RunningWorker] | WorkerEvent]:
+    """Runs an export whose node runs `running` in turn (the last one from then on). Returns what
+    happened in order: each answer the exporter was given when it asked what runs, and each event
+    it handed over."""
+    happened: list[list[RunningWorker] | WorkerEvent] = []
+
+    def running_now() -> list[RunningWorker]:
+        workers = running.pop(0) if len(running) > 1 else running[0]
+        happened.append(workers)
+        return workers
+
+    exporter = CheckpointExporter(running_now, None, happened.append)
     command = ExportCommand(job_id=9, generation=4, spec=SPEC, run_dir=str(run_dir))
     exporter.start(command).join(120)
-    return handed
+    return happened
 
 
 def test_the_checkpoint_is_exported_once_the_jobs_workers_are_gone(tmp_path: Path) -> None:
     state = checkpoint_of_three_steps(tmp_path / "run")
     still_there = RunningWorker(job_id=9, generation=4, rank=0, pid=1, device_index=0)
-    began = time.monotonic()
-    [event] = run_export(tmp_path / "run", [[still_there], [still_there], []])
-    assert time.monotonic() - began >= 0.4, "it waited for the job's worker to exit"
+    *asked, event = run_export(tmp_path / "run", [[still_there], [still_there], []])
+    assert asked == [[still_there], [still_there], []], "it exports once the job's worker is gone, not before"
+    assert isinstance(event, WorkerEvent)
     assert (event.kind, event.job_id, event.step) == ("artifacts", 9, 3)
     directory = Path(event.message or "")
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
@@ -64,9 +72,10 @@ def test_the_checkpoint_is_exported_once_the_jobs_workers_are_gone(tmp_path: Pat
     assert all(torch.equal(model[name], value) for name, value in state.model.items())
     assert set(manifest["final"]["metrics"]) >= {"accuracy"}
 
-    [again] = run_export(tmp_path / "run", [[]])
+    [nothing_runs, again] = run_export(tmp_path / "run", [[]])
+    assert nothing_runs == [] and isinstance(again, WorkerEvent)
     assert again.message == event.message, "what is there already is named, not written again"
 
 
 def test_a_node_without_the_checkpoint_hands_over_nothing(tmp_path: Path) -> None:
-    assert run_export(tmp_path / "elsewhere", [[]]) == []
+    assert run_export(tmp_path / "elsewhere", [[]]) == [[]], "asked once what runs; nothing handed over"

@@ -137,9 +137,10 @@ def test_the_servers_end_leaves_its_children_running() -> None:
 
 def test_a_server_that_cannot_start_is_not_waited_for() -> None:
     broken = ForkServer({**os.environ, "PYTHONPATH": "/nonexistent"}, python="/bin/false")
-    began = time.monotonic()
     assert not broken.wait_ready(timeout_s=60)
-    assert time.monotonic() - began < 30, "its end is seen at once, not at the deadline"
+    # The wait ended because its end was seen (the reader sets the event when the server is
+    # gone), not because the deadline passed with the event still clear.
+    assert broken._ready.is_set(), "its end is seen at once, not at the deadline"
     with pytest.raises(ForkServerError, match="not ready"):
         broken.spawn(MODULE, dict(os.environ), 0, 1, 2)
     broken.close()

@@ -36,7 +36,7 @@ def test_every_phase_transition(job: Job, source: GenerationPhase, target: Gener
         assert row.phase == target
         assert (row.ended_at is not None) == target.final
     else:
-        with pytest.raises(InvalidPhaseTransition):
+        with pytest.raises(InvalidPhaseTransition, match=f"from '{source.value}' to '{target.value}'"):
             lifecycle.move_phase(row, target)
         row.refresh_from_db()
         assert row.phase == source

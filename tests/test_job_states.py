@@ -1,5 +1,6 @@
-"""The job state machine: every listed transition works, every other one is refused, and a
-claim moves a job only from the state its caller read."""
+"""The job state machine: `Job.claim` (the one way a job's state changes) makes every listed
+transition and refuses every other one, leaving the row as it was; a claim moves a job only
+from the state its caller read."""
 
 from __future__ import annotations
 
@@ -10,11 +11,26 @@ import pytest
 from portal.jobs.states import FINAL_STATES, TRANSITIONS, InvalidTransition, JobState, check_transition
 
 ALLOWED = {(s, t) for s, targets in TRANSITIONS.items() for t in targets}
+PAIRS = sorted(itertools.product(JobState, JobState))
 
 
-@pytest.mark.parametrize("source,target", sorted(ALLOWED))
-def test_listed_transition_is_allowed(source: JobState, target: JobState) -> None:
-    check_transition(source, target)
+@pytest.mark.django_db
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{s.value}->{t.value}" for s, t in PAIRS])
+def test_claim_makes_a_listed_transition_and_refuses_any_other(source: JobState, target: JobState) -> None:
+    from django.contrib.auth import get_user_model
+
+    from portal.jobs.models import Job
+
+    job = Job.objects.create(
+        owner=get_user_model().objects.create(username="alice"), name="j", workload="digits-mlp", spec={},
+        min_workers=1, max_workers=1, priority="guaranteed", consistency="strict", total_steps=10, state=source,
+    )
+    if (source, target) in ALLOWED:
+        assert job.claim(target)
+    else:
+        with pytest.raises(InvalidTransition, match=f"from '{source.value}' to '{target.value}'"):
+            job.claim(target)
+    assert Job.objects.get(pk=job.pk).state == (target if (source, target) in ALLOWED else source)
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,23 @@
-"""The life of a warm standby (agent.standby.StandbyState): every listed transition is allowed,
-every other pair of states is refused, the final states have no way out, and the enum's
-docstring lists every transition."""
+"""The life of a warm standby (agent.standby.StandbyState): the pool's one place that moves a
+standby (StandbyPool._move) makes every listed transition and refuses every other one, leaving
+the standby as it was; the final states have no way out, and the enum's docstring lists every
+transition."""
 
 from __future__ import annotations
 
 import itertools
+import os
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from agent.devices import WorkerPlacement
 from agent.standby import (
     STANDBY_TRANSITIONS,
     InvalidStandbyTransition,
+    Standby,
+    StandbyPool,
     StandbyState,
     check_standby_transition,
 )
@@ -18,12 +25,21 @@ from agent.standby import (
 ALLOWED = {(s, t) for s, targets in STANDBY_TRANSITIONS.items() for t in targets}
 ALL_PAIRS = set(itertools.product(StandbyState, StandbyState))
 FINAL = {StandbyState.TAKEN, StandbyState.KILLED, StandbyState.DIED}
+PAIRS = sorted(ALL_PAIRS)
 
 
-@pytest.mark.parametrize("source,target", sorted(ALLOWED))
-def test_listed_transition_is_allowed(source: StandbyState, target: StandbyState) -> None:
-    check_standby_transition(source, target)
-    check_standby_transition(source.value, target.value)
+@pytest.mark.parametrize(("source", "target"), PAIRS, ids=[f"{s.value}->{t.value}" for s, t in PAIRS])
+def test_the_pool_makes_a_listed_transition_and_refuses_any_other(source: StandbyState, target: StandbyState) -> None:
+    process = SimpleNamespace(pid=os.getpid())  # what the pool's log reads of it
+    standby = Standby(0, WorkerPlacement(device="cpu"), process, Path("standby.out"), state=source)  # type: ignore[arg-type]
+    since = standby.since
+    if (source, target) in ALLOWED:
+        StandbyPool._move(standby, target)
+        assert standby.state is target and standby.since >= since
+    else:
+        with pytest.raises(InvalidStandbyTransition, match=f"from '{source.value}' to '{target.value}'"):
+            StandbyPool._move(standby, target)
+        assert (standby.state, standby.since) == (source, since)
 
 
 @pytest.mark.parametrize("source,target", sorted(ALL_PAIRS - ALLOWED))

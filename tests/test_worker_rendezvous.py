@@ -445,9 +445,12 @@ def test_a_store_client_that_gets_no_answer_gives_up(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(rendezvous, "STORE_CONNECT_S", 0.5)
     squatter = SilentListener()
     try:
-        began = time.monotonic()
         with pytest.raises(RendezvousError, match="does not answer as rank 0's store"):
             connect_store("127.0.0.1", squatter.port, 2, timedelta(seconds=30))
-        assert time.monotonic() - began < 5, "it waited for the store's own timeout"
+        # It gave up on its own deadline: torch's attempt, which waits for its 30 s timeout, is
+        # still under way in its thread.
+        assert any(
+            thread.name == f"store-client-{squatter.port}" and thread.is_alive() for thread in threading.enumerate()
+        ), "it waited for the store's own timeout"
     finally:
         squatter.close()
