@@ -15,6 +15,11 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["portal.scheduling", "portal.jobs", "portal.slurm"])
 
 
+PRUNE_EVERY_S = 3600.0
+"""The period of the beat's pruning tasks (portal.jobs.tasks), given here, not imported from
+them: they import the job lifecycle, which imports this module (portal.trigger)."""
+
+
 @app.on_after_finalize.connect
 def _beat_schedule(sender: Celery, **_: object) -> None:
     from django.conf import settings
@@ -23,8 +28,6 @@ def _beat_schedule(sender: Celery, **_: object) -> None:
         settings.BUNGEE["SCHEDULE_TICK_S"], sender.signature("portal.scheduling.tasks.tick"),
         name="scheduler tick",
     )
-    from portal.jobs.tasks import PRUNE_EVERY_S
-
     sender.add_periodic_task(
         PRUNE_EVERY_S, sender.signature("portal.jobs.tasks.prune_artifacts"), name="prune artifacts"
     )

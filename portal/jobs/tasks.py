@@ -10,8 +10,6 @@ from celery import shared_task
 
 from portal.jobs import artifacts, history
 
-PRUNE_EVERY_S = 3600.0
-
 
 @shared_task(name="portal.jobs.tasks.prune_artifacts", ignore_result=True)
 def prune_artifacts() -> list[int]:
