@@ -53,6 +53,9 @@ def test_an_ended_job_shows_how_it_ended_and_nothing_live(browser_platform: Any,
     page.wait_for_selector("#conn-state[data-state=live]")
     for chart in ("#loss-chart", "#speed-chart"):
         assert page.locator(f"{chart} .chart-empty").inner_text() == "no data yet"
+    # The empty tables and the empty log say so too.
+    assert page.locator("#resizes tbody").inner_text().strip() == "no workers yet"
+    assert page.locator("#log").inner_text() == "" and page.get_attribute("#log", "data-empty") == "no log lines yet"
     assert page.locator("#resize-to").is_visible() and "Workers" in facts(page)
     screenshot(page, "job-queued-no-data-yet")
     assert browser_platform.api("alice").post(f"/api/jobs/{job_id}/cancel").status_code == 200
@@ -63,6 +66,8 @@ def test_an_ended_job_shows_how_it_ended_and_nothing_live(browser_platform: Any,
     assert re.fullmatch(r"never started \(\d+ (s|min \d+ s) queued\)", shown["Ran for"]), shown
     assert page.inner_text("#job-message") == "cancelled by its owner"
     assert page.locator("#loss-chart .chart-empty").inner_text() == "no data: the job trained no step"
+    page.wait_for_selector("#resizes tbody :text('none: the job never had workers')", timeout=10_000)
+    assert page.get_attribute("#log", "data-empty") == "no log lines: the job's workers wrote none"
     screenshot(page, "job-cancelled-ended")
     assert axe_violations(page) == []
     page.reload()

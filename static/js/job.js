@@ -299,6 +299,7 @@
     state.textContent = job.state;
     state.className = "state state-" + job.state;
     $("#job-message").textContent = job.message || "";
+    markEmptyLog();
     // The controls of a live job go when it ends (the page of an ended job has none).
     const controls = $("#live-controls");
     if (controls && ended) controls.remove();
@@ -329,7 +330,7 @@
     });
     if (!(job.allocations || []).length) {
       const row = el("tr");
-      row.appendChild(el("td", "no devices now", { colspan: "5" }));
+      row.appendChild(el("td", "no devices now", { colspan: "5", class: "table-empty" }));
       body.appendChild(row);
     }
   }
@@ -352,9 +353,18 @@
           .map(([name, s]) => name.replace("_", " ") + " " + (s * 1000).toFixed(0) + " ms").join(", ") || "–"));
       body.appendChild(row);
     });
+    if (!(job.resizes || []).length) {
+      const row = el("tr");
+      row.appendChild(el("td", hasEnded() ? "none: the job never had workers" : "no workers yet", { colspan: "10", class: "table-empty" }));
+      body.appendChild(row);
+    }
   }
 
   const log = $("#log");
+  // An empty log says why it is empty (the CSS shows data-empty while the log has no line).
+  function markEmptyLog() {
+    log.dataset.empty = hasEnded() ? "no log lines: the job's workers wrote none" : "no log lines yet";
+  }
   function appendLog(line) {
     const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
     log.append(line + "\n");
@@ -368,6 +378,7 @@
     appendLog("[" + entry.generation + "." + entry.rank + "] " + entry.line);
   }
   boot.logs.forEach(addLog);
+  markEmptyLog();
 
   async function refresh() {
     const reply = await fetch("/api/jobs/" + job.id, { credentials: "same-origin" });
