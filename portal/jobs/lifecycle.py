@@ -943,11 +943,11 @@ def nodes_lost() -> list[str]:
         )
         alive = beating(node.name, running)
         if alive and node.last_seen_at >= given_up:
-            if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.UNREACHABLE):
+            if node.move(Node.State.UNREACHABLE, sources=(Node.State.ONLINE,)):
                 log.warning("node %s: agent unreachable, its workers train on", node.name)
                 broadcast.node_changed(node.name, Node.State.UNREACHABLE.value, node.last_seen_at)
             continue
-        if Node.objects.filter(pk=node.pk, state=node.state).update(state=Node.State.LOST) != 1:
+        if not node.move(Node.State.LOST):
             continue
         silence_s = (now - node.last_seen_at).total_seconds()
         if alive:
