@@ -16,7 +16,6 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from elastic.wire import DeviceInfo, NodeRegistration
 from portal.cluster import drain
 from portal.cluster.ingest import node_seen, register_node
 from portal.cluster.models import Node
@@ -24,7 +23,7 @@ from portal.cluster.node_states import NODE_TRANSITIONS, InvalidNodeTransition, 
 from portal.dispatch import board
 from portal.jobs.lifecycle import nodes_lost
 from portal.scheduling.cycle import run_cycle
-from tests.test_node_agent_restart import formed, silence
+from tests.test_node_agent_restart import formed, registration, silence
 from tests.test_node_drain import notice
 from tests.test_scheduler_cycle import report, submit
 
@@ -80,18 +79,6 @@ def test_the_docstring_lists_every_transition() -> None:
         assert f"{source.value:<11} -> {target.value}" in doc, (source, target)
 
 
-def _registration() -> NodeRegistration:
-    return NodeRegistration(
-        name="node-a",
-        address="127.0.0.1",
-        backend="simulated",
-        devices=[
-            DeviceInfo(index=i, uuid=f"sim-{i}", name="CPU slot", kind="cpu-slot", memory_total_bytes=2**30)
-            for i in range(4)
-        ],
-    )
-
-
 def _beating(api: dict[str, Any], node: Node) -> None:
     """A job runs on the node and its workers' heartbeats are fresh."""
     job = submit(api)
@@ -117,7 +104,7 @@ def _reported(api: dict[str, Any], node: Node) -> None:
 
 
 def _registered(api: dict[str, Any], node: Node) -> None:
-    register_node(_registration())
+    register_node(registration())
 
 
 def _drains(api: dict[str, Any], node: Node) -> None:
@@ -162,7 +149,7 @@ def test_each_writer_makes_its_transition(
 @pytest.mark.parametrize("state", [NodeState.UNREACHABLE, NodeState.LOST])
 def test_a_registration_brings_a_silent_node_online(cluster: Node, state: NodeState) -> None:
     put(cluster, state)
-    node, _ = register_node(_registration())
+    node, _ = register_node(registration())
     assert node.state == NodeState.ONLINE == Node.objects.get(pk=node.pk).state
 
 
