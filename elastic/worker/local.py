@@ -5,7 +5,8 @@ workers' stdout as the agent decodes them (elastic.membership.codec). For tests 
 the platform has its own scheduler and supervision.
 
 `LocalJob.start` publishes the first generation; `resize` publishes the next one, starting
-processes only for slots that have none (joiners); survivors and leavers read the record. With
+processes only for slots that have none (joiners); survivors and leavers read the record. Each
+record is composed by the portal's rule (elastic.membership.compose): holders of the state first. With
 `heal` on, a worker that dies makes the job publish a generation without it, as the portal does
 when an agent reports the death; if no worker holding the state is left, the whole target is
 started again, from the periodic checkpoint.
@@ -27,8 +28,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from elastic.membership.codec import decode, is_event_line
+from elastic.membership.compose import Seat, compose_membership, holders_first
 from elastic.membership.redis import RedisBoard
-from elastic.wire import Member, Membership, WorkerConfig, WorkerEvent, member_key
+from elastic.wire import Membership, WorkerConfig, WorkerEvent, member_key
 from elastic.worker import (
     COMPLETED_EXIT_CODE,
     FAILED_EXIT_CODE,
@@ -45,6 +47,10 @@ NODE = "local"
 _CLEAN_EXITS = (COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, LEFT_EXIT_CODE)
 """Exits after which `heal` publishes no new generation; nor after USER_ERROR_EXIT_CODE, the job's
 own code failing, which the portal does not restart either."""
+
+
+def _seat(slot: int) -> Seat:
+    return Seat(NODE, slot, LOCALHOST)
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -176,28 +182,21 @@ class LocalJob:
     def _publish(self, slots: list[int], virtual_workers: Mapping[int, int] | None = None) -> Membership:
         live = {output.slot: output for output in self.outputs if output.returncode is None}
         previous = {key: rank for rank, key in enumerate(self.records[-1].keys())} if self.records else {}
-        holders = [slot for slot in slots if slot in live and live[slot].holds_state]
-        holders.sort(key=lambda slot: previous.get(member_key(NODE, slot), len(previous)))
-        ordered = holders + [slot for slot in slots if slot not in holders]
-        any_holder = sorted(
-            (output for output in live.values() if output.holds_state),
-            key=lambda output: previous.get(member_key(NODE, output.slot), len(previous)),
-        )
-        donor = None
-        if any_holder and not holders:
-            donor = Member(node=NODE, device_index=any_holder[0].slot, address=LOCALHOST, joiner=False)
-        record = Membership(
-            job_id=self.job_id,
-            generation=self.generation + 1,
-            master_addr=LOCALHOST,
+        holder_ranks = {
+            slot: previous.get(member_key(NODE, slot), len(previous))
+            for slot, output in live.items()
+            if output.holds_state
+        }
+        ordered = holders_first(slots, holder_ranks)
+        record = compose_membership(
+            self.job_id,
+            self.generation + 1,
+            [_seat(slot) for slot in ordered],
+            [_seat(slot) for slot in sorted(holder_ranks, key=holder_ranks.__getitem__)],
             master_port=free_port(),
-            members=[
-                Member(node=NODE, device_index=slot, address=LOCALHOST, joiner=slot not in holders)
-                for slot in ordered
-            ],
-            has_state=bool(any_holder),
-            donor=donor,
-            virtual_workers=[virtual_workers[slot] for slot in ordered] if virtual_workers else None,
+            virtual_workers={member_key(NODE, slot): n for slot, n in virtual_workers.items()}
+            if virtual_workers
+            else None,
         )
         self.board.publish(record)
         self.records.append(record)

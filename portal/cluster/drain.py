@@ -1,5 +1,5 @@
 """A node leaving gracefully, as the portal sees it: the only writer of the draining and drained
-states (portal.cluster.models.Node.State lists every transition).
+states (portal.cluster.node_states lists every transition).
 
 A drain starts from the node's agent (its reports carry elastic.wire.DrainNotice once it got
 SIGTERM from Slurm, Kubernetes or a person) or from an operator (`drain`, which also tells the
@@ -36,9 +36,9 @@ def draining(node: Node, notice: DrainNotice) -> bool:
     node starts draining; a draining one takes a nearer deadline. Returns whether this call
     started the drain."""
     deadline_at = datetime.fromtimestamp(notice.deadline_at, tz=UTC)
-    started = Node.objects.filter(pk=node.pk, state__in=_DRAINABLE).update(
-        state=Node.State.DRAINING, drain_cause=notice.cause, drain_deadline_at=deadline_at
-    ) == 1
+    started = node.move(
+        Node.State.DRAINING, sources=_DRAINABLE, drain_cause=notice.cause, drain_deadline_at=deadline_at
+    )
     if not started:
         Node.objects.filter(pk=node.pk, state=Node.State.DRAINING, drain_deadline_at__gt=deadline_at).update(
             drain_deadline_at=deadline_at
@@ -64,7 +64,7 @@ def drain(node: Node, deadline_s: float, cause: DrainCause = "operator") -> bool
 
 def left(node: Node) -> None:
     """The agent of a draining node left, its workers gone: the node is drained."""
-    if Node.objects.filter(pk=node.pk, state=Node.State.DRAINING).update(state=Node.State.DRAINED) == 1:
+    if node.move(Node.State.DRAINED, sources=(Node.State.DRAINING,)):
         node.refresh_from_db()
         log.info("node %s drained (%s): its agent left", node.name, cause_text(node))
         request_schedule(f"node {node.name} drained")

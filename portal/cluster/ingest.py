@@ -18,6 +18,7 @@ from pydantic import TypeAdapter
 from elastic.wire import DeviceSample, NodeRegistration, RegistrationReply
 from portal.cluster.models import Device, Node, ReportRefusals
 from portal.cluster.models import DeviceSample as DeviceSampleRow
+from portal.cluster.node_states import SILENT_STATES
 from portal.cluster.state import latest_key
 from portal.dispatch import stream_for
 from portal.live import broadcast
@@ -45,12 +46,13 @@ def register_node(registration: NodeRegistration) -> tuple[Node, RegistrationRep
             defaults={
                 "address": registration.address,
                 "backend": registration.backend,
-                "state": Node.State.ONLINE,
                 "last_seen_at": now,
                 "drain_cause": "",
                 "drain_deadline_at": None,
             },
         )
+        if node.state != Node.State.ONLINE:  # read with the row locked (update_or_create)
+            node.move(Node.State.ONLINE)
         # In a few statements whatever the node's size (one a device took over 10 s, the agent's
         # timeout, for 1,024 devices on a loaded machine): the node's devices read once, the
         # new ones inserted together, the known ones updated together.
@@ -90,9 +92,7 @@ def node_seen(node: Node) -> None:
     global _overdue_checked_at
     came_back = node.state == Node.State.LOST
     now = timezone.now()
-    Node.objects.filter(pk=node.pk).update(last_seen_at=now)
-    silent = (Node.State.UNREACHABLE, Node.State.LOST)
-    if Node.objects.filter(pk=node.pk, state__in=silent).update(state=Node.State.ONLINE):
+    if _seen(node, now):
         broadcast.node_changed(node.name, Node.State.ONLINE.value, now)
     if came_back:
         request_schedule(f"node {node.name} is back")
@@ -104,6 +104,21 @@ def node_seen(node: Node) -> None:
     overdue = Node.objects.filter(state__in=silent_states, last_seen_at__lt=deadline).exclude(pk=node.pk)
     if overdue.exists():
         request_schedule(f"node(s) {', '.join(overdue.values_list('name', flat=True)[:5])} silent past the timeout")
+
+
+def _seen(node: Node, now: datetime) -> bool:
+    """Writes `now` as the node's last report, and brings a silent node (unreachable, lost) back
+    online, in one UPDATE: the state the caller read says which UPDATE to try; the other one
+    follows only if the state changed since (a tick marked the node unreachable or lost, or
+    another report brought it back). Returns whether this call brought it back online."""
+    bring_back_first = node.state in SILENT_STATES
+    for bring_back in (bring_back_first, not bring_back_first):
+        if bring_back:
+            if node.move(Node.State.ONLINE, sources=SILENT_STATES, last_seen_at=now):
+                return True
+        elif Node.objects.filter(pk=node.pk).exclude(state__in=SILENT_STATES).update(last_seen_at=now):
+            return False
+    return False
 
 
 def count_refused(node: Node, reason: ReportRefusals.Reason, count: int) -> None:

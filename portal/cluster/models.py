@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 from django.db import models
 
 from portal.accounts.models import ApiToken
+from portal.cluster.node_states import NodeState, check_node_transition
 
 
 class Node(models.Model):
-    class State(models.TextChoices):
-        """online -> unreachable (its agent is silent but its workers' heartbeats are fresh) ->
-        lost (silent, and no worker beats, or silent past UNREACHABLE_TIMEOUT_S); unreachable or
-        lost -> online (the agent reports or registers again); online -> lost.
-        online or unreachable -> draining (the node leaves by `drain_deadline_at`: its agent got
-        SIGTERM, or an operator asked; portal.cluster.drain) -> drained (its agent left with its
-        workers gone); draining -> lost (its agent fell silent mid-drain); draining, drained ->
-        online (an agent registers the node again)."""
-
-        ONLINE = "online"
-        UNREACHABLE = "unreachable", "agent unreachable"
-        LOST = "lost"
-        DRAINING = "draining"
-        DRAINED = "drained"
+    State = NodeState
+    """Its lifecycle: portal.cluster.node_states lists every transition; `move` performs them."""
 
     name = models.CharField(max_length=100, unique=True)
     address = models.CharField(max_length=255)
@@ -48,6 +40,21 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def move(self, target: NodeState, sources: Iterable[NodeState] | None = None, **fields: Any) -> bool:
+        """Moves this node to `target` if it is still in one of `sources` (by default the state
+        this object holds): a conditional UPDATE, which also sets `fields`. Returns whether this
+        call moved it (exactly one row changed). Raises InvalidNodeTransition if the state
+        machine does not allow one of `sources` -> `target` (portal.cluster.node_states)."""
+        sources = (NodeState(self.state),) if sources is None else tuple(sources)
+        for source in sources:
+            check_node_transition(source, target)
+        changed = Node.objects.filter(pk=self.pk, state__in=sources).update(state=target, **fields)
+        if changed == 1:
+            self.state = target
+            for name, value in fields.items():
+                setattr(self, name, value)
+        return changed == 1
 
 
 class ReportRefusals(models.Model):

@@ -36,11 +36,11 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from elastic.membership import GenerationPhase, check_phase_transition
+from elastic.membership.compose import Seat, compose_membership
 from elastic.spec import JobSpec
 from elastic.wire import (
     ExportCommand,
     LaunchCommand,
-    Member,
     Membership,
     RunningWorker,
     WorkerAssignment,
@@ -453,32 +453,15 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
 def membership_record(job: Job, allocations: list[Allocation], live: dict[tuple[int, int], Worker]) -> Membership:
     """The record of the job's newest generation: its allocations in rank order, each member a
     joiner unless a worker that holds the state runs on its device. A worker that holds the
-    state but is not a member hands it over (the donor) when no member holds it."""
+    state but is not a member hands it over (the donor) when no member holds it
+    (elastic.membership.compose)."""
     holders = sorted((row for row in live.values() if row.joined_at is not None), key=lambda row: row.rank)
-    members = []
-    for allocation in allocations:
-        device: Device = allocation.device
-        row = live.get((device.node_id, device.index))
-        members.append(
-            Member(
-                node=device.node.name,
-                device_index=device.index,
-                address=device.node.address,
-                joiner=row is None or row.joined_at is None,
-            )
-        )
-    donor = None
-    if holders and all(member.joiner for member in members):
-        donor = Member(node=holders[0].node.name, device_index=holders[0].device_index,
-                       address=holders[0].node.address, joiner=False)
-    return Membership(
-        job_id=job.pk,
-        generation=job.generation,
-        master_addr=allocations[0].device.node.address,
+    return compose_membership(
+        job.pk,
+        job.generation,
+        [Seat(a.device.node.name, a.device.index, a.device.node.address) for a in allocations],
+        [Seat(row.node.name, row.device_index, row.node.address) for row in holders],
         master_port=job.master_port or settings.BUNGEE["MASTER_PORT_BASE"],
-        members=members,
-        has_state=bool(holders),
-        donor=donor,
         global_batch=job.batch_size if job.consistency == Job.Consistency.HYBRID else None,
     )
 
@@ -943,11 +926,11 @@ def nodes_lost() -> list[str]:
         )
         alive = beating(node.name, running)
         if alive and node.last_seen_at >= given_up:
-            if Node.objects.filter(pk=node.pk, state=Node.State.ONLINE).update(state=Node.State.UNREACHABLE):
+            if node.move(Node.State.UNREACHABLE, sources=(Node.State.ONLINE,)):
                 log.warning("node %s: agent unreachable, its workers train on", node.name)
                 broadcast.node_changed(node.name, Node.State.UNREACHABLE.value, node.last_seen_at)
             continue
-        if Node.objects.filter(pk=node.pk, state=node.state).update(state=Node.State.LOST) != 1:
+        if not node.move(Node.State.LOST):
             continue
         silence_s = (now - node.last_seen_at).total_seconds()
         if alive:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from django.db.models import Q
 
+from elastic.membership.compose import holders_first
 from elastic.scheduling import ClusterSnapshot, Plan
 from portal.cluster import drain
 from portal.cluster.models import Device, Node
@@ -58,8 +59,7 @@ def _target(planned: tuple[int, ...], generation: Generation | None, min_workers
     excluded = set(generation.excluded_devices) if lifecycle.needs_replan(generation) and generation else set()
     kept = tuple(d for d in planned if d not in excluded)
     target = kept if len(kept) >= min_workers else planned
-    order = {device: index for index, device in enumerate(target)}
-    return tuple(sorted(target, key=lambda d: (0, holders[d]) if d in holders else (1, order[d])))
+    return tuple(holders_first(target, holders))
 
 
 DRAINED_STATES = (Node.State.DRAINING, Node.State.DRAINED)
