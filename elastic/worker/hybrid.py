@@ -28,17 +28,15 @@ the state (small_state), since it no longer follows from the step alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.tasks.runtime import BoundTask
 from elastic.worker.data import SampleStream
 from elastic.worker.settings import BUCKET_BYTES
-from elastic.worker.trainer import SampleRecorder, StepOutcome, SwitchVote, Trainer
+from elastic.worker.trainer import StepOutcome, SwitchVote, Trainer, TrainerOptions
 
 
 @dataclass(frozen=True)
@@ -97,25 +95,13 @@ class HybridTrainer(Trainer):
         seed: int,
         rank: int,
         world_size: int,
-        recorder: SampleRecorder | None = None,
-        compute_done: Callable[[], None] | None = None,
-        scheduler: LRScheduler | None = None,
-        skip_nonfinite: bool = False,
+        *,
         bucket_bytes: int = BUCKET_BYTES,
+        **options: Unpack[TrainerOptions],
     ) -> None:
+        batch = schedule.global_batch(world_size)
         super().__init__(
-            problem,
-            optimizer,
-            stream,
-            schedule.global_batch(world_size),
-            seed,
-            rank,
-            world_size,
-            recorder,
-            compute_done=compute_done,
-            scheduler=scheduler,
-            skip_nonfinite=skip_nonfinite,
-            bucket_bytes=bucket_bytes,
+            problem, optimizer, stream, batch, seed, rank, world_size, bucket_bytes=bucket_bytes, **options
         )
         self.schedule = schedule
         self.position = 0

@@ -50,13 +50,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import numpy
 import torch
 import torch.distributed as dist
-from torch.optim.lr_scheduler import LRScheduler
 
 from elastic.consistency.exact_sum import spare_bits, tensor_scales
 from elastic.consistency.placement import check_shares, even_shares, hosted
@@ -67,10 +65,10 @@ from elastic.worker.trainer import (
     METRIC_SLOTS,
     CollectiveError,
     NonFiniteLossError,
-    SampleRecorder,
     StepOutcome,
     SwitchVote,
     Trainer,
+    TrainerOptions,
     all_reduce,
     names_fingerprint,
     vote,
@@ -104,24 +102,9 @@ class StrictTrainer(Trainer):
         rank: int,
         world_size: int,
         virtual_workers: int,
-        recorder: SampleRecorder | None = None,
-        compute_done: Callable[[], None] | None = None,
-        scheduler: LRScheduler | None = None,
-        skip_nonfinite: bool = False,
+        **options: Unpack[TrainerOptions],
     ) -> None:
-        super().__init__(
-            problem,
-            optimizer,
-            stream,
-            batch_size,
-            seed,
-            rank,
-            world_size,
-            recorder,
-            compute_done=compute_done,
-            scheduler=scheduler,
-            skip_nonfinite=skip_nonfinite,
-        )
+        super().__init__(problem, optimizer, stream, batch_size, seed, rank, world_size, **options)
         if not 1 <= virtual_workers <= batch_size:
             raise ValueError(f"virtual_workers ({virtual_workers}) must be in 1..batch_size ({batch_size})")
         self.virtual_workers = virtual_workers

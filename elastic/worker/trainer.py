@@ -27,7 +27,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -234,6 +234,16 @@ class SampleRecorder:
             os.write(descriptor, line.encode())
         finally:
             os.close(descriptor)
+
+
+class TrainerOptions(TypedDict, total=False):
+    """The keyword arguments of Trainer that the trainers of the consistency modes (strict,
+    hybrid) take and pass on unchanged; see Trainer."""
+
+    recorder: SampleRecorder | None
+    compute_done: Callable[[], None] | None
+    scheduler: LRScheduler | None
+    skip_nonfinite: bool
 
 
 class Trainer:
