@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from elastic.wire import NodeRegistration, RunningWorker
 
 
 @pytest.fixture
@@ -64,23 +67,29 @@ def redis_client() -> Any:
         redis.delete(stale)
 
 
+def cluster_registration(*running: RunningWorker) -> NodeRegistration:
+    """What the agent of the `cluster` fixture's node sends when it registers, naming the
+    workers it still runs (none when it first starts)."""
+    from elastic.wire import DeviceInfo, NodeRegistration
+
+    return NodeRegistration(
+        name="node-a",
+        address="127.0.0.1",
+        backend="simulated",
+        devices=[
+            DeviceInfo(index=i, uuid=f"sim-{i}", name="CPU slot", kind="cpu-slot", memory_total_bytes=2**30)
+            for i in range(4)
+        ],
+        running=list(running),
+    )
+
+
 @pytest.fixture
 def cluster(db: Any, redis_client: Any) -> Any:
     """One online node with four simulated devices, registered the way an agent does it."""
-    from elastic.wire import DeviceInfo, NodeRegistration
     from portal.cluster.ingest import register_node
 
-    node, _ = register_node(
-        NodeRegistration(
-            name="node-a",
-            address="127.0.0.1",
-            backend="simulated",
-            devices=[
-                DeviceInfo(index=i, uuid=f"sim-{i}", name="CPU slot", kind="cpu-slot", memory_total_bytes=2**30)
-                for i in range(4)
-            ],
-        )
-    )
+    node, _ = register_node(cluster_registration())
     return node
 
 
@@ -91,6 +100,16 @@ VALID_SPEC = {
     "max_workers": 2,
     "steps": 50,
 }
+
+MODE_FIELDS = (
+    "virtual_workers",
+    "batch_per_worker",
+    "min_batch_size",
+    "max_batch_size",
+    "lr_scaling",
+    "warmup_steps",
+)
+"""The fields of a job's consistency mode: V (strict), the batch bounds and the rate's rules (hybrid)."""
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from elastic.wire import DeviceInfo, NodeRegistration, RunningWorker
+from elastic.wire import RunningWorker
 from portal.dispatch import board
 from portal.jobs import lifecycle
 from portal.jobs.agents import register
 from portal.jobs.lifecycle import WorkerRow, nodes_lost, workers_gone_at_registration
 from portal.jobs.models import Job, ResizeEvent, Worker
 from portal.scheduling.cycle import run_cycle
+from tests.conftest import cluster_registration
 from tests.test_scheduler_cycle import event, report, submit
 
 pytestmark = pytest.mark.django_db
@@ -133,19 +134,6 @@ def test_a_report_brings_an_unreachable_node_back(api: dict, cluster: Any, redis
     assert cluster.state == "online"
 
 
-def registration(*running: RunningWorker) -> NodeRegistration:
-    return NodeRegistration(
-        name="node-a",
-        address="127.0.0.1",
-        backend="simulated",
-        devices=[
-            DeviceInfo(index=i, uuid=f"sim-{i}", name="CPU slot", kind="cpu-slot", memory_total_bytes=2**30)
-            for i in range(4)
-        ],
-        running=list(running),
-    )
-
-
 def test_an_agent_back_with_its_workers_keeps_them_and_replans_only_what_was_lost(
     api: dict, cluster: Any, redis_client: Any
 ) -> None:
@@ -160,7 +148,7 @@ def test_an_agent_back_with_its_workers_keeps_them_and_replans_only_what_was_los
         return RunningWorker(job_id=job.pk, generation=job.generation, rank=rank, pid=pid, device_index=index)
 
     register(
-        registration(
+        cluster_registration(
             *(alive(kept, rank, index, pid) for rank, (index, pid) in enumerate(kept_workers)),
             alive(hurt, 0, *hurt_workers[0]),
         )
@@ -179,7 +167,7 @@ def test_an_agent_back_without_workers_replans_every_job_it_ran(
     run_cycle()
     job.refresh_from_db()
     formed(cluster, job, 1000)
-    register(registration())
+    register(cluster_registration())
     job.refresh_from_db()
     assert running_rows(job) == [] and lifecycle.needs_replan(lifecycle.current(job))
 
