@@ -9,7 +9,7 @@ import pytest
 
 from portal.cluster.models import Node
 from portal.jobs.models import Job
-from tests.conftest import VALID_SPEC
+from tests.conftest import MODE_FIELDS, VALID_SPEC
 
 pytestmark = pytest.mark.django_db
 
@@ -139,15 +139,7 @@ def test_openapi_document_is_served_and_pinned(api: dict) -> None:
     spec = submit["requestBody"]["content"]["application/json"]["schema"]["properties"]
     assert {"workload", "code", "entrypoint"} <= set(spec)
     # The consistency modes' fields (strict: V; hybrid: the batch bounds and the rate's rules).
-    assert {
-        "consistency",
-        "virtual_workers",
-        "batch_per_worker",
-        "min_batch_size",
-        "max_batch_size",
-        "lr_scaling",
-        "warmup_steps",
-    } <= set(spec)
+    assert {"consistency", *MODE_FIELDS} <= set(spec)
     detail = document["components"]["schemas"]["JobDetailOut"]["properties"]
     assert {"virtual_workers", "global_batch", "learning_rate"} <= set(detail)
 

@@ -15,7 +15,7 @@ from elastic.wire import AgentReport, WorkerEvent
 from portal.jobs.agents import ingest_report
 from portal.jobs.models import Job
 from portal.scheduling.cycle import run_cycle
-from tests.conftest import VALID_SPEC
+from tests.conftest import MODE_FIELDS, VALID_SPEC
 
 pytestmark = pytest.mark.django_db
 
@@ -41,46 +41,36 @@ def test_the_form_explains_both_modes_and_has_their_fields(users: dict[str, Any]
     page = browser(users).get("/jobs/new/").content.decode()
     assert "bit for bit the one a fixed-size run gives" in page
     assert "the global batch grows with the workers" in page
-    for name in (
-        "virtual_workers",
-        "batch_per_worker",
-        "min_batch_size",
-        "max_batch_size",
-        "lr_scaling",
-        "warmup_steps",
-    ):
+    for name in MODE_FIELDS:
         assert f'name="{name}"' in page, name
     assert 'data-mode="strict"' in page and 'data-mode="hybrid"' in page
 
 
-def test_a_strict_job_takes_v_and_ignores_the_hybrid_inputs(users: dict[str, Any]) -> None:
-    post = {
-        **FORM,
-        "consistency": "strict",
-        "virtual_workers": "8",
-        "min_batch_size": "16",
-        "lr_scaling": "linear",
-    }
-    reply = browser(users).post("/jobs/new/", post)
+def submitted_spec(users: dict[str, Any], **fields: str) -> dict[str, Any]:
+    """The spec of the job that the form makes from FORM and `fields`."""
+    reply = browser(users).post("/jobs/new/", {**FORM, **fields})
     assert reply.status_code == 302, reply.content.decode()[-2000:]
-    spec = Job.objects.get().spec
+    return Job.objects.get().spec
+
+
+def test_a_strict_job_takes_v_and_ignores_the_hybrid_inputs(users: dict[str, Any]) -> None:
+    spec = submitted_spec(
+        users, consistency="strict", virtual_workers="8", min_batch_size="16", lr_scaling="linear"
+    )
     assert spec["virtual_workers"] == 8 and spec["min_batch_size"] is None
 
 
 def test_a_hybrid_job_takes_its_batch_bounds_and_rate_rules(users: dict[str, Any]) -> None:
-    post = {
-        **FORM,
-        "consistency": "hybrid",
-        "virtual_workers": "8",
-        "batch_per_worker": "8",
-        "min_batch_size": "16",
-        "max_batch_size": "32",
-        "lr_scaling": "sqrt",
-        "warmup_steps": "10",
-    }
-    reply = browser(users).post("/jobs/new/", post)
-    assert reply.status_code == 302, reply.content.decode()[-2000:]
-    spec = Job.objects.get().spec
+    spec = submitted_spec(
+        users,
+        consistency="hybrid",
+        virtual_workers="8",
+        batch_per_worker="8",
+        min_batch_size="16",
+        max_batch_size="32",
+        lr_scaling="sqrt",
+        warmup_steps="10",
+    )
     assert (spec["batch_per_worker"], spec["min_batch_size"], spec["max_batch_size"]) == (8, 16, 32)
     assert spec["lr_scaling"] == "sqrt" and spec["warmup_steps"] == 10 and spec["virtual_workers"] is None
 
