@@ -80,6 +80,14 @@ def _logs(stream: io.StringIO) -> list[str]:
     return [decode(key_, line).message or "" for line in stream.getvalue().splitlines()]
 
 
+def _leaves(rendezvous: Rendezvous, newer_than: int, match: str | None = None) -> None:
+    """Asserts that awaiting a generation newer than `newer_than` makes the worker leave the job:
+    WorkerExit with LEFT_EXIT_CODE, its message matching `match` if given."""
+    with pytest.raises(WorkerExit, match=match) as way_out:
+        rendezvous.await_generation(newer_than=newer_than)
+    assert way_out.value.code == LEFT_EXIT_CODE
+
+
 # --- a holder of the state -------------------------------------------------------------------
 
 
@@ -141,9 +149,7 @@ def test_a_holder_left_out_of_the_newest_record_leaves() -> None:
     board = MemoryBoard()
     board.publish(record(2, [1, 2], joiners=[2]))
     rendezvous, _ = _rendezvous(board, 0, holds_state=True)
-    with pytest.raises(WorkerExit, match=r"generation 2 does not name node-t/0") as way_out:
-        rendezvous.await_generation(newer_than=1)
-    assert way_out.value.code == LEFT_EXIT_CODE
+    _leaves(rendezvous, newer_than=1, match=r"generation 2 does not name node-t/0")
 
 
 @pytest.mark.timeout(30)  # without the rule it waits for itself for ever
@@ -155,9 +161,7 @@ def test_a_holder_named_as_a_joiner_leaves_for_the_new_worker() -> None:
     board = ScriptedBoard()
     board.publish(record(4, [1, 0], joiners=[0]))
     rendezvous, _ = _rendezvous(board, 0, holds_state=True)
-    with pytest.raises(WorkerExit, match=r"generation 4 takes node-t/0 as a new worker.*state of step 7") as way_out:
-        rendezvous.await_generation(newer_than=2)
-    assert way_out.value.code == LEFT_EXIT_CODE
+    _leaves(rendezvous, newer_than=2, match=r"generation 4 takes node-t/0 as a new worker.*state of step 7")
     assert board.sent == [] and board.ready(4) == set()
 
 
@@ -213,9 +217,7 @@ def test_a_joiner_left_out_of_the_newest_record_leaves() -> None:
     board = MemoryBoard()
     board.publish(record(2, [0]))
     rendezvous, _ = _rendezvous(board, 1, holds_state=False)
-    with pytest.raises(WorkerExit) as way_out:
-        rendezvous.await_generation(newer_than=1)
-    assert way_out.value.code == LEFT_EXIT_CODE
+    _leaves(rendezvous, newer_than=1)
     assert board.ready(2) == set()
 
 
