@@ -26,6 +26,7 @@ from tests.test_integration_resize_in_place import (
     SPEC,
     live_rows,
     logs,
+    runtime_env,
     settled,
     steps_past,
 )
@@ -46,14 +47,7 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def platform(tmp_path_factory: pytest.TempPathFactory, record: Path) -> Any:
     """node-a (one device, its agent stopping on SIGTERM as the platform's teardown wants) and
     node-b (one device, its agent draining on SIGTERM)."""
-    env = {
-        "BUNGEE_RECORD_SAMPLES": str(record),
-        "BUNGEE_CHECKPOINT_EVERY_S": "0.5",
-        "BUNGEE_PROGRESS_EVERY_S": "0.2",
-        "BUNGEE_PG_TIMEOUT_S": "20",
-        "BUNGEE_POLICY": "fair",
-    }
-    with running_platform(tmp_path_factory.mktemp("platform"), {"node-a": 1}, env) as running:
+    with running_platform(tmp_path_factory.mktemp("platform"), {"node-a": 1}, runtime_env(record)) as running:
         start_draining_agent(running)
         running.wait_for("two devices", lambda: devices_online(running) == 2)
         yield running

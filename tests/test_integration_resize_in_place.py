@@ -24,7 +24,7 @@ from elastic.worker.data import SampleStream
 from tests.code_support import RINGS, directory_files, evaluate_without_bungee, tar_gz
 from tests.environment_support import TINY, tiny_wheelhouse
 from tests.membership_support import SilentListener
-from tests.platform import Platform, running_platform
+from tests.platform import FAST_PROGRESS_ENV, Platform, running_platform
 from tests.worker_support import DIGITS_SAMPLES, Ledger
 
 pytestmark = pytest.mark.slow
@@ -48,20 +48,23 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("samples") / "samples.jsonl"
 
 
-@contextmanager
-def inplace_platform(tmp_path_factory: pytest.TempPathFactory, record: Path, extra_env: dict[str, str]) -> Iterator[Platform]:
-    """Two agents (node-a with 2 devices, node-b with 1), the fair policy, a periodic checkpoint
-    every 0.5 s and every trained sample recorded to `record`."""
-    env = {
+def runtime_env(record: Path) -> dict[str, str]:
+    """The settings of a platform that tests the elastic runtime: the fair policy, a periodic
+    checkpoint every 0.5 s, FAST_PROGRESS_ENV, and every trained sample recorded to `record`."""
+    return {
         "BUNGEE_RECORD_SAMPLES": str(record),
         "BUNGEE_CHECKPOINT_EVERY_S": "0.5",
-        "BUNGEE_PROGRESS_EVERY_S": "0.2",
-        "BUNGEE_PG_TIMEOUT_S": "20",
+        **FAST_PROGRESS_ENV,
         # These tests are about the runtime: with the fair policy no straggler or locality move
         # adds a generation of its own (the bungee policy's moves have their own tests).
         "BUNGEE_POLICY": "fair",
-        **extra_env,
     }
+
+
+@contextmanager
+def inplace_platform(tmp_path_factory: pytest.TempPathFactory, record: Path, extra_env: dict[str, str]) -> Iterator[Platform]:
+    """Two agents (node-a with 2 devices, node-b with 1) on the runtime_env settings."""
+    env = {**runtime_env(record), **extra_env}
     with running_platform(tmp_path_factory.mktemp("platform"), {"node-a": 2, "node-b": 1}, env) as running:
         alice = running.api("alice")
         running.wait_for(
