@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.process_support import stop_process
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SLOTS = 4
@@ -307,12 +308,7 @@ def _stop(cluster: SlurmCluster) -> None:
     for name in reversed(list(cluster.processes)):
         process = cluster.processes[name]
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=STOP_TIMEOUT_S)
+            stop_process(process, timeout_s=STOP_TIMEOUT_S)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,6 @@ are the files the Kubernetes exec probes read (deploy/kubernetes)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import redis
 
 from elastic.liveness import age_problem
 from tests.liveness_support import touched_again
+from tests.process_support import stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +30,7 @@ def celery_process(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     yield started
     for process in started:
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process, timeout_s=20)
 
 
 def start(args: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:

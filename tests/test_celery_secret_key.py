@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import secrets
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 from django.conf import settings
+
+from tests.process_support import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 REFUSAL = "SECRET_KEY is 'bungee-development-key-change-me-in-production'"
@@ -90,9 +91,4 @@ def test_a_random_key_starts_the_process(tmp_path: Path, queue: str, process: st
                     output += chunk
         assert REFUSAL.encode() not in output
     finally:
-        running.send_signal(signal.SIGTERM)
-        try:
-            running.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            running.kill()
-            running.communicate()
+        stop_process(running, timeout_s=30)
