@@ -520,12 +520,9 @@ class Soak:
 
     def agent_restart(self) -> None:
         node = self.rng.choice(sorted(AGENTS))
-        watches = []
-        for job in self.jobs:
-            taken = self.snapshot(job, new_generation=False)
-            if taken is None:
-                return
-            watches.append(taken[1])
+        watches = self._everything_trains_on()
+        if watches is None:
+            return
         at_s, event_at, since = self.elapsed(), time.monotonic(), datetime.now(UTC)
         self.platform.restart_agent(node, AGENTS[node])
         outcome = Outcome(at_s, "agent_restart", node, [w.job.id for w in watches])
@@ -540,27 +537,26 @@ class Soak:
             watches.append(taken[1])
         return watches
 
-    def portal_restart(self) -> None:
-        """SIGKILL the portal and start it again at once; settled once it answers and
-        every job has trained past its step at the event (its progress reached the portal)."""
+    def _restart(self, process: str, ready: Callable[[], bool] = lambda: True) -> None:
+        """SIGKILL the platform's `process` and start it again at once; settled once `ready`
+        holds and every job has trained past its step at the event (its progress reached the
+        portal). The event is recorded as "<process>_restart"."""
         watches = self._everything_trains_on()
         if watches is None:
             return
         at_s, event_at = self.elapsed(), time.monotonic()
-        self.platform.kill("portal")
-        self.platform.start("portal")
-        outcome = Outcome(at_s, "portal_restart", "portal", [w.job.id for w in watches])
-        self.settle(outcome, event_at, watches, self.platform.portal_answers)
+        self.platform.kill(process)
+        self.platform.start(process)
+        outcome = Outcome(at_s, f"{process}_restart", process, [w.job.id for w in watches])
+        self.settle(outcome, event_at, watches, ready)
+
+    def portal_restart(self) -> None:
+        """Restarts the portal; settled once it answers and every job trains on."""
+        self._restart("portal", self.platform.portal_answers)
 
     def beat_restart(self) -> None:
-        """SIGKILL Celery beat and start it again; every job trains on."""
-        watches = self._everything_trains_on()
-        if watches is None:
-            return
-        at_s, event_at = self.elapsed(), time.monotonic()
-        self.platform.kill("beat")
-        self.platform.start("beat")
-        self.settle(Outcome(at_s, "beat_restart", "beat", [w.job.id for w in watches]), event_at, watches)
+        """Restarts Celery beat; every job trains on."""
+        self._restart("beat")
 
     def scheduler_restart(self) -> None:
         """SIGKILL the Celery worker (the scheduler), pin a job to another count while it is
