@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from playwright.sync_api import Page
 
 from tests.browser_support import cancel_all, log_in, screenshot
 from tests.code_support import RINGS, directory_files, tar_gz
@@ -23,6 +24,25 @@ GAP_ABOVE = """(selector) => {
     .filter((b) => b.bottom <= box.top && b.left < box.right && b.right > box.left);
   return box.top - Math.max(...above.map((b) => b.bottom));
 }"""
+
+
+SUBMIT = "button[type=submit] >> text=Submit"
+
+
+def refused(page: Page, error: str) -> str:
+    """Submits the form on `page`, which refuses it; returns the text it shows at `error`."""
+    page.click(SUBMIT)
+    shown = page.locator(error)
+    shown.wait_for()
+    return shown.inner_text()
+
+
+def shows_it_training(page: Page) -> None:
+    """Waits until the job page on `page` shows its job running, its log at step 0."""
+    page.wait_for_selector("#job-state.state-running", timeout=60_000)
+    page.wait_for_function(
+        "() => document.querySelector('#log')?.textContent.includes('starting from step 0')", timeout=60_000
+    )
 
 
 def test_submit_with_an_error_then_fixed(browser_platform: Any, chromium: Any) -> None:
@@ -46,20 +66,16 @@ def test_submit_with_an_error_then_fixed(browser_platform: Any, chromium: Any) -
     page.fill("#max_workers", "2")
     page.fill("#hp-digits-mlp-lr", "0.02")
     page.fill("#length", "100000")
-    page.click("button[type=submit] >> text=Submit")
-    error = page.locator("#max_workers-error")
-    error.wait_for()
-    assert "must be at least min_workers (3)" in error.inner_text()
+    assert "must be at least min_workers (3)" in refused(page, "#max_workers-error")
     assert page.locator("#max_workers").get_attribute("aria-invalid") == "true"
     assert page.input_value("#name") == "from-the-form", "what was typed is kept"
     assert page.input_value("#hp-digits-mlp-lr") == "0.02"
     screenshot(page, "submit-error")
 
     page.fill("#min_workers", "1")
-    page.click("button[type=submit] >> text=Submit")
+    page.click(SUBMIT)
     page.wait_for_url("**/jobs/*/")
-    page.wait_for_selector("#job-state.state-running", timeout=60_000)
-    page.wait_for_function("() => document.querySelectorAll('#log').length && document.querySelector('#log').textContent.includes('starting from step 0')", timeout=60_000)
+    shows_it_training(page)
     screenshot(page, "job-page")
     cancel_all(browser_platform, "alice")
 
@@ -69,12 +85,10 @@ def test_yaml_paste(browser_platform: Any, chromium: Any) -> None:
     page.goto(browser_platform.base_url + "/jobs/new/")
     page.click("text=Or paste or upload the spec as YAML")
     page.fill("#spec_yaml", "name: yaml-job\nworkload: digits-cnn\nmin_workers: 1\nmax_workers: 1\nsteps: 5\nhyperparameters:\n  channels: -4\n")
-    page.click("button[type=submit] >> text=Submit")
-    page.locator("#spec-errors").wait_for()
-    assert "spec.hyperparameters.channels" in page.locator("#spec-errors").inner_text()
+    assert "spec.hyperparameters.channels" in refused(page, "#spec-errors")
     assert "channels: -4" in page.input_value("#spec_yaml")
     page.fill("#spec_yaml", "name: yaml-job\nworkload: digits-cnn\nmin_workers: 1\nmax_workers: 1\nsteps: 5\n")
-    page.click("button[type=submit] >> text=Submit")
+    page.click(SUBMIT)
     page.wait_for_url("**/jobs/*/")
     assert "yaml-job" in page.locator("h1").inner_text()
 
@@ -94,22 +108,15 @@ def test_submit_your_own_code_through_the_form(browser_platform: Any, chromium: 
     page.fill("#code_hyperparameters", "hidden: 16\n")  # batch_size forgotten
     page.fill("#eval_every_steps", "20")
     page.fill("#length", "100000")
-    page.click("button[type=submit] >> text=Submit")
-    error = page.locator("#code_hyperparameters-error")
-    error.wait_for()
-    assert "batch size" in error.inner_text()
+    assert "batch size" in refused(page, "#code_hyperparameters-error")
     assert "uploaded:" in page.locator("#code_file-help").inner_text(), "the archive is kept for the next try"
     screenshot(page, "submit-own-code-error")
 
     page.fill("#code_hyperparameters", "batch_size: 24\nhidden: 16\n")
-    page.click("button[type=submit] >> text=Submit")
+    page.click(SUBMIT)
     page.wait_for_url("**/jobs/*/")
     assert "task:RingsTask" in page.content()
-    page.wait_for_selector("#job-state.state-running", timeout=60_000)
-    page.wait_for_function(
-        "() => document.querySelector('#log') && document.querySelector('#log').textContent.includes('starting from step 0')",
-        timeout=60_000,
-    )
+    shows_it_training(page)
     page.wait_for_selector("#metrics-figure:not([hidden]) .u-legend", timeout=60_000)
     legend = page.locator("#metrics-figure .u-legend").inner_text()
     assert "accuracy (train)" in legend
