@@ -23,7 +23,8 @@ from portal.cluster.node_states import NODE_TRANSITIONS, InvalidNodeTransition, 
 from portal.dispatch import board
 from portal.jobs.lifecycle import nodes_lost
 from portal.scheduling.cycle import run_cycle
-from tests.test_node_agent_restart import formed, registration, silence
+from tests.conftest import cluster_registration
+from tests.test_node_agent_restart import formed, silence
 from tests.test_node_drain import notice
 from tests.test_scheduler_cycle import report, submit
 
@@ -104,7 +105,7 @@ def _reported(api: dict[str, Any], node: Node) -> None:
 
 
 def _registered(api: dict[str, Any], node: Node) -> None:
-    register_node(registration())
+    register_node(cluster_registration())
 
 
 def _drains(api: dict[str, Any], node: Node) -> None:
@@ -149,7 +150,7 @@ def test_each_writer_makes_its_transition(
 @pytest.mark.parametrize("state", [NodeState.UNREACHABLE, NodeState.LOST])
 def test_a_registration_brings_a_silent_node_online(cluster: Node, state: NodeState) -> None:
     put(cluster, state)
-    node, _ = register_node(registration())
+    node, _ = register_node(cluster_registration())
     assert node.state == NodeState.ONLINE == Node.objects.get(pk=node.pk).state
 
 
