@@ -22,7 +22,12 @@ RINGS = Path(__file__).parent / "tasks" / "rings"
 SEED = 6
 BATCH = 12
 STEPS = 4
-
+VIRTUAL_WORKERS = 2
+"""Strict mode's virtual workers here. With 3 to 8 the fixed point is int32 with a margin of one
+bit for predicted scales, and this small noisy model's gradients move more than that most steps
+(predictions rejected in 13 of 15 steps on an AVX-512 CPU, far fewer on an AVX2 one: the float
+rounding decides); with 2 the margin is two bits and a step whose prediction holds is the rule,
+which the read counts below need to see on any CPU."""
 
 
 def _trainer(tasks: list[BoundTask], mode: str, entrypoint: str = "NoisyMetrics") -> Trainer:
@@ -31,7 +36,7 @@ def _trainer(tasks: list[BoundTask], mode: str, entrypoint: str = "NoisyMetrics"
     stream = SampleStream(task.num_samples, SEED)
     optimizer = task.make_optimizer()
     if mode == "strict":
-        return StrictTrainer(task, optimizer, stream, BATCH, SEED, 0, 1, virtual_workers=3)
+        return StrictTrainer(task, optimizer, stream, BATCH, SEED, 0, 1, virtual_workers=VIRTUAL_WORKERS)
     if mode == "hybrid":
         schedule = HybridSchedule(0.1, BATCH, BATCH, 1, 4 * BATCH, "linear", 0)
         trainer = HybridTrainer(task, optimizer, stream, schedule, SEED, 0, 1)
@@ -132,7 +137,7 @@ def test_a_step_syncs_the_gpu_only_where_it_reads(mode: str) -> None:
         tasks.append(task)
         stream = SampleStream(task.num_samples, SEED)
         trainer: Trainer = (
-            StrictTrainer(task, task.make_optimizer(), stream, BATCH, SEED, 0, 1, virtual_workers=3)
+            StrictTrainer(task, task.make_optimizer(), stream, BATCH, SEED, 0, 1, virtual_workers=VIRTUAL_WORKERS)
             if mode == "strict" else Trainer(task, task.make_optimizer(), stream, BATCH, SEED, 0, 1)
         )
         trainer.step(0, stop_requested=False)
@@ -158,7 +163,7 @@ def test_a_step_syncs_the_gpu_only_where_it_reads(mode: str) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert steady >= STEPS
-        assert trainer.readahead.hits == (3 if mode == "strict" else 1) * (2 * STEPS - 1)  # a batch per vw
+        assert trainer.readahead.hits == (VIRTUAL_WORKERS if mode == "strict" else 1) * (2 * STEPS - 1)  # a batch per vw
     finally:
         for task in tasks:
             task.close()
