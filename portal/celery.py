@@ -25,7 +25,8 @@ def _beat_schedule(sender: Celery, **_: object) -> None:
     from django.conf import settings
 
     sender.add_periodic_task(
-        settings.BUNGEE["SCHEDULE_TICK_S"], sender.signature("portal.scheduling.tasks.tick"),
+        settings.BUNGEE.schedule_tick_s,
+        sender.signature("portal.scheduling.tasks.tick"),
         name="scheduler tick",
     )
     sender.add_periodic_task(

@@ -1,5 +1,6 @@
-"""Typed settings from the environment. Each helper fails loudly, quoting the bad value, so a
-mistyped variable stops the process at start-up instead of misbehaving later."""
+"""Typed reads of the Slurm pool's variables (portal/settings.py, BUNGEE_SLURM; the portal's
+other settings are portal.config.PortalSettings). Each helper fails loudly, quoting the bad
+value, so a mistyped variable stops the process at start-up instead of misbehaving later."""
 
 from __future__ import annotations
 
@@ -45,10 +46,3 @@ def env_int(name: str, default: int, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ImproperlyConfigured(f"{name}={raw!r} is below {minimum}")
     return value
-
-
-def env_list(name: str, default: list[str]) -> list[str]:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    return [item.strip() for item in raw.split(",") if item.strip()]
