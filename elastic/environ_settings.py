@@ -28,6 +28,11 @@ _ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("environ", default=N
 class SettingsError(ValueError):
     """A setting holds a value its component cannot use; the message quotes each one."""
 
+    def __init__(self, message: str, error: ValidationError) -> None:
+        super().__init__(message)
+        self.error = error
+        """What pydantic found, for a caller that names the values otherwise (the agent's flags)."""
+
 
 class _MappingSource(EnvSettingsSource):
     """The environment source, reading the mapping given to `from_environ` if there is one."""
@@ -85,7 +90,7 @@ class EnvironSettings(BaseSettings):
             with _reading(environ):
                 return cls(**values)
         except ValidationError as err:
-            raise SettingsError(refusal(cls, err)) from None
+            raise SettingsError(refusal(cls, err), err) from None
 
     @classmethod
     def variable(cls, name: str) -> str:
@@ -96,7 +101,9 @@ class EnvironSettings(BaseSettings):
         return alias
 
 
-def refusal(cls: type[EnvironSettings], error: ValidationError, names: Mapping[str, str] | None = None) -> str:
+def refusal(
+    cls: type[EnvironSettings], error: ValidationError, names: Mapping[str, str] | None = None
+) -> str:
     """One clause per bad value, `VARIABLE='value': what is wrong`; `names` gives the name to
     quote for a field instead of its variable (the agent's flag when the value came from one)."""
     clauses = []
@@ -110,4 +117,6 @@ def refusal(cls: type[EnvironSettings], error: ValidationError, names: Mapping[s
 
 
 def _field_of(cls: type[EnvironSettings], variable: str) -> str | None:
-    return next((name for name, field in cls.model_fields.items() if field.validation_alias == variable), None)
+    return next(
+        (name for name, field in cls.model_fields.items() if field.validation_alias == variable), None
+    )

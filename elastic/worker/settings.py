@@ -112,4 +112,4 @@ class WorkerSettings(EnvironSettings):
         try:
             return cls.from_environ(env)
         except SettingsError as err:
-            raise WorkerSettingsError(str(err)) from None
+            raise WorkerSettingsError(str(err), err.error) from None
