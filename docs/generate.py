@@ -147,9 +147,6 @@ class Setting:
     bounds: str = ""
 
 
-_ENV_HELPERS = {"env_str", "env_bool", "env_int", "env_float", "env_list"}
-
-
 def _constants(tree: ast.Module) -> dict[str, str]:
     """The module's top-level string constants (NAME = "TEXT")."""
     found = {}
@@ -189,14 +186,11 @@ def _default_text(node: ast.expr | None, source: str) -> str:
 
 
 def _variable_read(node: ast.AST, constants: dict[str, str]) -> str | None:
-    """The variable that `node` reads, if it is `env_int("NAME", ...)` (portal.env's helpers) or
-    `....get(NAME, ...)` with NAME in capitals, a literal or a module constant."""
+    """The variable that `node` reads, if it is `....get(NAME, ...)` with NAME in capitals, a
+    literal or a module constant."""
     if not isinstance(node, ast.Call) or not node.args:
         return None
-    func = node.func
-    is_helper = isinstance(func, ast.Name) and func.id in _ENV_HELPERS
-    is_get = isinstance(func, ast.Attribute) and func.attr == "get"
-    if not (is_helper or is_get):
+    if not (isinstance(node.func, ast.Attribute) and node.func.attr == "get"):
         return None
     first = node.args[0]
     if isinstance(first, ast.Constant) and isinstance(first.value, str):
@@ -248,22 +242,6 @@ def environment_reads(path: Path, prefix: str = "") -> list[Setting]:
     return [setting for *_, setting in sorted(found, key=lambda row: row[:2])]
 
 
-def _table_meanings(path: Path) -> dict[str, tuple[str, str]]:
-    """The (default, meaning) rows of the Markdown table in a module's docstring (`| BUNGEE_X_Y,
-    _Z | default | what |`), by variable; `_Z` stands for BUNGEE_X_Z."""
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    rows = {}
-    for row in doc.splitlines():
-        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
-        if len(cells) != 3 or not cells[0].startswith("BUNGEE_"):
-            continue
-        names = [name.strip() for name in cells[0].split(",")]
-        stem = "_".join(names[0].split("_")[:2])
-        for name in names:
-            rows[stem + name if name.startswith("_") else name] = (cells[1], cells[2])
-    return rows
-
-
 def _first_of_each(settings: Iterator[Setting]) -> list[Setting]:
     """Settings in order, each name once (the first read, which has the comment that says what it is)."""
     seen: dict[str, Setting] = {}
@@ -278,7 +256,7 @@ def _field_default(value: Any) -> str:
     if value is None:
         return "unset"
     if isinstance(value, Path) and value.is_relative_to(ROOT):
-        return _code(f'BASE_DIR / "{value.relative_to(ROOT)}"')
+        return _code("BASE_DIR" if value == ROOT else f'BASE_DIR / "{value.relative_to(ROOT)}"')
     return _amount(str(value) if isinstance(value, Path) else value)
 
 
@@ -308,34 +286,23 @@ def settings_rows(cls: type[EnvironSettings], flag: Callable[[str], str] | None 
 
 
 PORTAL_MODULES = (
-    ("portal/settings.py", ""),
     ("portal/serve.py", "`python -m portal.serve`: "),
     ("elastic/liveness.py", "the Celery worker and beat (and the agent): "),
     ("portal/demo.py", "`make demo`: "),
 )
-"""Where the portal's processes read variables outside PortalSettings: the Slurm pool's (in
-Django's settings), the server, the liveness file, and `make demo`."""
+"""Where the portal's processes read variables outside its settings classes: the server, the
+liveness file, and `make demo`."""
 
 
 def portal_settings() -> list[Setting]:
     """The environment variables of the portal's processes (portal, Celery worker and beat):
-    PortalSettings, then those read elsewhere; the Slurm pool's meanings are in its module's
-    docstring (portal/slurm/config.py)."""
-    from portal.config import PortalSettings
+    PortalSettings, SlurmPoolSettings, then the few read elsewhere."""
+    from portal.config import PortalSettings, SlurmPoolSettings
 
-    slurm = _table_meanings(ROOT / "portal" / "slurm" / "config.py")
-    settings = settings_rows(PortalSettings)
+    settings = settings_rows(PortalSettings) + settings_rows(SlurmPoolSettings)
     typed = {setting.name for setting in settings}
-    for setting in _first_of_each(
-        s for module, prefix in PORTAL_MODULES for s in environment_reads(ROOT / module, prefix) if s.name not in typed
-    ):
-        if setting.name in slurm:
-            unset, meaning = slurm[setting.name]
-            if setting.default in ("empty", "`0`"):
-                meaning += f" (unset: {unset})"
-            setting = Setting(setting.name, setting.default, meaning)
-        settings.append(setting)
-    return settings
+    reads = (s for module, prefix in PORTAL_MODULES for s in environment_reads(ROOT / module, prefix))
+    return settings + _first_of_each(s for s in reads if s.name not in typed)
 
 
 def agent_flags() -> list[Setting]:
@@ -355,8 +322,8 @@ def worker_settings() -> list[Setting]:
 CONFIGURATION: tuple[tuple[str, str, Callable[[], list[Setting]]], ...] = (
     (
         "The portal",
-        "The portal, its Celery worker and beat read these at start (`portal/config.py`, "
-        "PortalSettings; the Slurm pool's in `portal/settings.py`; the server, the liveness file and "
+        "The portal, its Celery worker and beat read these at start (`portal/config.py`: "
+        "PortalSettings, then the Slurm pool's SlurmPoolSettings; the server, the liveness file and "
         "`make demo` read the last few). `BASE_DIR` is the checkout, `DATA_DIR` is `BUNGEE_DATA_DIR`.",
         portal_settings,
     ),

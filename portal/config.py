@@ -6,15 +6,16 @@ does not parse, or is out of bounds, stops the process there with ImproperlyConf
 the variable and the value. Code reads typed attributes (`settings.BUNGEE.node_timeout_s`);
 tests change one with Django's settings fixture,
 `settings.BUNGEE = settings.BUNGEE.model_copy(update={"node_timeout_s": 5.0})`. The defaults
-make a laptop run work with no configuration at all. The Slurm pool's settings are read beside
-these (portal/settings.py, BUNGEE_SLURM) and checked by portal.slurm.config.
+make a laptop run work with no configuration at all. The Slurm pool's settings are a class of
+their own (SlurmPoolSettings, `settings.BUNGEE_SLURM`), whose values portal.slurm.config checks
+further when the pool is on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 from pydantic import Field, field_validator
@@ -368,10 +369,138 @@ class PortalSettings(EnvironSettings):
         return self.data_dir / "artifacts"
 
 
-def load_settings(environ: Mapping[str, str] | None = None) -> PortalSettings:
-    """The portal's settings from `environ` (None: os.environ). Raises ImproperlyConfigured,
-    quoting each bad value with its variable."""
+class SlurmPoolSettings(EnvironSettings):
+    """Bungee's Slurm pool (portal.slurm): agents submitted as Slurm batch jobs when jobs want more
+    devices than the cluster has, cancelled when idle. Off by default; when on,
+    portal.slurm.config.pool_config checks that the values can work together."""
+
+    enabled: bool = Field(False, validation_alias="BUNGEE_SLURM_ENABLED", description="Run the pool at all.")
+    pool: str = Field(
+        "slurm",
+        validation_alias="BUNGEE_SLURM_POOL",
+        description="The pool's name: its agents' nodes are named POOL-NODE-jobID, the names its pool token "
+        "(create_token --role pool --pool POOL) may register.",
+    )
+    partition: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_PARTITION",
+        description="Where agent jobs are submitted (sbatch --partition); unset: the cluster's default.",
+    )
+    account: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_ACCOUNT",
+        description="sbatch --account; unset: the cluster's default.",
+    )
+    qos: str = Field(
+        "", validation_alias="BUNGEE_SLURM_QOS", description="sbatch --qos; unset: the cluster's default."
+    )
+    gres: str = Field(
+        "gpu:1",
+        validation_alias="BUNGEE_SLURM_GRES",
+        description="What one agent job asks for (--gres), NAME[:TYPE]:COUNT.",
+    )
+    devices_per_agent: int = Field(
+        0,
+        ge=0,
+        validation_alias="BUNGEE_SLURM_DEVICES_PER_AGENT",
+        description="Devices one agent brings; with a gres other than gpu, passed to it as --devices (Slurm tells "
+        "a job nothing of such a gres); 0: the gres count.",
+    )
+    time_limit: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_TIME_LIMIT",
+        description="--time, in Slurm's forms (minutes, H:MM:SS, D-HH, ...); unset: the partition's.",
+    )
+    grace_s: int = Field(
+        120,
+        ge=1,
+        validation_alias="BUNGEE_SLURM_GRACE_S",
+        description="--signal=B:TERM@GRACE: the agent drains from GRACE seconds before its time limit (and, "
+        "where the cluster sets preempt_send_user_signal, when it is preempted).",
+    )
+    max_agents: int = Field(
+        4,
+        ge=0,
+        validation_alias="BUNGEE_SLURM_MAX_AGENTS",
+        description="The most agent jobs at once, pending or running.",
+    )
+    idle_s: float = Field(
+        600.0,
+        validation_alias="BUNGEE_SLURM_IDLE_S",
+        description="An agent whose node held no job for this long is cancelled, if the cluster can spare its "
+        "devices.",
+    )
+    start_timeout_s: float = Field(
+        600.0,
+        validation_alias="BUNGEE_SLURM_START_TIMEOUT_S",
+        description="An agent job running this long without its node registering is cancelled (reported as an "
+        "error).",
+    )
+    agent_args: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_AGENT_ARGS",
+        description="More agent flags (shell words); unset: none.",
+    )
+    sbatch_args: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_SBATCH_ARGS",
+        description="More sbatch options (shell words); unset: none.",
+    )
+    portal_url: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_PORTAL_URL",
+        description="The portal's URL as the agents reach it; required when the pool is on.",
+    )
+    token_file: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_TOKEN_FILE",
+        description="The pool's agent credential, a file the agents read on the compute node; required when the "
+        "pool is on.",
+    )
+    python: str = Field(
+        "python3",
+        validation_alias="BUNGEE_SLURM_PYTHON",
+        description="The interpreter that runs `-m agent` on the compute node.",
+    )
+    workdir: Path = Field(
+        BASE_DIR,
+        validation_alias="BUNGEE_SLURM_WORKDIR",
+        description="--chdir: where `agent` is importable on the compute node.",
+    )
+    output: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_OUTPUT",
+        description="--output of agent jobs (a shared file system: the portal makes the folder); unset: "
+        "DATA_DIR/slurm/%x-%j.out.",
+    )
+    export: str = Field(
+        "NONE",
+        validation_alias="BUNGEE_SLURM_EXPORT",
+        description="--export: NONE gives the agent the submitting user's login environment, never the portal's "
+        "secrets.",
+    )
+    job_name: str = Field(
+        "bungee-agent",
+        validation_alias="BUNGEE_SLURM_JOB_NAME",
+        description="The pool's jobs are those of this name and the portal's user.",
+    )
+    every_s: float = Field(
+        15.0, validation_alias="BUNGEE_SLURM_EVERY_S", description="How often the beat sizes the pool."
+    )
+    command_timeout_s: float = Field(
+        30.0,
+        validation_alias="BUNGEE_SLURM_COMMAND_TIMEOUT_S",
+        description="The longest a Slurm command may take.",
+    )
+
+
+Settings = TypeVar("Settings", bound=EnvironSettings)
+
+
+def load_settings(cls: type[Settings], environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings of class `cls` from `environ` (None: os.environ). Raises
+    ImproperlyConfigured, quoting each bad value with its variable."""
     try:
-        return PortalSettings.from_environ(environ)
+        return cls.from_environ(environ)
     except SettingsError as err:
         raise ImproperlyConfigured(str(err)) from None

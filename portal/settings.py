@@ -6,17 +6,15 @@ configuration at all."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TypedDict
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.config import BASE_DIR, PortalSettings, load_settings
-from portal.env import env_bool, env_float, env_int, env_str
+from portal.config import BASE_DIR, PortalSettings, SlurmPoolSettings, load_settings
 from portal.live.redis_connection import layer_host
 
 # The portal's own settings, typed: code reads settings.BUNGEE.node_timeout_s and the like.
-BUNGEE: PortalSettings = load_settings()
+BUNGEE: PortalSettings = load_settings(PortalSettings)
 DATA_DIR = BUNGEE.data_dir
 
 SECRET_KEY = BUNGEE.secret_key
@@ -191,62 +189,9 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0, "inte
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 
 
-class SlurmSettings(TypedDict):
-    """The types of settings.BUNGEE_SLURM's entries (portal.slurm.config checks their values)."""
-
-    ENABLED: bool
-    POOL: str
-    PARTITION: str
-    ACCOUNT: str
-    QOS: str
-    GRES: str
-    DEVICES_PER_AGENT: int
-    TIME_LIMIT: str
-    GRACE_S: int
-    MAX_AGENTS: int
-    IDLE_S: float
-    START_TIMEOUT_S: float
-    AGENT_ARGS: str
-    SBATCH_ARGS: str
-    PORTAL_URL: str
-    TOKEN_FILE: str
-    PYTHON: str
-    WORKDIR: str
-    OUTPUT: str
-    EXPORT: str
-    JOB_NAME: str
-    EVERY_S: float
-    COMMAND_TIMEOUT_S: float
-
-
-# Bungee's Slurm pool (portal.slurm): agents submitted as Slurm batch jobs when jobs want more
-# devices than the cluster has, cancelled when idle. Off by default; read and checked by
-# portal.slurm.config, which says what each one means.
-BUNGEE_SLURM: SlurmSettings = {
-    "ENABLED": env_bool("BUNGEE_SLURM_ENABLED", False),
-    "POOL": env_str("BUNGEE_SLURM_POOL", "slurm"),
-    "PARTITION": env_str("BUNGEE_SLURM_PARTITION", ""),
-    "ACCOUNT": env_str("BUNGEE_SLURM_ACCOUNT", ""),
-    "QOS": env_str("BUNGEE_SLURM_QOS", ""),
-    "GRES": env_str("BUNGEE_SLURM_GRES", "gpu:1"),
-    "DEVICES_PER_AGENT": env_int("BUNGEE_SLURM_DEVICES_PER_AGENT", 0, minimum=0),
-    "TIME_LIMIT": env_str("BUNGEE_SLURM_TIME_LIMIT", ""),
-    "GRACE_S": env_int("BUNGEE_SLURM_GRACE_S", 120, minimum=1),
-    "MAX_AGENTS": env_int("BUNGEE_SLURM_MAX_AGENTS", 4, minimum=0),
-    "IDLE_S": env_float("BUNGEE_SLURM_IDLE_S", 600.0),
-    "START_TIMEOUT_S": env_float("BUNGEE_SLURM_START_TIMEOUT_S", 600.0),
-    "AGENT_ARGS": env_str("BUNGEE_SLURM_AGENT_ARGS", ""),
-    "SBATCH_ARGS": env_str("BUNGEE_SLURM_SBATCH_ARGS", ""),
-    "PORTAL_URL": env_str("BUNGEE_SLURM_PORTAL_URL", ""),
-    "TOKEN_FILE": env_str("BUNGEE_SLURM_TOKEN_FILE", ""),
-    "PYTHON": env_str("BUNGEE_SLURM_PYTHON", "python3"),
-    "WORKDIR": env_str("BUNGEE_SLURM_WORKDIR", str(BASE_DIR)),
-    "OUTPUT": env_str("BUNGEE_SLURM_OUTPUT", str(DATA_DIR / "slurm" / "%x-%j.out")),
-    "EXPORT": env_str("BUNGEE_SLURM_EXPORT", "NONE"),
-    "JOB_NAME": env_str("BUNGEE_SLURM_JOB_NAME", "bungee-agent"),
-    "EVERY_S": env_float("BUNGEE_SLURM_EVERY_S", 15.0),
-    "COMMAND_TIMEOUT_S": env_float("BUNGEE_SLURM_COMMAND_TIMEOUT_S", 30.0),
-}
+# Bungee's Slurm pool (portal.slurm), off by default: what each setting means is in
+# portal.config.SlurmPoolSettings; portal.slurm.config checks them when the pool is on.
+BUNGEE_SLURM: SlurmPoolSettings = load_settings(SlurmPoolSettings)
 
 LOGGING = {
     "version": 1,

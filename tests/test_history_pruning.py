@@ -160,11 +160,11 @@ def test_device_samples_are_averaged_then_deleted(cluster: Any, retention: dict)
 def test_settings_that_make_no_sense_are_refused_at_start() -> None:
     from django.core.exceptions import ImproperlyConfigured
 
-    from portal.config import load_settings
+    from portal.config import PortalSettings, load_settings
 
     with pytest.raises(ImproperlyConfigured, match="BUNGEE_DEVICE_SAMPLES_BUCKET_S='0'"):
-        load_settings({"BUNGEE_DEVICE_SAMPLES_BUCKET_S": "0"})
+        load_settings(PortalSettings, {"BUNGEE_DEVICE_SAMPLES_BUCKET_S": "0"})
     with pytest.raises(ImproperlyConfigured, match="BUNGEE_METRICS_OLD_POINTS='-1'"):
-        load_settings({"BUNGEE_METRICS_OLD_POINTS": "-1"})
+        load_settings(PortalSettings, {"BUNGEE_METRICS_OLD_POINTS": "-1"})
     with pytest.raises(ImproperlyConfigured, match="BUNGEE_DEVICE_SAMPLES_KEEP_DAYS='-2'"):
-        load_settings({"BUNGEE_DEVICE_SAMPLES_KEEP_DAYS": "-2"})
+        load_settings(PortalSettings, {"BUNGEE_DEVICE_SAMPLES_KEEP_DAYS": "-2"})
