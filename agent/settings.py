@@ -214,6 +214,8 @@ class AgentSettings(EnvironSettings):
     def _on_or_off(cls, value: object) -> object:
         if value in ("on", "off"):
             return DEFAULT_STANDBYS if value == "on" else 0
+        if isinstance(value, str) and not value.lstrip("-").isdigit():
+            raise ValueError("is not on, off or a number of standbys")
         return value
 
     @staticmethod
@@ -372,6 +374,7 @@ def command_line(take: Callable[[dict[str, str]], None]) -> TyperCommand:
             None,
             AgentSettings.flag(name),
             help=flag_help(name),
+            metavar=name.upper(),
             show_default=False,
         )
         parameters.append(

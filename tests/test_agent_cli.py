@@ -149,7 +149,7 @@ def test_standbys_are_on_off_or_a_number(value: str, kept: int) -> None:
         (["--token", "t", "--report-interval", "0"], {}, "--report-interval='0': Input should be greater than 0"),
         (["--token", "t", "--backend", "tpu"], {}, "--backend='tpu': is not one of auto, nvml, simulated"),
         (["--token", "t", "--name", "bad name"], {}, "invalid node name 'bad name'"),
-        (["--token", "t", "--standbys", "many"], {}, "--standbys='many': Input should be a valid integer"),
+        (["--token", "t", "--standbys", "many"], {}, "--standbys='many': is not on, off or a number of standbys"),
         (["--token", "t"], {"BUNGEE_STANDBYS": "-1"}, "BUNGEE_STANDBYS='-1': Input should be greater than or equal to 0"),
         (["--token", "t", "--prepared-standbys", "two"], {}, "--prepared-standbys='two': Input should be a valid integer"),
         (["--token", "t", "--sim-pace", "0.5"], {}, "--sim-pace='0.5': Input should be greater than or equal to 1"),
