@@ -1,4 +1,5 @@
-"""The agent's entry point: parse the command line, build the parts, run until told to stop.
+"""The agent's entry point: parse the command line (agent.settings), build the parts, run until
+told to stop.
 
 `Agent.run` re-adopts the workers an earlier agent of this node left running (their records are
 in the state directory, see agent.supervisor), registers the node with them (retrying until the
@@ -14,22 +15,15 @@ agent to take back.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import logging
 import os
 import signal
-import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 from types import FrameType
 
-from pydantic import ValidationError
-
-from agent import slurm
 from agent.artifacts import ArtifactUploader
 from agent.client import (
     AgentAuthError,
@@ -39,19 +33,17 @@ from agent.client import (
 )
 from agent.code import CodeCache
 from agent.commands import CommandDispatcher, CommandReader, StreamMark
-from agent.devices import DeviceBackend, DeviceError, GpuSelection, backend_names, make_backend
-from agent.devices.simulated import MAX_PACE
+from agent.devices import DeviceBackend, DeviceError, make_backend
 from agent.drain import Drain, term_cause
 from agent.environments import (
-    DEFAULT_BUILD_DEADLINE_S,
-    DEFAULT_MAX_BYTES,
     Environments,
     EnvironmentSettings,
     uv_binary,
 )
 from agent.events import EventBuffer, PoisonIsolation
 from agent.export import CheckpointExporter
-from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from agent.settings import AgentConfig, parse_config
+from agent.supervisor import WorkerSupervisor
 from elastic.liveness import LivenessFile
 from elastic.wire import AgentReport, NodeRegistration, RegistrationReply, WorkerEvent, command_stream
 
@@ -68,7 +60,6 @@ JOB_FILES_KEPT_S = 3600.0
 """How long a job's unpacked code and initial model stay on a node after its last worker here
 went: a job that comes back within it (a grow onto this node) finds them."""
 """The portal's error code for a report from a node it has no record of: register again."""
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class ExitCode(enum.IntEnum):
@@ -77,400 +68,12 @@ class ExitCode(enum.IntEnum):
     FAILURE = 1
     """An unexpected error; the traceback is on stderr."""
     USAGE_OR_TOKEN_REFUSED = 2
-    """A bad command line (argparse's convention), or the portal refused the agent token."""
+    """A bad command line or setting (the usage-error convention), or the portal refused the agent
+    token."""
     REGISTRATION_REJECTED = 3
     """The portal refused the registration itself (a 4xx other than 401/403)."""
     DEVICES_UNAVAILABLE = 4
     """The device backend asked for cannot run here (e.g. --backend nvml without a GPU)."""
-
-
-DEFAULT_STANDBYS = 8
-"""`--standbys on`: a standby on each free device of a node of up to 8 (a full GPU server); a
-node with more free devices (a simulated one of hundreds) keeps 8, not hundreds of processes."""
-
-DEFAULT_PREPARED = 2
-"""Standbys prepared a job: its next two workers here skip their build (a standby holds a model
-built for the job, on its free device, until the job takes it or stops growing here)."""
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    portal_url: str
-    token: str
-    node_name: str
-    address: str
-    backend: str
-    sim_devices: int | None
-    redis_url: str | None
-    report_interval_s: float | None
-    stop_grace_s: float
-    worker_module: str
-    log_level: str
-    state_dir: Path
-    standbys: int = DEFAULT_STANDBYS
-    """The most warm standby workers the node keeps (0: none)."""
-    prepared_standbys: int = DEFAULT_PREPARED
-    """The most of them prepared for one job that may grow here (0: none)."""
-    standby_start: str = "fork"
-    """How a standby on a CPU slot starts: "fork" (from the node's fork server, which imported
-    the worker runtime once) or "exec" (a new interpreter that imports it)."""
-    sim_pace: float = 1.0
-    """Simulated slots only: the factor by which every step's compute is stretched (1: none)."""
-    on_term: str = "drain"
-    """What SIGTERM does: "drain" (the node leaves gracefully: agent.drain) or "stop" (the
-    workers save and exit at once)."""
-    drain_deadline_s: float = 60.0
-    """How long a drain may take before the agent stops what is left."""
-    gpus: GpuSelection | None = None
-    """nvml only: the machine's GPUs that are this node's (a Slurm allocation's); None: all."""
-    env_dir: Path | None = None
-    """Where jobs' own environments are cached (agent.environments); None: STATE_DIR/environments."""
-    env_find_links: tuple[str, ...] = ()
-    """Wheelhouses the environments' packages may come from, beside the node's index."""
-    env_build_deadline_s: float = DEFAULT_BUILD_DEADLINE_S
-    env_cache_bytes: int = DEFAULT_MAX_BYTES
-    env_index_options: bool = False
-    """Jobs' requirements may name where packages come from (as the portal's setting of the same name)."""
-
-
-def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
-    """The agent's state directory when none is given: agent/<node> under BUNGEE_DATA_DIR, or
-    under the project's var/ (the portal's default data directory)."""
-    data_dir = environ.get("BUNGEE_DATA_DIR") or str(PROJECT_ROOT / "var")
-    return Path(data_dir).resolve() / "agent" / node_name
-
-
-def _count(text: str) -> int:
-    """A whole number, at least 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
-    return value
-
-
-def _standbys(text: str) -> int:
-    """`on`, `off`, or the most standbys to keep."""
-    if text in ("on", "off"):
-        return DEFAULT_STANDBYS if text == "on" else 0
-    if not text.lstrip("-").isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not on, off or a number of standbys")
-    return _count(text)
-
-
-def _standby_start(text: str) -> str:
-    """`fork` or `exec`."""
-    if text not in ("fork", "exec"):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither fork nor exec")
-    return text
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _on_term(text: str) -> str:
-    """`drain` or `stop`."""
-    if text not in ("drain", "stop"):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither drain nor stop")
-    return text
-
-
-def _pace(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 1.0 <= value <= MAX_PACE:
-        raise argparse.ArgumentTypeError(f"{text!r} must be from 1 to {MAX_PACE:g}")
-    return value
-
-
-def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if value < 0 or (minimum_exclusive and value == 0):
-            bound = "above 0" if minimum_exclusive else "at least 0"
-            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
-        return value
-
-    return parse
-
-
-def _on_off(text: str) -> bool:
-    if text.strip().lower() in {"on", "true", "1", "yes"}:
-        return True
-    if text.strip().lower() in {"off", "false", "0", "no"}:
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is neither on nor off")
-
-
-def _gigabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
-    return value
-
-
-def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    """Returns the CLI parser; each flag's default comes from its environment variable."""
-    parser = argparse.ArgumentParser(
-        prog="python -m agent",
-        description="Bungee node agent: registers this node with the portal, reports its "
-        "devices and runs the elastic workers the portal assigns to it.",
-    )
-
-    def flag(name: str, env: str, default: str | None, help: str, **kwargs: object) -> None:
-        shown = f" (env {env}; default {default})" if default is not None else f" (env {env})"
-        parser.add_argument(name, default=environ.get(env) or default, help=help + shown, **kwargs)  # type: ignore[arg-type]
-
-    flag("--portal", "BUNGEE_PORTAL_URL", "http://127.0.0.1:8000", "the portal's base URL")
-    flag(
-        "--token-file",
-        "BUNGEE_AGENT_TOKEN_FILE",
-        None,
-        "a file holding the agent token the portal issued, readable by the agent's user only (the "
-        "way to pass it: a --token shows in every local user's ps)",
-    )
-    flag("--token", "BUNGEE_AGENT_TOKEN", None, "the agent token itself, if no --token-file")
-    flag("--name", "BUNGEE_NODE_NAME", socket.gethostname(), "this node's name")
-    flag(
-        "--address",
-        "BUNGEE_NODE_ADDRESS",
-        "127.0.0.1",
-        "the host name or IP at which workers on other nodes reach this node",
-    )
-    flag(
-        "--backend",
-        "BUNGEE_DEVICE_BACKEND",
-        "auto",
-        "device backend: nvml, simulated, or auto (nvml if it finds a GPU, else simulated)",
-        choices=backend_names(),
-    )
-    flag(
-        "--devices",
-        "BUNGEE_SIM_DEVICES",
-        None,
-        "number of simulated slots (default: one per CPU)",
-        type=_positive_int,
-    )
-    flag(
-        "--sim-pace",
-        "BUNGEE_SIM_PACE",
-        "1",
-        "simulated slots only: stretch each step's compute by this factor, from 1 to "
-        f"{MAX_PACE:g}, the worker sleeping for the stretch, as a GPU's step leaves its host's CPU "
-        "mostly idle: several simulated nodes (a demo, a test suite) then share a few cores "
-        "without every worker running flat out; 1 runs flat out",
-        type=_pace,
-    )
-    flag(
-        "--redis-url",
-        "BUNGEE_AGENT_REDIS_URL",
-        None,
-        "Redis URL for the command stream, instead of the one the portal hands out",
-    )
-    flag(
-        "--report-interval",
-        "BUNGEE_REPORT_INTERVAL_S",
-        None,
-        "seconds between reports (default: what the portal says at registration)",
-        type=_seconds(minimum_exclusive=True),
-    )
-    flag(
-        "--stop-grace",
-        "BUNGEE_STOP_GRACE_S",
-        "30",
-        "seconds a worker has after SIGTERM to save and exit before SIGKILL",
-        type=_seconds(minimum_exclusive=False),
-    )
-    flag(
-        "--on-term",
-        "BUNGEE_AGENT_ON_TERM",
-        "drain",
-        "what SIGTERM does: drain (the node leaves gracefully: the portal moves its jobs off it, each "
-        "shrinking in place at its next step, and the agent exits once its workers are gone or at "
-        "--drain-deadline; what Slurm's preemption and time limit and a Kubernetes eviction need) or "
-        "stop (the workers save their step and exit at once); SIGINT always stops, and so does a "
-        "second SIGTERM",
-        type=_on_term,
-    )
-    flag(
-        "--drain-deadline",
-        "BUNGEE_DRAIN_DEADLINE_S",
-        "60",
-        "seconds a drain may take; then the workers still here save and exit (give the cluster "
-        "engine's grace period this plus --stop-grace)",
-        type=_seconds(minimum_exclusive=True),
-    )
-    flag(
-        "--worker-module",
-        "BUNGEE_WORKER_MODULE",
-        "elastic.worker",
-        "the module each worker runs as `python -m MODULE`",
-    )
-    flag(
-        "--standbys",
-        "BUNGEE_STANDBYS",
-        "on",
-        "keep a warm standby worker on each free device, so that a joiner starts in well under a "
-        "second (each costs a process with torch imported, a few hundred MB; on a GPU, its context): "
-        f"on (up to {DEFAULT_STANDBYS} a node), off, or the most to keep; they start one at a time",
-        type=_standbys,
-    )
-    flag(
-        "--prepared-standbys",
-        "BUNGEE_PREPARED_STANDBYS",
-        str(DEFAULT_PREPARED),
-        "of those standbys, prepare up to this many for each job that may grow on this node: they "
-        "build its model before a worker is asked for, so that a joiner taken from one also skips its "
-        "build (each holds one model on its free device); 0: none",
-        type=_count,
-    )
-    flag(
-        "--standby-start",
-        "BUNGEE_STANDBY_START",
-        "fork",
-        "how a standby on a CPU slot starts: fork (forked from one process of the node that has "
-        "imported torch and the worker runtime once: milliseconds, its libraries' memory shared) or "
-        "exec (a new interpreter that imports them: seconds of CPU each); with fork, a worker no "
-        "standby serves is forked too; a GPU's standby and worker always start as their own process",
-        type=_standby_start,
-    )
-    flag(
-        "--env-dir",
-        "BUNGEE_ENV_DIR",
-        None,
-        "where jobs' own Python environments (a requirements.txt with their code) are built and "
-        "cached (default: STATE_DIR/environments)",
-    )
-    flag(
-        "--env-find-links",
-        "BUNGEE_ENV_FIND_LINKS",
-        None,
-        "wheelhouses (directories or URLs, separated by spaces) that jobs' packages may come from, "
-        "beside the index uv or pip is configured with (UV_INDEX_URL, PIP_INDEX_URL; UV_OFFLINE=1: "
-        "the wheelhouses only)",
-    )
-    flag(
-        "--env-index-options",
-        "BUNGEE_ENV_INDEX_OPTIONS",
-        "off",
-        "on: a job's requirements.txt may name its own index or wheelhouse (--index-url, --extra-index-url, "
-        "--find-links, --no-index); set the portal's BUNGEE_ENV_INDEX_OPTIONS alike",
-        type=_on_off,
-    )
-    flag(
-        "--env-build-deadline",
-        "BUNGEE_ENV_BUILD_DEADLINE_S",
-        f"{DEFAULT_BUILD_DEADLINE_S:g}",
-        "seconds a job's environment may take to build before the job fails",
-        type=_seconds(minimum_exclusive=True),
-    )
-    flag(
-        "--env-cache-gb",
-        "BUNGEE_ENV_CACHE_GB",
-        f"{DEFAULT_MAX_BYTES / 1024**3:g}",
-        "the most disk the cached environments may take, in GiB; the least recently used ones not in "
-        "use go first",
-        type=_gigabytes,
-    )
-    flag(
-        "--state-dir",
-        "BUNGEE_AGENT_STATE_DIR",
-        None,
-        "where the workers' output and records live, so that a restarted agent takes its workers "
-        "back (default: BUNGEE_DATA_DIR/agent/NAME, or var/agent/NAME in the project)",
-    )
-    flag(
-        "--slurm",
-        "BUNGEE_SLURM",
-        "auto",
-        "run as a Slurm batch job, the node being the allocation (named NODE-jobID, its GPUs or a "
-        "count of slots, see agent.slurm): on (--slurm alone), off, or auto (when SLURM_JOB_ID is set)",
-        choices=list(slurm.MODES),
-        nargs="?",
-        const="on",
-    )
-    flag(
-        "--log-level",
-        "BUNGEE_LOG_LEVEL",
-        "INFO",
-        "logging level",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-    )
-    return parser
-
-
-def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AgentConfig:
-    """Returns the configuration from `argv` and `environ`; exits 2 with a usage message if a
-    value is missing or wrong."""
-    parser = build_parser(environ)
-    args = parser.parse_args(argv)
-    # Inside a Slurm allocation (agent.slurm) the flags' defaults are the allocation's.
-    try:
-        allocation = slurm.detect(args.slurm, environ)
-        if allocation is not None:
-            environ = slurm.agent_environ(environ, allocation, socket.gethostname())
-            parser = build_parser(environ)
-            args = parser.parse_args(argv)
-            args.backend = slurm.backend_for(allocation, args.backend)
-    except slurm.SlurmEnvironmentError as err:
-        parser.error(str(err))
-    if args.token_file:
-        try:
-            args.token = Path(args.token_file).read_text().strip()
-        except OSError as err:
-            parser.error(f"cannot read the agent token from --token-file {args.token_file!r}: {err.strerror}")
-        if not args.token:
-            parser.error(f"the token file {args.token_file!r} is empty")
-    if not args.token:
-        parser.error("an agent token is required: pass --token-file (or set BUNGEE_AGENT_TOKEN_FILE, or BUNGEE_AGENT_TOKEN)")
-    try:
-        NodeRegistration(name=args.name, address=args.address, backend=args.backend, devices=[])
-    except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        parser.error(f"invalid node name {args.name!r} or address {args.address!r}: {problems}")
-    return AgentConfig(
-        portal_url=args.portal,
-        token=args.token,
-        node_name=args.name,
-        address=args.address,
-        backend=args.backend,
-        sim_devices=args.devices,
-        sim_pace=args.sim_pace,
-        redis_url=args.redis_url or None,
-        report_interval_s=args.report_interval,
-        stop_grace_s=args.stop_grace,
-        on_term=args.on_term,
-        drain_deadline_s=args.drain_deadline,
-        worker_module=args.worker_module,
-        log_level=args.log_level,
-        standbys=args.standbys,
-        prepared_standbys=args.prepared_standbys,
-        standby_start=args.standby_start,
-        gpus=slurm.gpu_selection(allocation, args.backend),
-        state_dir=Path(args.state_dir).resolve() if args.state_dir else default_state_dir(environ, args.name),
-        env_dir=Path(args.env_dir).resolve() if args.env_dir else None,
-        env_find_links=tuple((args.env_find_links or "").split()),
-        env_build_deadline_s=args.env_build_deadline,
-        env_cache_bytes=int(args.env_cache_gb * 1024**3),
-        env_index_options=args.env_index_options,
-    )
 
 
 class _FailureLog:
@@ -812,19 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeviceError as err:
         log.error("device backend %r cannot start: %s", config.backend, err)
         return ExitCode.DEVICES_UNAVAILABLE
-    supervisor = WorkerSupervisor(
-        SupervisorConfig(
-            worker_module=config.worker_module,
-            stop_grace_s=config.stop_grace_s,
-            node_name=config.node_name,
-            node_address=config.address,
-            state_dir=config.state_dir,
-            standbys=config.standbys,
-            prepared_per_job=config.prepared_standbys,
-            fork_standbys=config.standby_start == "fork",
-        ),
-        on_exit=report_now.set,
-    )
+    supervisor = WorkerSupervisor(config.supervisor_config(), on_exit=report_now.set)
     client = PortalClient(config.portal_url, config.token, state_dir=config.state_dir)
     agent = Agent(config, backend, client, supervisor, stopping, report_now, drain)
     return agent.run()

@@ -44,7 +44,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.main import DEFAULT_PREPARED  # noqa: E402
+from agent.settings import DEFAULT_PREPARED  # noqa: E402
 from bench.conditions import RESNET50_SIZED, BenchModel, machine, show, spread  # noqa: E402
 from elastic.worker.standby import PREPARED_LINE, READY_LINE  # noqa: E402
 from elastic.workloads import CATALOGUE  # noqa: E402

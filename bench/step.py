@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import json
 import math
 import os
@@ -316,7 +315,7 @@ def main() -> int:
         torch.cuda.set_device(device)
     settings = WorkerSettings.from_env(os.environ)
     if args.threads is not None:
-        settings = dataclasses.replace(settings, threads=args.threads)
+        settings = settings.model_copy(update={"threads": args.threads})
     threads = settings.threads
 
     task_class = load_task_class(task_dir, entrypoint)

@@ -1,22 +1,22 @@
 """Writes the reference pages under docs/reference/ from the code they describe, so that they
 cannot drift from it: the job spec from its pydantic model (elastic.spec.JobSpec), the
-configuration from where each component reads it (the portal's settings, the agent's command
-line, the worker's settings), and /metrics from the portal's Prometheus registry.
+configuration from each component's settings class (portal.config.PortalSettings,
+agent.settings.AgentSettings, elastic.worker.settings.WorkerSettings: every field's variable,
+default, bounds and description), and /metrics from the portal's Prometheus registry.
 
 Run `make docs` (`python -m docs.generate`) after changing any of them and commit the pages;
 `python -m docs.generate --check` says which page is stale, and tests/test_reference_docs.py
 fails while one is. The metrics page reads the collectors' families from an empty database made
 in memory (only the families' names, help and labels are written, never a value).
 
-Each component's configuration has its own function returning `Setting` rows, so that a
-component that moves to another way of reading its configuration changes only its function.
+The few variables read outside those classes (the Slurm pool's, the server's, the liveness
+file's, `make demo`'s) are found in their modules' source.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import json
 import os
 import re
@@ -24,8 +24,10 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from unittest import mock
+from typing import TYPE_CHECKING, Any, get_args
+
+if TYPE_CHECKING:
+    from elastic.environ_settings import EnvironSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
@@ -142,9 +144,7 @@ class Setting:
     meaning: str
     environment: str = ""
     """For a command-line flag, its environment variable."""
-
-
-_ENV_HELPERS = {"env_str", "env_bool", "env_int", "env_float", "env_list"}
+    bounds: str = ""
 
 
 def _constants(tree: ast.Module) -> dict[str, str]:
@@ -186,14 +186,11 @@ def _default_text(node: ast.expr | None, source: str) -> str:
 
 
 def _variable_read(node: ast.AST, constants: dict[str, str]) -> str | None:
-    """The variable that `node` reads, if it is `env_int("NAME", ...)` (portal.env's helpers) or
-    `....get(NAME, ...)` with NAME in capitals, a literal or a module constant."""
+    """The variable that `node` reads, if it is `....get(NAME, ...)` with NAME in capitals, a
+    literal or a module constant."""
     if not isinstance(node, ast.Call) or not node.args:
         return None
-    func = node.func
-    is_helper = isinstance(func, ast.Name) and func.id in _ENV_HELPERS
-    is_get = isinstance(func, ast.Attribute) and func.attr == "get"
-    if not (is_helper or is_get):
+    if not (isinstance(node.func, ast.Attribute) and node.func.attr == "get"):
         return None
     first = node.args[0]
     if isinstance(first, ast.Constant) and isinstance(first.value, str):
@@ -245,34 +242,6 @@ def environment_reads(path: Path, prefix: str = "") -> list[Setting]:
     return [setting for *_, setting in sorted(found, key=lambda row: row[:2])]
 
 
-def _table_meanings(path: Path) -> dict[str, tuple[str, str]]:
-    """The (default, meaning) rows of the Markdown table in a module's docstring (`| BUNGEE_X_Y,
-    _Z | default | what |`), by variable; `_Z` stands for BUNGEE_X_Z."""
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    rows = {}
-    for row in doc.splitlines():
-        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
-        if len(cells) != 3 or not cells[0].startswith("BUNGEE_"):
-            continue
-        names = [name.strip() for name in cells[0].split(",")]
-        stem = "_".join(names[0].split("_")[:2])
-        for name in names:
-            rows[stem + name if name.startswith("_") else name] = (cells[1], cells[2])
-    return rows
-
-
-def _settings_keys(path: Path) -> dict[str, str]:
-    """The variable behind each key of the settings' dicts ("MAX_RESTARTS": env_int("BUNGEE_MAX_RESTARTS", 3))."""
-    keys = {}
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Dict):
-            for key, value in zip(node.keys, node.values, strict=True):
-                name = _variable_read(value, {})
-                if isinstance(key, ast.Constant) and name is not None and name.endswith(str(key.value)):
-                    keys[str(key.value)] = name
-    return keys
-
-
 def _first_of_each(settings: Iterator[Setting]) -> list[Setting]:
     """Settings in order, each name once (the first read, which has the comment that says what it is)."""
     seen: dict[str, Setting] = {}
@@ -282,115 +251,86 @@ def _first_of_each(settings: Iterator[Setting]) -> list[Setting]:
     return list(seen.values())
 
 
+def _field_default(value: Any) -> str:
+    """A settings field's default as the page shows it: a path in the checkout from BASE_DIR."""
+    if value is None:
+        return "unset"
+    if isinstance(value, Path) and value.is_relative_to(ROOT):
+        return _code("BASE_DIR" if value == ROOT else f'BASE_DIR / "{value.relative_to(ROOT)}"')
+    return _amount(str(value) if isinstance(value, Path) else value)
+
+
+def _field_bounds(field: Any) -> str:
+    """A settings field's bounds: its numeric limits, or the words its type allows."""
+    parts = []
+    for limit in field.metadata:
+        for attribute, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(limit, attribute, None) is not None:
+                parts.append(f"{sign} {getattr(limit, attribute):g}")
+    choices = [arg for arg in get_args(field.annotation) if isinstance(arg, str)]
+    if choices:
+        parts.append("one of " + ", ".join(f"`{choice}`" for choice in choices))
+    return ", ".join(parts)
+
+
+def settings_rows(cls: type[EnvironSettings], flag: Callable[[str], str] | None = None) -> list[Setting]:
+    """One row per field of a settings class: its variable (or, given `flag`, its flag and its
+    variable), default, bounds and description."""
+    rows = []
+    for name, field in cls.model_fields.items():
+        variable = cls.variable(name)
+        shown, environment = (flag(name), variable) if flag else (variable, "")
+        default, bounds = _field_default(field.default), _field_bounds(field)
+        rows.append(Setting(shown, default, field.description or "", environment, bounds))
+    return rows
+
+
 PORTAL_MODULES = (
-    ("portal/settings.py", ""),
     ("portal/serve.py", "`python -m portal.serve`: "),
     ("elastic/liveness.py", "the Celery worker and beat (and the agent): "),
     ("portal/demo.py", "`make demo`: "),
 )
-"""Where the portal's processes read their environment: Django's settings first (they say what
-each variable means), then the server, the liveness file, and `make demo`."""
+"""Where the portal's processes read variables outside its settings classes: the server, the
+liveness file, and `make demo`."""
 
 
 def portal_settings() -> list[Setting]:
-    """The environment variables of the portal's processes (portal, Celery worker and beat); the
-    Slurm pool's meanings are in its module's docstring (portal/slurm/config.py)."""
-    slurm = _table_meanings(ROOT / "portal" / "slurm" / "config.py")
-    keys = _settings_keys(ROOT / PORTAL_MODULES[0][0])
-    key_pattern = re.compile(r"(?<![A-Z_])(" + "|".join(sorted(keys, key=len, reverse=True)) + r")(?![A-Z_])")
-    settings = []
-    for setting in _first_of_each(
-        s for module, prefix in PORTAL_MODULES for s in environment_reads(ROOT / module, prefix)
-    ):
-        meaning = key_pattern.sub(lambda m: keys[m.group(1)], setting.meaning)
-        if setting.name in slurm:
-            unset, meaning = slurm[setting.name]
-            if setting.default in ("empty", "`0`"):
-                meaning += f" (unset: {unset})"
-        settings.append(dataclasses.replace(setting, meaning=meaning))
-    return settings
+    """The environment variables of the portal's processes (portal, Celery worker and beat):
+    PortalSettings, SlurmPoolSettings, then the few read elsewhere."""
+    from portal.config import PortalSettings, SlurmPoolSettings
+
+    settings = settings_rows(PortalSettings) + settings_rows(SlurmPoolSettings)
+    typed = {setting.name for setting in settings}
+    reads = (s for module, prefix in PORTAL_MODULES for s in environment_reads(ROOT / module, prefix))
+    return settings + _first_of_each(s for s in reads if s.name not in typed)
 
 
 def agent_flags() -> list[Setting]:
-    """The agent's command-line flags, each with its environment variable, default and help."""
-    from agent.main import build_parser
+    """The agent's command-line flags (AgentSettings), each with its environment variable."""
+    from agent.settings import AgentSettings
 
-    with mock.patch("socket.gethostname", return_value="HOSTNAME"):
-        parser = build_parser({})
-    settings = []
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        found = re.search(r"\s*\(env (\w+)(?:; default (.*))?\)$", action.help or "")
-        if found is None:
-            continue
-        help_text = (action.help or "")[: found.start()]
-        if action.choices:
-            help_text += " (one of " + ", ".join(map(str, action.choices)) + ")"
-        default = found.group(2)
-        shown = "the machine's host name" if default == "HOSTNAME" else _code(default)
-        settings.append(Setting(action.option_strings[0], shown, help_text, environment=found.group(1)))
-    return settings
-
-
-_TRIAL_VALUES = ("7", "1", "relay", "/tmp/samples.jsonl")
-"""Values tried in each of the worker's variables to see which setting it moves (each parses
-for at least one setting)."""
+    return settings_rows(AgentSettings, AgentSettings.flag)
 
 
 def worker_settings() -> list[Setting]:
-    """The worker's environment variables (elastic.worker.settings), each found by setting it
-    and seeing which field of WorkerSettings moves; the meaning is that field's docstring."""
-    from elastic.worker import settings as module
-    from elastic.worker.settings import WorkerSettings, WorkerSettingsError
+    """The worker's environment variables (WorkerSettings)."""
+    from elastic.worker.settings import WorkerSettings
 
-    docs = _attribute_docstrings(Path(module.__file__), "WorkerSettings")
-    default = WorkerSettings()
-    found = []
-    for constant, variable in vars(module).items():
-        if not constant.endswith("_ENV"):
-            continue
-        for trial in _TRIAL_VALUES:
-            try:
-                moved = WorkerSettings.from_env({variable: trial})
-            except WorkerSettingsError:
-                continue
-            changed = [f.name for f in dataclasses.fields(WorkerSettings) if getattr(moved, f.name) != getattr(default, f.name)]
-            if changed:
-                value = getattr(default, changed[0])
-                if variable.endswith("_MB"):  # the variable counts MiB, the field bytes
-                    value = value / 2**20
-                shown = "unset" if value is None else _amount(value)
-                found.append(Setting(variable, shown, docs.get(changed[0], "")))
-                break
-    return found
-
-
-def _attribute_docstrings(path: Path, class_name: str) -> dict[str, str]:
-    """The docstrings written under the fields of a class (which Python does not keep)."""
-    tree = ast.parse(path.read_text())
-    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name).body
-    docs = {}
-    for field, after in zip(body, body[1:], strict=False):
-        if (
-            isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
-            and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-        ):
-            docs[field.target.id] = str(after.value.value)
-    return docs
+    return settings_rows(WorkerSettings)
 
 
 CONFIGURATION: tuple[tuple[str, str, Callable[[], list[Setting]]], ...] = (
     (
         "The portal",
-        "The portal, its Celery worker and beat read these at start (`portal/settings.py`; the "
-        "server, the liveness file and `make demo` read the last few). `BASE_DIR` is the checkout, "
-        "`DATA_DIR` is `BUNGEE_DATA_DIR`.",
+        "The portal, its Celery worker and beat read these at start (`portal/config.py`: "
+        "PortalSettings, then the Slurm pool's SlurmPoolSettings; the server, the liveness file and "
+        "`make demo` read the last few). `BASE_DIR` is the checkout, `DATA_DIR` is `BUNGEE_DATA_DIR`.",
         portal_settings,
     ),
     (
         "The agent",
-        "`python -m agent` takes these flags; each flag's environment variable gives its default. "
+        "`python -m agent` takes these flags (`agent/settings.py`, AgentSettings); each flag's "
+        "environment variable gives its default. "
         "Inside a Slurm allocation the allocation's values come first (docs/operator/slurm.md).",
         agent_flags,
     ),
@@ -415,10 +355,11 @@ def configuration_page() -> str:
         rows = settings()
         parts.append(f"\n## {title}\n\n{intro}\n\n")
         if any(s.environment for s in rows):
-            parts.append(_table(("flag", "environment", "default", "meaning"),
-                                [(f"`{s.name}`", f"`{s.environment}`", s.default, s.meaning) for s in rows]))
+            parts.append(_table(("flag", "environment", "default", "bounds", "meaning"),
+                                [(f"`{s.name}`", f"`{s.environment}`", s.default, s.bounds, s.meaning) for s in rows]))
         else:
-            parts.append(_table(("variable", "default", "meaning"), [(f"`{s.name}`", s.default, s.meaning) for s in rows]))
+            parts.append(_table(("variable", "default", "bounds", "meaning"),
+                                [(f"`{s.name}`", s.default, s.bounds, s.meaning) for s in rows]))
     return "".join(parts)
 
 

@@ -31,14 +31,17 @@ if _weak_key is not None:
 def body_limit(path: str) -> Bound:
     """The largest request body: a job's artifacts from an agent; a code upload and its form's
     other fields (portal.jobs.code_api), from the API or the submit page; else a JSON or form
-    body, BUNGEE["BODY_MAX_BYTES"]."""
+    body, BUNGEE_BODY_MAX_BYTES."""
     if path.startswith("/api/agent/jobs/") and path.endswith("/artifacts"):
-        return Bound(int(settings.BUNGEE["ARTIFACT_MAX_BYTES"]), "BUNGEE_ARTIFACT_MAX_BYTES")
+        return Bound(settings.BUNGEE.artifact_max_bytes, "BUNGEE_ARTIFACT_MAX_BYTES")
     if path in ("/api/code", "/jobs/new/"):
-        code = int(settings.BUNGEE["CODE_MAX_BYTES"])
-        return Bound(code + UPLOAD_OVERHEAD_BYTES, f"BUNGEE_CODE_MAX_BYTES={code}, and {UPLOAD_OVERHEAD_BYTES} for the "
-                     "form's other fields", LEAVE_OUT_ADVICE)
-    return Bound(int(settings.BUNGEE["BODY_MAX_BYTES"]), "BUNGEE_BODY_MAX_BYTES")
+        code = settings.BUNGEE.code_max_bytes
+        return Bound(
+            code + UPLOAD_OVERHEAD_BYTES,
+            f"BUNGEE_CODE_MAX_BYTES={code}, and {UPLOAD_OVERHEAD_BYTES} for the form's other fields",
+            LEAVE_OUT_ADVICE,
+        )
+    return Bound(settings.BUNGEE.body_max_bytes, "BUNGEE_BODY_MAX_BYTES")
 
 
 application = ProtocolTypeRouter(

@@ -25,7 +25,8 @@ def _beat_schedule(sender: Celery, **_: object) -> None:
     from django.conf import settings
 
     sender.add_periodic_task(
-        settings.BUNGEE["SCHEDULE_TICK_S"], sender.signature("portal.scheduling.tasks.tick"),
+        settings.BUNGEE.schedule_tick_s,
+        sender.signature("portal.scheduling.tasks.tick"),
         name="scheduler tick",
     )
     sender.add_periodic_task(
@@ -34,9 +35,9 @@ def _beat_schedule(sender: Celery, **_: object) -> None:
     sender.add_periodic_task(
         PRUNE_EVERY_S, sender.signature("portal.jobs.tasks.prune_history"), name="prune history"
     )
-    if settings.BUNGEE_SLURM["ENABLED"]:
+    if settings.BUNGEE_SLURM.enabled:
         sender.add_periodic_task(
-            settings.BUNGEE_SLURM["EVERY_S"], sender.signature("portal.slurm.tasks.size_pool"), name="slurm pool"
+            settings.BUNGEE_SLURM.every_s, sender.signature("portal.slurm.tasks.size_pool"), name="slurm pool"
         )
 
 

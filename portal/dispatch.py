@@ -26,7 +26,7 @@ STREAM_MAXLEN = 10_000
 
 
 def stream_for(node_name: str) -> str:
-    return command_stream(node_name, settings.BUNGEE["REDIS_PREFIX"])
+    return command_stream(node_name, settings.BUNGEE.redis_prefix)
 
 
 def send(node_name: str, command: LaunchCommand | StopCommand | ExportCommand | DrainCommand) -> None:
@@ -37,7 +37,7 @@ def send(node_name: str, command: LaunchCommand | StopCommand | ExportCommand | 
 
 def board(job_id: int) -> RedisBoard:
     """The job's membership board in the portal's Redis."""
-    return RedisBoard(client(), coordination_key(job_id, settings.BUNGEE["REDIS_PREFIX"]))
+    return RedisBoard(client(), coordination_key(job_id, settings.BUNGEE.redis_prefix))
 
 
 def publish(record: Membership, launches: dict[str, LaunchCommand]) -> None:

@@ -32,4 +32,4 @@ def client() -> redis.Redis:
 
 def key(*parts: object) -> str:
     """A Redis key under this deployment's prefix."""
-    return ":".join([settings.BUNGEE["REDIS_PREFIX"], *(str(p) for p in parts)])
+    return ":".join([settings.BUNGEE.redis_prefix, *(str(p) for p in parts)])

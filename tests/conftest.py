@@ -63,7 +63,7 @@ def redis_client() -> Any:
     yield redis
     from django.conf import settings
 
-    for stale in redis.scan_iter(f"{settings.BUNGEE['REDIS_PREFIX']}:*"):
+    for stale in redis.scan_iter(f"{settings.BUNGEE.redis_prefix}:*"):
         redis.delete(stale)
 
 

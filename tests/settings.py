@@ -28,7 +28,7 @@ CHANNEL_LAYERS = {
 CELERY_BROKER_URL = REDIS_URL
 # Tasks that a unit test triggers run in the test process itself.
 CELERY_TASK_ALWAYS_EAGER = True
-BUNGEE = {**BUNGEE, "REDIS_PREFIX": f"bungee-test-{os.getpid()}"}
+BUNGEE = BUNGEE.model_copy(update={"redis_prefix": f"bungee-test-{os.getpid()}"})
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 # A random key per run: the development default is refused with DEBUG off (portal.secrets_check).
 SECRET_KEY = secrets.token_urlsafe(50)

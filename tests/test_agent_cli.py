@@ -13,13 +13,15 @@ import pytest
 
 from agent.devices import BackendUnavailableError
 from agent.devices.nvml import NvmlBackend
-from agent.main import AgentConfig, ExitCode, build_parser, parse_config
+from agent.main import ExitCode
+from agent.settings import AgentConfig, command_line, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_flags() -> None:
-    flags = {option for action in build_parser({})._actions for option in action.option_strings}
+    command = command_line(print)
+    flags = {option for parameter in command.get_params(command.make_context("agent", ["--token", "t"])) for option in parameter.opts}
     assert flags == {
         "-h",
         "--help",
@@ -142,19 +144,22 @@ def test_standbys_are_on_off_or_a_number(value: str, kept: int) -> None:
     [
         ([], {}, "an agent token is required: pass --token-file (or set BUNGEE_AGENT_TOKEN_FILE"),
         (["--token-file", "/nonexistent/agent.token"], {}, "cannot read the agent token from --token-file"),
-        (["--token", "t", "--devices", "0"], {}, "argument --devices: '0' must be at least 1"),
-        (["--token", "t"], {"BUNGEE_SIM_DEVICES": "many"}, "argument --devices: 'many' is not an integer"),
-        (["--token", "t", "--report-interval", "0"], {}, "argument --report-interval: '0' must be above 0"),
-        (["--token", "t", "--backend", "tpu"], {}, "argument --backend: invalid choice: 'tpu'"),
+        (["--token", "t", "--devices", "0"], {}, "--devices='0': Input should be greater than or equal to 1"),
+        (["--token", "t"], {"BUNGEE_SIM_DEVICES": "many"}, "BUNGEE_SIM_DEVICES='many': Input should be a valid integer"),
+        (["--token", "t", "--report-interval", "0"], {}, "--report-interval='0': Input should be greater than 0"),
+        (["--token", "t", "--backend", "tpu"], {}, "--backend='tpu': is not one of auto, nvml, simulated"),
         (["--token", "t", "--name", "bad name"], {}, "invalid node name 'bad name'"),
-        (["--token", "t", "--standbys", "many"], {}, "argument --standbys: 'many' is not on, off or a number"),
-        (["--token", "t"], {"BUNGEE_STANDBYS": "-1"}, "argument --standbys: '-1' must be at least 0"),
-        (["--token", "t", "--prepared-standbys", "two"], {}, "argument --prepared-standbys: 'two' is not a whole number"),
-        (["--token", "t", "--sim-pace", "0.5"], {}, "argument --sim-pace: '0.5' must be from 1 to 100"),
-        (["--token", "t"], {"BUNGEE_SIM_PACE": "nan"}, "argument --sim-pace: 'nan' must be from 1 to 100"),
-        (["--token", "t", "--sim-pace", "fast"], {}, "argument --sim-pace: 'fast' is not a number"),
-        (["--token", "t", "--standby-start", "spawn"], {}, "argument --standby-start: 'spawn' is neither fork nor exec"),
-        (["--token", "t"], {"BUNGEE_STANDBY_START": "FORK"}, "argument --standby-start: 'FORK' is neither fork nor exec"),
+        (["--token", "t", "--standbys", "many"], {}, "--standbys='many': is not on, off or a number of standbys"),
+        (["--token", "t"], {"BUNGEE_STANDBYS": "-1"}, "BUNGEE_STANDBYS='-1': Input should be greater than or equal to 0"),
+        (["--token", "t", "--prepared-standbys", "two"], {}, "--prepared-standbys='two': Input should be a valid integer"),
+        (["--token", "t", "--sim-pace", "0.5"], {}, "--sim-pace='0.5': Input should be greater than or equal to 1"),
+        (["--token", "t"], {"BUNGEE_SIM_PACE": "nan"}, "BUNGEE_SIM_PACE='nan': Input should be"),
+        (["--token", "t", "--sim-pace", "fast"], {}, "--sim-pace='fast': Input should be a valid number"),
+        (["--token", "t", "--standby-start", "spawn"], {}, "--standby-start='spawn': Input should be 'fork' or 'exec'"),
+        (["--token", "t"], {"BUNGEE_STANDBY_START": "FORK"}, "BUNGEE_STANDBY_START='FORK': Input should be 'fork' or 'exec'"),
+        (["--token", "t", "--on-term", "pause"], {}, "--on-term='pause': Input should be 'drain' or 'stop'"),
+        (["--token", "t"], {"BUNGEE_ENV_CACHE_GB": "0"}, "BUNGEE_ENV_CACHE_GB='0': Input should be greater than 0"),
+        (["--token", "t", "--no-such-flag"], {}, "No such option: --no-such-flag"),
     ],
 )
 def test_a_bad_start_exits_2_saying_what_is_wrong(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from agent import slurm as agent_slurm
 from agent.devices import BackendUnavailableError, DeviceError, GpuSelection, make_backend
 from agent.devices.nvml import selected_gpus
-from agent.main import parse_config
+from agent.settings import parse_config
 from tests.slurm_support import PROJECT_ROOT, SlurmCluster, slurm, slurm_clean
 
 __all__ = ["slurm", "slurm_clean"]  # fixtures, used by name
@@ -129,7 +129,7 @@ def test_a_gpu_selection_is_never_served_by_slots() -> None:
 
 
 PROBE = (
-    ".venv/bin/python -c 'import os; from agent.main import parse_config; "
+    ".venv/bin/python -c 'import os; from agent.settings import parse_config; "
     'c = parse_config(["--slurm", "--token", "t", "--devices", "2"], os.environ); '
     "print(c.node_name, c.backend, c.sim_devices)'"
 )

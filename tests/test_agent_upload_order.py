@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.devices.simulated import SimulatedBackend
-from agent.main import Agent, AgentConfig
+from agent.main import Agent
+from agent.settings import AgentConfig
 from agent.supervisor import SupervisorConfig
 from elastic.artifacts import ARTIFACT_NAMES
 from elastic.wire import AgentReport, WorkerEvent

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def artifact_dir(settings: Any, tmp_path: Path) -> Path:
-    settings.BUNGEE = {**settings.BUNGEE, "ARTIFACT_DIR": str(tmp_path / "artifacts")}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"data_dir": tmp_path})
     return tmp_path / "artifacts"
 
 
@@ -130,7 +130,7 @@ def test_only_the_agent_of_a_node_the_job_ran_on_may_hand_them_over(
 
 def test_deleted_after_the_retention_period(tokens: dict, ran_here: Job, settings: Any, artifact_dir: Path) -> None:
     hand_over(tokens, ran_here.pk, bundle(ran_here.pk))
-    settings.BUNGEE = {**settings.BUNGEE, "ARTIFACT_RETENTION_DAYS": 30}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"artifact_retention_days": 30})
     Job.objects.filter(pk=ran_here.pk).update(finished_at=timezone.now() - timedelta(days=29))
     assert artifacts.prune() == []
     Job.objects.filter(pk=ran_here.pk).update(finished_at=timezone.now() - timedelta(days=31))

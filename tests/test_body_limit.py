@@ -63,7 +63,7 @@ def test_a_small_body_reaches_django() -> None:
 def test_a_code_upload_over_the_limit_names_its_setting_and_how_to_leave_files_out(settings: Any) -> None:
     from portal.asgi import body_limit
 
-    settings.BUNGEE = {**settings.BUNGEE, "CODE_MAX_BYTES": 500}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"code_max_bytes": 500})
     status, body, taken = asyncio.run(exchange([(b"content-length", b"56000000")], [b"x"], body_limit))
     message = json.loads(body)["error"]["message"]
     assert status == 413 and taken == 0

@@ -30,7 +30,7 @@ SPEC = "name: rings\nentrypoint: task:RingsTask\nmax_workers: 2\nsteps: 20\nhype
 @pytest.fixture
 def sent(tokens: dict[str, str], settings: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[httpx.Request]:
     """Every request the CLI sends, as alice, answered by the portal in this process."""
-    settings.BUNGEE = {**settings.BUNGEE, "CODE_DIR": str(tmp_path / "stored")}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"data_dir": tmp_path})
     monkeypatch.setenv("BUNGEE_URL", "http://testserver")
     monkeypatch.setenv("BUNGEE_TOKEN", tokens["alice"])
     requests: list[httpx.Request] = []

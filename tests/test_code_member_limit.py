@@ -26,7 +26,7 @@ LIMIT = 10
 
 @pytest.fixture(autouse=True)
 def limits(settings: Any, tmp_path: Path) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "CODE_DIR": str(tmp_path / "code"), "CODE_MAX_FILES": LIMIT}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"data_dir": tmp_path, "code_max_files": LIMIT})
 
 
 @pytest.fixture

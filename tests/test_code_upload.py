@@ -25,7 +25,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture(autouse=True)
 def code_dir(settings: Any, tmp_path: Path) -> Path:
-    settings.BUNGEE = {**settings.BUNGEE, "CODE_DIR": str(tmp_path / "code")}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"data_dir": tmp_path})
     return tmp_path / "code"
 
 
@@ -65,7 +65,7 @@ def test_bungeeignore_leaves_files_out(tokens: dict) -> None:
 
 
 def test_too_big_is_413_in_the_error_shape(tokens: dict, settings: Any) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "CODE_MAX_BYTES": 2000}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"code_max_bytes": 2000})
     data = tar_gz({"weights.bin": random.Random(0).randbytes(10_000)})  # random: gzip keeps it big
     reply = upload(tokens, "alice", data)
     assert reply.status_code == 413
@@ -75,7 +75,7 @@ def test_too_big_is_413_in_the_error_shape(tokens: dict, settings: Any) -> None:
 
 
 def test_code_that_unpacks_too_big_is_413(tokens: dict, settings: Any) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "CODE_MAX_UNPACKED_BYTES": 10_000}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"code_max_unpacked_bytes": 10_000})
     reply = upload(tokens, "alice", zip_of({"zeros.bin": bytes(1_000_000)}), name="bomb.zip")
     assert reply.status_code == 413
     assert "unpacks to 1000000 bytes; at most 10000 are taken (BUNGEE_CODE_MAX_UNPACKED_BYTES)" in error_of(reply)["message"]
@@ -205,8 +205,10 @@ def test_an_entrypoint_the_code_lacks_is_400_listing_what_it_has(
 
 
 def test_a_code_upload_over_the_limit_says_how_to_leave_files_out(tokens: dict, settings: Any) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "CODE_MAX_BYTES": 2000}
-    message = error_of(upload(tokens, "alice", tar_gz({"w.bin": random.Random(0).randbytes(10_000)})))["message"]
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"code_max_bytes": 2000})
+    message = error_of(upload(tokens, "alice", tar_gz({"w.bin": random.Random(0).randbytes(10_000)})))[
+        "message"
+    ]
     assert "at most 2000 bytes (BUNGEE_CODE_MAX_BYTES)" in message and ".bungeeignore" in message
 
 
@@ -231,8 +233,10 @@ def test_the_docs_state_the_real_code_limits() -> None:
     """Where a page gives a code limit a size, it is the setting's default, in bytes too."""
     import portal.settings
 
-    defaults = {f"BUNGEE_{name}": f"{portal.settings.BUNGEE[name]:,} bytes"
-                for name in ("CODE_MAX_BYTES", "CODE_MAX_UNPACKED_BYTES")}
+    defaults = {
+        f"BUNGEE_{name.upper()}": f"{getattr(portal.settings.BUNGEE, name):,} bytes"
+        for name in ("code_max_bytes", "code_max_unpacked_bytes")
+    }
     root = Path(__file__).resolve().parent.parent
     stating = [line for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
                for line in page.read_text().splitlines() if "BUNGEE_CODE_MAX_BYTES" in line and re.search(r"\d M(i)?B", line)]
@@ -277,7 +281,7 @@ def test_index_options_are_taken_where_the_operator_allows_them(tokens: dict, se
     files = {"task.py": b"x = 1\n", "requirements.txt": b"--index-url https://pypi.lab.example/simple\neinops\n"}
     refused = upload(tokens, "alice", tar_gz(files))
     assert refused.status_code == 400 and "BUNGEE_ENV_INDEX_OPTIONS" in error_of(refused)["message"]
-    settings.BUNGEE = {**settings.BUNGEE, "ENV_INDEX_OPTIONS": True}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"env_index_options": True})
     assert upload(tokens, "alice", tar_gz(files)).status_code == 201
     editable = upload(tokens, "alice", tar_gz({**files, "requirements.txt": b"-e ./mylib\n"}))
     assert editable.status_code == 400, "an editable or local path never is"

@@ -67,11 +67,11 @@ def test_the_portal_runs_the_one_server_on_several_processes() -> None:
 def test_the_agent_has_time_to_drain_before_docker_kills_it() -> None:
     """`docker compose stop` sends SIGTERM, then SIGKILL after the stop grace period: the agent's
     drain (its default deadline) and its workers' save (the stop grace) must fit in it."""
-    from agent.main import build_parser
+    from agent.settings import AgentSettings
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     grace = compose["services"]["agent"]["stop_grace_period"]
     assert grace.endswith("s")
-    defaults = build_parser({}).parse_args(["--token", "t"])
+    defaults = AgentSettings.from_environ({})
     assert defaults.on_term == "drain"
     assert float(grace[:-1]) > defaults.drain_deadline + defaults.stop_grace

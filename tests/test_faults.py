@@ -54,7 +54,7 @@ def test_with_beat_dead_another_nodes_report_finds_the_lost_node(
     assert Worker.objects.get(job=job).node == node_b
 
     # node-b's agent and worker die with beat down: no tick. Time passes; node-a reports.
-    silent_since = timezone.now() - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"] + 1)
+    silent_since = timezone.now() - timedelta(seconds=settings.BUNGEE.node_timeout_s + 1)
     Node.objects.filter(pk=node_b.pk).update(last_seen_at=silent_since)
     ingest._overdue_checked_at = time.monotonic() - 60
     with django_capture_on_commit_callbacks(execute=True) as queued:

@@ -150,13 +150,13 @@ def test_an_agent_at_its_time_limit_drains_before_it_ends(
     platform.wait_for("no agent job left", lambda: not agent_jobs(cluster), timeout_s=120)
     # What the pool submits with a two-minute limit and a 40 s lead (its settings as the
     # platform's, but those two and a name of its own, so that the running pool leaves it be).
-    config = pool_config({
-        **settings.BUNGEE_SLURM, "ENABLED": True, "POOL": "slurm", "PARTITION": cluster.pool,
-        "GRES": f"{cluster.gres}:1", "TIME_LIMIT": "2", "GRACE_S": 40, "JOB_NAME": "bungee-limited",
-        "PORTAL_URL": platform.base_url, "TOKEN_FILE": platform.env["BUNGEE_SLURM_TOKEN_FILE"],
-        "PYTHON": sys.executable, "WORKDIR": str(ROOT), "OUTPUT": str(tmp_path / "limited-%j.out"),
-        "EXPORT": "ALL", "AGENT_ARGS": AGENT_ARGS,
-    })
+    config = pool_config(settings.BUNGEE_SLURM.model_copy(update={
+        "enabled": True, "pool": "slurm", "partition": cluster.pool,
+        "gres": f"{cluster.gres}:1", "time_limit": "2", "grace_s": 40, "job_name": "bungee-limited",
+        "portal_url": platform.base_url, "token_file": platform.env["BUNGEE_SLURM_TOKEN_FILE"],
+        "python": sys.executable, "workdir": str(ROOT), "output": str(tmp_path / "limited-%j.out"),
+        "export": "ALL", "agent_args": AGENT_ARGS,
+    }))
     limited = cluster.sbatch(*sbatch_options(config), script=agent_script(config))
     platform.wait_for("the limited agent's node", lambda: any(
         name.endswith(f"-job{limited}") and state == "online" for name, state in nodes(platform).items()), timeout_s=60)

@@ -28,7 +28,9 @@ def log_in(username: str, password: str, address: str, path: str = "/login/") ->
 
 @pytest.fixture
 def throttle(settings: Any, redis_client: Any) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "LOGIN_ADDRESS_FAILURES": FAILURES, "LOGIN_ADDRESS_WINDOW_S": WINDOW_S}
+    settings.BUNGEE = settings.BUNGEE.model_copy(
+        update={"login_address_failures": FAILURES, "login_address_window_s": WINDOW_S}
+    )
 
 
 def test_an_address_past_the_rate_waits_out_the_window_then_logs_in(users: dict, throttle: None) -> None:

@@ -28,7 +28,9 @@ def log_in(username: str, password: str, address: str, **headers: str) -> Any:
 
 @pytest.fixture
 def throttle(settings: Any, redis_client: Any) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "LOGIN_ADDRESS_FAILURES": FAILURES, "LOGIN_ADDRESS_WINDOW_S": 60}
+    settings.BUNGEE = settings.BUNGEE.model_copy(
+        update={"login_address_failures": FAILURES, "login_address_window_s": 60}
+    )
 
 
 def test_headers_the_client_sends_do_not_change_its_address(users: dict, throttle: None) -> None:

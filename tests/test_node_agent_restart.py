@@ -97,7 +97,7 @@ def test_an_agent_silent_past_the_unreachable_timeout_loses_its_node_and_its_wor
     """The workers beat on, but the agent has been silent longer than UNREACHABLE_TIMEOUT_S: the
     node is lost (it no longer stays "agent unreachable" without limit), the job is planned
     again, and each worker still beating reads at its next beat that it must leave."""
-    settings.BUNGEE = {**settings.BUNGEE, "UNREACHABLE_TIMEOUT_S": 120.0}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"unreachable_timeout_s": 120.0})
     job = submit(api)
     run_cycle()
     job.refresh_from_db()

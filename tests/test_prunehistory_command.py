@@ -20,7 +20,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def ended_job(users: dict[str, Any], settings: Any) -> Job:
-    settings.BUNGEE = {**settings.BUNGEE, "LOG_RETENTION_DAYS": 30.0, "LOG_LINES_KEPT": 5}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"log_retention_days": 30.0, "log_lines_kept": 5})
     job = Job.objects.create(
         owner=users["alice"], name="ended", workload="digits-mlp", spec=VALID_SPEC, min_workers=1, max_workers=2,
         priority="guaranteed", consistency="strict", total_steps=50, state="succeeded",

@@ -55,7 +55,9 @@ def test_the_count_never_exceeds_the_failures_of_the_window(gaps: list[tuple[flo
 
 @pytest.fixture
 def budget(settings: Any) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "MAX_RESTARTS": 3, "RESTART_WINDOW_S": 600.0, "RESTART_HEALTHY_S": 30.0}
+    settings.BUNGEE = settings.BUNGEE.model_copy(
+        update={"max_restarts": 3, "restart_window_s": 600.0, "restart_healthy_s": 30.0}
+    )
 
 
 def fail_once(cluster: Any, job: Job, at: float, trained_to: int | None) -> None:

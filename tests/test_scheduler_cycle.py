@@ -253,7 +253,7 @@ def test_the_warm_up_deadline_doubles_while_generations_expire_for_it(
     expired waiting for a joiner doubles the next one's deadline, up to 8 times, and the log says
     what each was given. The joiners stopped at an expiry exit while the next try holds their
     devices again (the job cannot run without them); those exits end nothing."""
-    base = settings.BUNGEE["WARMUP_TIMEOUT_S"]
+    base = settings.BUNGEE.warmup_timeout_s
     job = submit(api, min_workers=2)
 
     def published() -> Generation:
@@ -410,7 +410,7 @@ def test_a_job_that_fails_after_training_has_its_checkpoint_exported(
 ) -> None:
     """Restarts used up: the node of the newest rank 0 (it holds the periodic checkpoint) is
     asked to export it; a job that never trained is not."""
-    settings.BUNGEE = {**settings.BUNGEE, "MAX_RESTARTS": 0}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"max_restarts": 0})
     trained, untrained = submit(api, max_workers=1), submit(api, max_workers=1, name="untrained")
     run_cycle()
     trained.refresh_from_db()
@@ -454,8 +454,12 @@ def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, sett
     assert done.state == "succeeded" and done.allocations.count() == 0 and done.steps_done == 50
     assert done.message == "trained all 50 steps", "how it ended, in the job's own numbers"
     ended_job_page(done)
-    settings.BUNGEE = {**settings.BUNGEE, "MAX_RESTARTS": 1}
-    report(cluster, event(flaky, "started", pid=2000, device_index=1), event(flaky, "exited", exit_code=1, reason="failed"))
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"max_restarts": 1})
+    report(
+        cluster,
+        event(flaky, "started", pid=2000, device_index=1),
+        event(flaky, "exited", exit_code=1, reason="failed"),
+    )
     run_cycle()
     flaky.refresh_from_db()
     assert flaky.state == "resizing" and flaky.generation == 2 and flaky.restarts == 1

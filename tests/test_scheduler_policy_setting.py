@@ -21,25 +21,25 @@ pytestmark = pytest.mark.django_db
 
 
 def test_the_default_is_bungee_with_the_measured_resize_cost(settings: Any) -> None:
-    assert settings.BUNGEE["POLICY"] == "bungee" and settings.BUNGEE["RESIZE_COST_S"] == 1.0
+    assert settings.BUNGEE.policy == "bungee" and settings.BUNGEE.resize_cost_s == 1.0
     assert check_policy_setting() == []
 
 
 @pytest.mark.parametrize(
     "change,quoted",
-    [({"POLICY": "round-robin"}, "BUNGEE_POLICY='round-robin'"), ({"RESIZE_COST_S": -2.0}, "-2.0")],
+    [({"policy": "round-robin"}, "BUNGEE_POLICY='round-robin'"), ({"resize_cost_s": -2.0}, "-2.0")],
 )
 def test_a_bad_setting_is_a_system_check_error(settings: Any, change: dict, quoted: str) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, **change}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update=change)
     [error] = check_policy_setting()
     assert error.id == "bungee.E001" and quoted in error.msg
-    if "POLICY" in change:
+    if "policy" in change:
         assert "bungee, saxena, fair, fifo, tiresias, optimus" in error.msg
 
 
 @pytest.mark.parametrize("policy", ["fifo", "fair", "bungee"])
 def test_the_cycle_runs_the_configured_policy(api: dict, cluster: Any, settings: Any, policy: str) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "POLICY": policy}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"policy": policy})
     reply = api["alice"].post("/api/jobs", {**VALID_SPEC, "max_workers": 3})
     job_id = reply.json()["id"]
     run_cycle()

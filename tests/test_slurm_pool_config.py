@@ -10,21 +10,23 @@ import pytest
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from portal.config import SlurmPoolSettings
 from portal.slurm.config import pool_config
 from portal.slurm.pool import agent_script, sbatch_options
 
 
-def raw(**changes: Any) -> dict[str, Any]:
-    return {
-        **settings.BUNGEE_SLURM, "ENABLED": True, "PORTAL_URL": "http://portal.example:8000",
-        "TOKEN_FILE": "/shared/bungee/pool.token", **changes,
-    }
+def raw(**changes: Any) -> SlurmPoolSettings:
+    """The settings with the pool on and `changes`, each named as its variable's end (GRES=...)."""
+    return settings.BUNGEE_SLURM.model_copy(update={
+        "enabled": True, "portal_url": "http://portal.example:8000", "token_file": "/shared/bungee/pool.token",
+        **{name.lower(): value for name, value in changes.items()},
+    })
 
 
 def test_off_by_default_and_then_nothing_is_required() -> None:
     config = pool_config()
     assert config.enabled is False
-    assert pool_config({**settings.BUNGEE_SLURM, "GRES": "not a gres"}).enabled is False
+    assert pool_config(settings.BUNGEE_SLURM.model_copy(update={"gres": "not a gres"})).enabled is False
 
 
 @pytest.mark.parametrize(

@@ -41,16 +41,16 @@ def pool(slurm: SlurmCluster, settings: Any, monkeypatch: pytest.MonkeyPatch, tm
     token = tmp_path / "pool.token"
     token.write_text("not-a-real-token\n")
     monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
-    settings.BUNGEE_SLURM = {
-        **settings.BUNGEE_SLURM, "ENABLED": True, "PARTITION": slurm.pool, "GRES": f"{slurm.gres}:2",
-        "MAX_AGENTS": 3, "IDLE_S": 0.0, "START_TIMEOUT_S": 3600.0, "PORTAL_URL": "http://127.0.0.1:9",
-        "TOKEN_FILE": str(token), "PYTHON": str(PROJECT_ROOT / ".venv" / "bin" / "python"),
-        "WORKDIR": str(PROJECT_ROOT), "OUTPUT": str(tmp_path / "agents" / "%x-%j.out"),
-        "AGENT_ARGS": "--standbys off",
+    settings.BUNGEE_SLURM = settings.BUNGEE_SLURM.model_copy(update={
+        "enabled": True, "partition": slurm.pool, "gres": f"{slurm.gres}:2",
+        "max_agents": 3, "idle_s": 0.0, "start_timeout_s": 3600.0, "portal_url": "http://127.0.0.1:9",
+        "token_file": str(token), "python": str(PROJECT_ROOT / ".venv" / "bin" / "python"),
+        "workdir": str(PROJECT_ROOT), "output": str(tmp_path / "agents" / "%x-%j.out"),
+        "agent_args": "--standbys off",
         # Each agent's state directory under the test's own data dir (job ids start at 1 in every
         # test cluster: under the project's var/ two runs' agents would share one).
-        "EXPORT": f"ALL,BUNGEE_DATA_DIR={tmp_path / 'data'}",
-    }
+        "export": f"ALL,BUNGEE_DATA_DIR={tmp_path / 'data'}",
+    })
     yield slurm
     slurm.cancel_all()
 
@@ -132,7 +132,7 @@ def test_an_agent_that_never_registers_is_cancelled(pool: SlurmCluster, users: d
     _job(users, max_workers=2)
     (submitted,) = size_slurm_pool()["submitted"]  # type: ignore[index]
     wait_until(lambda: _agent_jobs(pool).get(submitted) == "RUNNING", 60, "the agent job running")
-    settings.BUNGEE_SLURM = {**settings.BUNGEE_SLURM, "START_TIMEOUT_S": 0.0}
+    settings.BUNGEE_SLURM = settings.BUNGEE_SLURM.model_copy(update={"start_timeout_s": 0.0})
     result = size_slurm_pool()
     assert result is not None and result["cancelled"] == [submitted]
     assert len(result["submitted"]) == 1, "the demand is still there: another agent job"
@@ -143,7 +143,7 @@ def test_a_failing_slurm_command_is_an_error_on_the_scheduler_page(
     pool: SlurmCluster, users: dict[str, Any], settings: Any, client: Any
 ) -> None:
     _job(users, max_workers=2)
-    settings.BUNGEE_SLURM = {**settings.BUNGEE_SLURM, "PARTITION": "no-such-partition"}
+    settings.BUNGEE_SLURM = settings.BUNGEE_SLURM.model_copy(update={"partition": "no-such-partition"})
     assert size_slurm_pool() == {"submitted": [], "cancelled": []}
     error = SlurmPoolEvent.objects.get(kind=Kind.ERROR)
     assert error.message.startswith("sbatch --parsable --job-name=bungee-agent") and "exited 1" in error.message

@@ -51,8 +51,7 @@ MISSING = {"/api/code": ("invalid_request", "no field named 'file' in the upload
 
 @pytest.fixture(autouse=True)
 def data_dirs(settings: Any, tmp_path: Path) -> None:
-    settings.BUNGEE = {**settings.BUNGEE, "CODE_DIR": str(tmp_path / "code"),
-                       "ARTIFACT_DIR": str(tmp_path / "artifacts")}
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"data_dir": tmp_path})
 
 
 ran_here = test_artifacts_api.ran_here

@@ -87,7 +87,7 @@ def test_a_worker_of_anything_else_builds_its_own(other: dict[str, Any]) -> None
 
 def test_other_settings_build_their_own() -> None:
     build.prepare(config(), WorkerSettings())
-    assert build.take(config(), WorkerSettings(bucket_bytes=0)) is None
+    assert build.take(config(), WorkerSettings(bucket_mb=0)) is None
 
 
 def test_strict_warm_up_touches_the_step_buffers_and_a_smaller_share_reuses_them() -> None:

@@ -39,8 +39,11 @@ def test_values_are_read() -> None:
         }
     )
     assert settings == WorkerSettings(
-        4, 5.0, 0.25, 2.0, Path("/tmp/samples.jsonl"), 3.0, 0.1, 2.5, True, 0, "direct"
+        threads=4, pg_timeout_s=5.0, checkpoint_every_s=0.25, progress_every_s=2.0,
+        record_samples=Path("/tmp/samples.jsonl"), rendezvous_timeout_s=3.0, membership_poll_s=0.1,
+        simulated_slowdown=2.5, shared_gpu=True, bucket_mb=0, state_route="direct",
     )
+    assert settings.bucket_bytes == 0
     assert WorkerSettings.from_env({"BUNGEE_BUCKET_MB": "1.5"}).bucket_bytes == 1572864
 
 

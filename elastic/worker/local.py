@@ -40,7 +40,7 @@ from elastic.worker import (
     WORKER_CONFIG_ENV,
 )
 from elastic.worker.forkserver import ForkedProcess, ForkServerError, shared_server
-from elastic.worker.settings import SHARED_GPU_ENV
+from elastic.worker.settings import WorkerSettings
 
 LOCALHOST = "127.0.0.1"
 NODE = "local"
@@ -136,7 +136,7 @@ class LocalJob:
         """The job's own code, (directory, module:ClassName); None: the spec's workload."""
         """"cpu", or "cuda": slot i is then GPU i, or GPU 0 for every slot where the env sets
         BUNGEE_SHARED_GPU=1 (see WorkerSettings.shared_gpu)."""
-        self._shared_gpu = self.env.get(SHARED_GPU_ENV) == "1"
+        self._shared_gpu = self.env.get(WorkerSettings.variable("shared_gpu")) == "1"
         self.key = board_key or f"bungee-local-{uuid.uuid4().hex[:10]}:job:{job_id}"
         self.board = RedisBoard.connect(redis_url, self.key)
         self.outputs: list[WorkerOutput] = []

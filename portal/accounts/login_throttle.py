@@ -77,7 +77,7 @@ def retry_after_s(request: HttpRequest) -> int | None:
         log.warning("login throttle: Redis is not answering, the address %s is not checked: %s",
                     client_address(request), err)
         return None
-    if failures is None or int(failures) < settings.BUNGEE["LOGIN_ADDRESS_FAILURES"] or left_ms <= 0:
+    if failures is None or int(failures) < settings.BUNGEE.login_address_failures or left_ms <= 0:
         return None
     return max(1, math.ceil(left_ms / 1000))
 
@@ -88,7 +88,7 @@ def count_failure(request: HttpRequest) -> None:
     counter = _counter(request)
     try:
         with client().pipeline(transaction=True) as pipe:
-            pipe.set(counter, 0, ex=settings.BUNGEE["LOGIN_ADDRESS_WINDOW_S"], nx=True)
+            pipe.set(counter, 0, ex=settings.BUNGEE.login_address_window_s, nx=True)
             pipe.incr(counter)
             pipe.execute()
     except redis.RedisError as err:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
 from django.db.models import Avg, Count, Min, QuerySet
 
 from portal.batches import delete_in_batches
@@ -29,20 +28,12 @@ class SampleRetention:
 
     @classmethod
     def from_settings(cls) -> SampleRetention:
-        """Raises ImproperlyConfigured, quoting the value, for a negative period or a bucket
-        shorter than a second."""
+        """The retention the settings give (their bounds, checked at start, rule out a negative
+        period or a bucket shorter than a second)."""
         bungee = settings.BUNGEE
-        retention = cls(
-            bungee["DEVICE_SAMPLES_FULL_HOURS"], bungee["DEVICE_SAMPLES_BUCKET_S"], bungee["DEVICE_SAMPLES_KEEP_DAYS"]
+        return cls(
+            bungee.device_samples_full_hours, bungee.device_samples_bucket_s, bungee.device_samples_keep_days
         )
-        if retention.full_hours < 0 or retention.keep_days < 0:
-            raise ImproperlyConfigured(
-                f"BUNGEE_DEVICE_SAMPLES_FULL_HOURS={retention.full_hours!r} and "
-                f"BUNGEE_DEVICE_SAMPLES_KEEP_DAYS={retention.keep_days!r} must not be negative"
-            )
-        if retention.bucket_s < 1:
-            raise ImproperlyConfigured(f"BUNGEE_DEVICE_SAMPLES_BUCKET_S={retention.bucket_s!r} must be 1 or more")
-        return retention
 
 
 @dataclass(frozen=True)

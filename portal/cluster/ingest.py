@@ -74,7 +74,7 @@ def register_node(registration: NodeRegistration) -> tuple[Node, RegistrationRep
         node_id=node.pk,
         commands_redis_url=settings.REDIS_URL,
         commands_stream=stream_for(node.name),
-        report_interval_s=settings.BUNGEE["REPORT_INTERVAL_S"],
+        report_interval_s=settings.BUNGEE.report_interval_s,
     )
     return node, reply
 
@@ -99,7 +99,7 @@ def node_seen(node: Node) -> None:
     if time.monotonic() - _overdue_checked_at < OVERDUE_CHECK_EVERY_S:
         return
     _overdue_checked_at = time.monotonic()
-    deadline = now - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
+    deadline = now - timedelta(seconds=settings.BUNGEE.node_timeout_s)
     silent_states = (Node.State.ONLINE, Node.State.UNREACHABLE, Node.State.DRAINING)
     overdue = Node.objects.filter(state__in=silent_states, last_seen_at__lt=deadline).exclude(pk=node.pk)
     if overdue.exists():
@@ -148,7 +148,7 @@ def ingest_samples(node: Node, samples: list[DeviceSample]) -> None:
     outgoing = [changed(json.loads(old) if old else None, payload) for old, payload in zip(previous, stored, strict=True)]
     broadcast.samples(node.pk, node.name, outgoing)
 
-    history_cutoff = now - timedelta(seconds=settings.BUNGEE["SAMPLE_HISTORY_EVERY_S"])
+    history_cutoff = now - timedelta(seconds=settings.BUNGEE.sample_history_every_s)
     history: list[DeviceSampleRow] = []
     for sample, (pk, owner_present, last_history_at) in kept:
         if sample.owner_present != owner_present:

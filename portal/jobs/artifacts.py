@@ -1,7 +1,7 @@
 """A job's model, checkpoint and manifest in the portal (elastic.worker.artifacts): taken from the
 agent of the node whose rank 0 wrote them, checked against the manifest's digests, kept under
-BUNGEE["ARTIFACT_DIR"]/job-N after the job's nodes are gone, handed to the job's owner and staff,
-and deleted BUNGEE["ARTIFACT_RETENTION_DAYS"] after the job ended."""
+settings.BUNGEE.artifact_dir/job-N after the job's nodes are gone, handed to the job's owner and staff,
+and deleted BUNGEE_ARTIFACT_RETENTION_DAYS days after the job ended."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def job_dir(job_id: int) -> Path:
-    return Path(settings.BUNGEE["ARTIFACT_DIR"]) / f"job-{job_id}"
+    return settings.BUNGEE.artifact_dir / f"job-{job_id}"
 
 
 def _refused(message: str, name: str) -> ApiError:
@@ -148,7 +148,7 @@ def initial_model(job: Job) -> tuple[Path, str] | None:
 def prune() -> list[int]:
     """Deletes the artifacts of jobs that ended more than ARTIFACT_RETENTION_DAYS ago (none if
     it is 0). Returns those jobs' ids."""
-    days = settings.BUNGEE["ARTIFACT_RETENTION_DAYS"]
+    days = settings.BUNGEE.artifact_retention_days
     if days <= 0:
         return []
     cutoff = timezone.now() - timedelta(days=days)

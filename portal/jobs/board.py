@@ -60,5 +60,5 @@ def cluster_state() -> dict[str, Any]:
     return {
         "nodes": list(nodes.values()),
         "jobs": active_jobs(),
-        "unreachable_timeout_s": settings.BUNGEE["UNREACHABLE_TIMEOUT_S"],
+        "unreachable_timeout_s": settings.BUNGEE.unreachable_timeout_s,
     }

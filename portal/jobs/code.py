@@ -1,5 +1,5 @@
 """A job's own code in the portal: uploads checked and repacked by elastic.codepack, stored once
-per sha256 under BUNGEE["CODE_DIR"], and who may use each digest (whoever uploaded it, and
+per sha256 under settings.BUNGEE.code_dir, and who may use each digest (whoever uploaded it, and
 staff). The API (portal.jobs.code_api), the submit form and the agents' fetch go through here."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ LIMIT_SETTINGS = {Limit.FILES: "BUNGEE_CODE_MAX_FILES", Limit.UNPACKED_BYTES: "B
 
 
 def code_dir() -> Path:
-    return Path(settings.BUNGEE["CODE_DIR"])
+    return settings.BUNGEE.code_dir
 
 
 def archive_path(digest: str) -> Path:
@@ -43,7 +43,7 @@ def archive_path(digest: str) -> Path:
 
 
 def too_big(size: int) -> ApiError:
-    limit = settings.BUNGEE["CODE_MAX_BYTES"]
+    limit = settings.BUNGEE.code_max_bytes
     return ApiError(
         413, "too_large",
         f"the upload is {size} bytes; code may be at most {limit} bytes (BUNGEE_CODE_MAX_BYTES); {LEAVE_OUT_ADVICE}",
@@ -56,7 +56,7 @@ def store(owner: User, upload: BinaryIO, size: int, name: str) -> tuple[CodeUplo
     records that `owner` uploaded it. Raises ApiError 413 when a limit is passed, 400 when the
     archive is not acceptable (the member named)."""
     limits = settings.BUNGEE
-    if size > limits["CODE_MAX_BYTES"]:
+    if size > limits.code_max_bytes:
         raise too_big(size)
     directory = code_dir()
     directory.mkdir(parents=True, exist_ok=True)
@@ -64,7 +64,7 @@ def store(owner: User, upload: BinaryIO, size: int, name: str) -> tuple[CodeUplo
     try:
         with os.fdopen(descriptor, "wb") as out:
             try:
-                packed = repack(upload, out, limits["CODE_MAX_UNPACKED_BYTES"], limits["CODE_MAX_FILES"])
+                packed = repack(upload, out, limits.code_max_unpacked_bytes, limits.code_max_files)
             except ArchiveError as err:
                 raise _refusal(err, name) from err
         check_requirements(Path(temporary), name)
@@ -85,7 +85,7 @@ def check_requirements(archive: Path, name: str) -> None:
     are taken to be this portal's: the portal and the agents run one image."""
     try:
         declared = declared_in(
-            read_top_files(archive, (REQUIREMENTS_FILE, PYPROJECT_FILE)), settings.BUNGEE["ENV_INDEX_OPTIONS"]
+            read_top_files(archive, (REQUIREMENTS_FILE, PYPROJECT_FILE)), settings.BUNGEE.env_index_options
         )
         refused = conflicts(declared, installed_distributions()) if declared is not None else []
     except RequirementsError as err:

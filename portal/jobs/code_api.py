@@ -57,7 +57,11 @@ def _check_digest(digest: str) -> None:
 )
 def upload(request: HttpRequest) -> Status:
     declared = request.META.get("CONTENT_LENGTH")
-    if declared and declared.isdigit() and int(declared) > settings.BUNGEE["CODE_MAX_BYTES"] + UPLOAD_OVERHEAD_BYTES:
+    if (
+        declared
+        and declared.isdigit()
+        and int(declared) > settings.BUNGEE.code_max_bytes + UPLOAD_OVERHEAD_BYTES
+    ):
         raise too_big(int(declared))
     archive = multipart_files(request, "the archive in a field named 'file'").get("file")
     if archive is None:

@@ -22,7 +22,7 @@ def beating(node: str, workers: list[tuple[int, int, int | None]]) -> set[tuple[
     answer: then nothing is known to live."""
     if not workers:
         return set()
-    prefix = settings.BUNGEE["REDIS_PREFIX"]
+    prefix = settings.BUNGEE.redis_prefix
     keys = [
         heartbeat_key(coordination_key(job_id, prefix), member_key(node, index))
         for job_id, index, _ in workers
@@ -44,7 +44,7 @@ def tell_to_leave(node: str, workers: list[tuple[int, int, int]]) -> None:
     reads that at its next heartbeat and stops as on SIGTERM (elastic.worker.heartbeat). For
     workers whose agent is gone, which no signal reaches. Redis not answering is logged: the
     node is lost all the same, and a job planned again elsewhere makes its old workers leave."""
-    prefix = settings.BUNGEE["REDIS_PREFIX"]
+    prefix = settings.BUNGEE.redis_prefix
     try:
         for job_id, index, pid in workers:
             RedisBoard(client(), coordination_key(job_id, prefix)).tell_to_leave(member_key(node, index), pid)

@@ -21,11 +21,10 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured
 from django.db.models import F, Max, Q, QuerySet, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
@@ -52,20 +51,15 @@ class Retention:
 
     @classmethod
     def from_settings(cls) -> Retention:
-        """Raises ImproperlyConfigured, quoting it, for a negative value."""
+        """The retention the settings give (their bounds, checked at start, rule out a negative value)."""
         bungee = settings.BUNGEE
-        retention = cls(
-            bungee["METRICS_FULL_STEPS"],
-            bungee["METRICS_FULL_DAYS"],
-            bungee["METRICS_OLD_POINTS"],
-            bungee["LOG_RETENTION_DAYS"],
-            bungee["LOG_LINES_KEPT"],
+        return cls(
+            bungee.metrics_full_steps,
+            bungee.metrics_full_days,
+            bungee.metrics_old_points,
+            bungee.log_retention_days,
+            bungee.log_lines_kept,
         )
-        for field in fields(retention):  # each named as its setting, in lower case
-            value = getattr(retention, field.name)
-            if value < 0:
-                raise ImproperlyConfigured(f"BUNGEE_{field.name.upper()}={value!r} must not be negative")
-        return retention
 
 
 @dataclass(frozen=True)

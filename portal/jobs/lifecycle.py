@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -64,11 +64,8 @@ MASTER_PORT_SPAN = 5000
 _OPEN_PHASES = [p.value for p in GenerationPhase if not p.final]
 
 
-PhaseTimeout = Literal["PUBLISH_TIMEOUT_S", "WARMUP_TIMEOUT_S", "FORM_TIMEOUT_S", "SETTLE_TIMEOUT_S"]
-
-
-def _deadline(name: PhaseTimeout) -> datetime:
-    return timezone.now() + timedelta(seconds=settings.BUNGEE[name])
+def _deadline(timeout_s: float) -> datetime:
+    return timezone.now() + timedelta(seconds=timeout_s)
 
 
 WARMUP_BACKOFF_MAX = 8
@@ -79,7 +76,7 @@ def warmup_timeout_s(job: Job) -> float:
     """The warm-up deadline of the job's next published generation: WARMUP_TIMEOUT_S, doubled
     for each of its latest generations in a row that expired waiting for a joiner, at most
     WARMUP_BACKOFF_MAX times that."""
-    base = float(settings.BUNGEE["WARMUP_TIMEOUT_S"])
+    base = settings.BUNGEE.warmup_timeout_s
     factor = 1
     earlier = Generation.objects.filter(job=job, number__lt=job.generation).order_by("-number")
     for end_reason in earlier.values_list("end_reason", flat=True)[:WARMUP_BACKOFF_MAX]:
@@ -157,7 +154,7 @@ def allocation_rows() -> list[dict[str, Any]]:
 def run_dir(job: Job) -> str:
     """The job's checkpoint directory. Named by id and submission time, so that a database
     that starts over (ids reused) never resumes a job from another job's checkpoint."""
-    return f"{settings.BUNGEE['RUN_DIR']}/job-{job.pk}-{job.created_at:%Y%m%dT%H%M%S%f}"
+    return f"{settings.BUNGEE.run_dir}/job-{job.pk}-{job.created_at:%Y%m%dT%H%M%S%f}"
 
 
 # --- writing: phases -----------------------------------------------------------------------------
@@ -345,7 +342,7 @@ def _pin_pending(job: Job, reason: str, previous: ResizeEvent | None) -> bool:
 
 
 def _free_port(job: Job, generation: int) -> int:
-    base = settings.BUNGEE["MASTER_PORT_BASE"]
+    base = settings.BUNGEE.master_port_base
     taken = set(
         Job.objects.filter(state__in=ACTIVE_STATES).exclude(pk=job.pk).values_list("master_port", flat=True)
     )
@@ -395,7 +392,7 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
         number=number,
         reason=planned.reason[:40],
         # A job with no devices waits for them: nothing to publish, nothing to expire.
-        deadline_at=_deadline("PUBLISH_TIMEOUT_S") if planned.devices else None,
+        deadline_at=_deadline(settings.BUNGEE.publish_timeout_s) if planned.devices else None,
     )
     Allocation.objects.bulk_create(
         Allocation(job=job, device_id=device_id, rank=rank, generation=number)
@@ -461,7 +458,7 @@ def membership_record(job: Job, allocations: list[Allocation], live: dict[tuple[
         job.generation,
         [Seat(a.device.node.name, a.device.index, a.device.node.address) for a in allocations],
         [Seat(row.node.name, row.device_index, row.node.address) for row in holders],
-        master_port=job.master_port or settings.BUNGEE["MASTER_PORT_BASE"],
+        master_port=job.master_port or settings.BUNGEE.master_port_base,
         global_batch=job.batch_size if job.consistency == Job.Consistency.HYBRID else None,
     )
 
@@ -491,7 +488,7 @@ def publish(job_id: int) -> bool:
             published_at=timezone.now(),
             deadline_at=timezone.now() + timedelta(seconds=warmup_timeout_s(job))
             if joiners
-            else _deadline("FORM_TIMEOUT_S"),
+            else _deadline(settings.BUNGEE.form_timeout_s),
         ):
             return False
         if job.state == JobState.QUEUED:
@@ -570,7 +567,12 @@ def worker_joined(node: Node, job: Job, event: WorkerEvent) -> None:
         )
         generation = Generation.objects.filter(job=job, number=event.generation).first()
         if generation is not None and generation.phase == Phase.PUBLISHED:
-            move_phase(generation, Phase.FORMED, formed_at=at, deadline_at=_deadline("SETTLE_TIMEOUT_S"))
+            move_phase(
+                generation,
+                Phase.FORMED,
+                formed_at=at,
+                deadline_at=_deadline(settings.BUNGEE.settle_timeout_s),
+            )
 
 
 def generation_reported(node: Node, job: Job, event: WorkerEvent) -> None:
@@ -719,7 +721,7 @@ def _stopped_late_joiner(job: Job, row: Worker | None, event: WorkerEvent) -> bo
 
 def restart_budget() -> RestartBudget:
     return RestartBudget(
-        settings.BUNGEE["MAX_RESTARTS"], settings.BUNGEE["RESTART_WINDOW_S"], settings.BUNGEE["RESTART_HEALTHY_S"]
+        settings.BUNGEE.max_restarts, settings.BUNGEE.restart_window_s, settings.BUNGEE.restart_healthy_s
     )
 
 
@@ -847,7 +849,7 @@ def expire_overdue() -> list[int]:
             ready = board.ready(generation.number)
             if generation.ready_at is None and set(joiners) <= ready:
                 Generation.objects.filter(pk=generation.pk).update(
-                    ready_at=now, deadline_at=min(deadline_at, _deadline("FORM_TIMEOUT_S"))
+                    ready_at=now, deadline_at=min(deadline_at, _deadline(settings.BUNGEE.form_timeout_s))
                 )
                 continue
             if deadline_at > now:
@@ -859,7 +861,7 @@ def expire_overdue() -> list[int]:
                 _end_generation(
                     job, Phase.EXPIRED, "stopping workers did not exit",
                     f"generation {generation.number} expired: the job's stopping workers did not exit within "
-                    f"{settings.BUNGEE['PUBLISH_TIMEOUT_S']:.0f} s; stopping them again",
+                    f"{settings.BUNGEE.publish_timeout_s:.0f} s; stopping them again",
                 )
                 _stop_all(job, "resize")
             elif generation.phase == Phase.FORMED:
@@ -877,7 +879,9 @@ def _expire_published(job: Job, generation: Generation, late: dict[str, int]) ->
         what = f"{len(late)} joiner(s) ({', '.join(sorted(late))}) not ready within {warmup_timeout_s(job):.0f} s"
         end_reason = NEVER_READY
     else:
-        what = f"the group did not form within {settings.BUNGEE['FORM_TIMEOUT_S']:.0f} s of its joiners being ready"
+        what = (
+            f"the group did not form within {settings.BUNGEE.form_timeout_s:.0f} s of its joiners being ready"
+        )
         end_reason = "its group did not form"
     _end_generation(job, Phase.EXPIRED, end_reason,
                     f"generation {generation.number} expired: {what}; planning again without them",
@@ -899,9 +903,11 @@ def _settle_overdue(job: Job, generation: Generation) -> None:
     for worker in lingering:
         per_node.setdefault(worker.node.name, []).append(worker.device_index)
     dispatch.stop_devices(job.pk, per_node, generation.number, "resize")
-    note = (f"generation {generation.number} settled at its deadline "
-            f"({settings.BUNGEE['SETTLE_TIMEOUT_S']:.0f} s after it formed)"
-            + (f"; stopping {len(lingering)} leaver(s) still running" if lingering else ""))
+    note = (
+        f"generation {generation.number} settled at its deadline "
+        f"({settings.BUNGEE.settle_timeout_s:.0f} s after it formed)"
+        + (f"; stopping {len(lingering)} leaver(s) still running" if lingering else "")
+    )
     if move_phase(generation, Phase.SETTLED, settled_at=timezone.now(), deadline_at=None, note=note):
         _log(job, generation.number, note)
 
@@ -915,8 +921,8 @@ def nodes_lost() -> list[str]:
     (a job with workers elsewhere is planned again without them, which makes them leave too).
     Returns the names of the nodes this call marked lost."""
     now = timezone.now()
-    deadline = now - timedelta(seconds=settings.BUNGEE["NODE_TIMEOUT_S"])
-    given_up = now - timedelta(seconds=settings.BUNGEE["UNREACHABLE_TIMEOUT_S"])
+    deadline = now - timedelta(seconds=settings.BUNGEE.node_timeout_s)
+    given_up = now - timedelta(seconds=settings.BUNGEE.unreachable_timeout_s)
     watched = (Node.State.ONLINE, Node.State.UNREACHABLE, Node.State.DRAINING)
     silent = Node.objects.filter(state__in=watched, last_seen_at__lt=deadline)
     marked = []
@@ -943,7 +949,9 @@ def nodes_lost() -> list[str]:
             )
             tell_to_leave(node.name, [orphan for orphan in orphans if orphan[0] not in elsewhere])
         else:
-            note = f"node {node.name} lost: no report for {settings.BUNGEE['NODE_TIMEOUT_S']:.0f} s; planning again"
+            note = (
+                f"node {node.name} lost: no report for {settings.BUNGEE.node_timeout_s:.0f} s; planning again"
+            )
         log.warning("%s", note)
         _workers_gone(Worker.objects.filter(node=node), "node lost", "node lost", note)
         broadcast.node_changed(node.name, Node.State.LOST.value, node.last_seen_at)

@@ -317,7 +317,7 @@ class JobLog(models.Model):
 
 
 class CodeUpload(models.Model):
-    """Someone uploaded this code (stored once per digest under BUNGEE["CODE_DIR"]): they, and
+    """Someone uploaded this code (stored once per digest under settings.BUNGEE.code_dir): they, and
     staff, may run and download it."""
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="code_uploads")
@@ -332,7 +332,7 @@ class CodeUpload(models.Model):
 
 class JobArtifacts(models.Model):
     """A job's model, checkpoint and manifest (elastic.worker.artifacts), as its rank 0's agent
-    handed them over when the job ended; the files are under BUNGEE["ARTIFACT_DIR"]/job-N."""
+    handed them over when the job ended; the files are under settings.BUNGEE.artifact_dir/job-N."""
 
     job = models.OneToOneField(Job, on_delete=models.CASCADE, related_name="artifacts")
     step = models.PositiveIntegerField(help_text="the steps trained when they were written")

@@ -202,7 +202,7 @@ def record_decision(
     ]
     decision = SchedulerDecision.objects.create(
         policy=policy,
-        resize_cost_s=float(settings.BUNGEE["RESIZE_COST_S"]),
+        resize_cost_s=settings.BUNGEE.resize_cost_s,
         decision_ms=decision_ms,
         devices_total=len(snapshot.devices),
         devices_available=sum(1 for d in snapshot.devices if d.available),
@@ -211,6 +211,6 @@ def record_decision(
         stragglers=stragglers,
         changed_jobs=changed_jobs,
     )
-    kept = SchedulerDecision.objects.values_list("pk", flat=True)[: settings.BUNGEE["DECISIONS_KEPT"]]
+    kept = SchedulerDecision.objects.values_list("pk", flat=True)[: settings.BUNGEE.decisions_kept]
     SchedulerDecision.objects.exclude(pk__in=list(kept)).delete()
     return decision

@@ -1,5 +1,5 @@
 """The scheduler's decisions, newest first, for the staff page: what the policy planned for
-every job, why, and how long it took. Only the last BUNGEE["DECISIONS_KEPT"] are kept."""
+every job, why, and how long it took. Only the last BUNGEE_DECISIONS_KEPT are kept."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The scheduling policy the portal runs, from the settings `BUNGEE["POLICY"]` (env
-BUNGEE_POLICY) and `BUNGEE["RESIZE_COST_S"]` (env BUNGEE_RESIZE_COST_S).
+"""The scheduling policy the portal runs, from the settings
+`settings.BUNGEE.policy` (env BUNGEE_POLICY) and `.resize_cost_s` (env BUNGEE_RESIZE_COST_S).
 
 A name the registry does not know, or a negative resize cost, must stop the portal at start
 rather than at the first cycle: `check_policy_setting` is a Django system check (run by every
@@ -18,13 +18,13 @@ from elastic.scheduling import POLICY_NAMES, Policy, UnknownPolicyError, get_pol
 
 
 def policy_name() -> str:
-    return str(settings.BUNGEE["POLICY"])
+    return settings.BUNGEE.policy
 
 
 def configured_policy() -> Policy:
     """The policy the settings name. Raises ImproperlyConfigured, quoting the bad value."""
     name = policy_name()
-    cost = float(settings.BUNGEE["RESIZE_COST_S"])
+    cost = settings.BUNGEE.resize_cost_s
     if not cost >= 0:
         raise ImproperlyConfigured(f"BUNGEE_RESIZE_COST_S={cost!r} must be a number of seconds, at least 0")
     try:

@@ -1,37 +1,14 @@
-"""The Slurm pool's settings, typed and checked: settings.BUNGEE_SLURM (read from the environment
-in portal.settings) made into a PoolConfig, or ImproperlyConfigured quoting the bad value. The
-Celery worker and beat refuse to start on a bad one (portal.celery), and so does every
-management command (a system check, portal.slurm.apps).
-
-| variable | default | what |
-|---|---|---|
-| BUNGEE_SLURM_ENABLED | false | run the pool at all |
-| BUNGEE_SLURM_POOL | slurm | the pool's name: its agents' nodes are named POOL-NODE-jobID, the names its pool token (create_token --role pool --pool POOL) may register |
-| BUNGEE_SLURM_PARTITION, _ACCOUNT, _QOS | the cluster's defaults | where agent jobs are submitted (sbatch --partition, --account, --qos) |
-| BUNGEE_SLURM_GRES | gpu:1 | what one agent job asks for (--gres), NAME[:TYPE]:COUNT |
-| BUNGEE_SLURM_DEVICES_PER_AGENT | the gres count | devices one agent brings; with a gres other than gpu, passed to it as --devices (Slurm tells a job nothing of such a gres) |
-| BUNGEE_SLURM_TIME_LIMIT | the partition's | --time, in Slurm's forms (minutes, H:MM:SS, D-HH, ...) |
-| BUNGEE_SLURM_GRACE_S | 120 | --signal=B:TERM@GRACE: the agent drains from GRACE seconds before its time limit (and, where the cluster sets preempt_send_user_signal, when it is preempted) |
-| BUNGEE_SLURM_MAX_AGENTS | 4 | the most agent jobs at once, pending or running |
-| BUNGEE_SLURM_IDLE_S | 600 | an agent whose node held no job for this long is cancelled, if the cluster can spare its devices |
-| BUNGEE_SLURM_START_TIMEOUT_S | 600 | an agent job running this long without its node registering is cancelled (reported as an error) |
-| BUNGEE_SLURM_PORTAL_URL | (required) | the portal's URL as the agents reach it |
-| BUNGEE_SLURM_TOKEN_FILE | (required) | the pool's agent credential, a file the agents read on the compute node |
-| BUNGEE_SLURM_PYTHON | python3 | the interpreter that runs `-m agent` on the compute node |
-| BUNGEE_SLURM_WORKDIR | the project | --chdir: where `agent` is importable on the compute node |
-| BUNGEE_SLURM_OUTPUT | BUNGEE_DATA_DIR/slurm/%x-%j.out | --output of agent jobs (a shared file system: the portal makes the folder) |
-| BUNGEE_SLURM_EXPORT | NONE | --export: NONE gives the agent the submitting user's login environment, never the portal's secrets |
-| BUNGEE_SLURM_AGENT_ARGS, _SBATCH_ARGS | none | more agent flags, more sbatch options (shell words) |
-| BUNGEE_SLURM_JOB_NAME | bungee-agent | the pool's jobs are those of this name and the portal's user |
-| BUNGEE_SLURM_EVERY_S | 15 | how often the beat sizes the pool |
-| BUNGEE_SLURM_COMMAND_TIMEOUT_S | 30 | the longest a Slurm command may take |
+"""The Slurm pool's settings checked: settings.BUNGEE_SLURM (portal.config.SlurmPoolSettings,
+which says what each one means) made into a PoolConfig, or ImproperlyConfigured quoting the bad
+value. The values' types and simplest bounds are checked as they are read; whether they can work
+together only when the pool is on. The Celery worker and beat refuse to start on a bad one
+(portal.celery), and so does every management command (a system check, portal.slurm.apps).
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +17,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from portal.accounts.models import POOL_NAME_PATTERN
+from portal.config import SlurmPoolSettings
 
 GRES_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_]+)(:[A-Za-z0-9_.\-]+)?:(?P<count>[1-9][0-9]*)$")
 TIME_PATTERN = re.compile(r"^(\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|UNLIMITED|INFINITE)$")
@@ -83,39 +61,39 @@ def _words(variable: str, text: str) -> tuple[str, ...]:
         raise ImproperlyConfigured(f"{variable}={text!r} is not a list of shell words: {err}") from None
 
 
-def pool_config(raw: Mapping[str, Any] | None = None) -> PoolConfig:
+def pool_config(raw: SlurmPoolSettings | None = None) -> PoolConfig:
     """The pool's settings from `raw` (default settings.BUNGEE_SLURM). Raises
     ImproperlyConfigured, quoting the variable and its value, for one that cannot work; when the
-    pool is off only the types are checked (by portal.settings)."""
+    pool is off only the types are checked (as they are read: portal.config)."""
     if raw is None:
         raw = settings.BUNGEE_SLURM
-    gres = str(raw["GRES"]).strip()
+    gres = raw.gres.strip()
     match = GRES_PATTERN.match(gres)
-    time_limit = str(raw["TIME_LIMIT"]).strip()
+    time_limit = raw.time_limit.strip()
     config = PoolConfig(
-        enabled=bool(raw["ENABLED"]),
-        pool=str(raw.get("POOL", "slurm")).strip(),
-        partition=str(raw["PARTITION"]).strip(),
-        account=str(raw["ACCOUNT"]).strip(),
-        qos=str(raw["QOS"]).strip(),
+        enabled=raw.enabled,
+        pool=raw.pool.strip(),
+        partition=raw.partition.strip(),
+        account=raw.account.strip(),
+        qos=raw.qos.strip(),
         gres=gres,
-        devices_per_agent=int(raw["DEVICES_PER_AGENT"]) or (int(match["count"]) if match else 0),
+        devices_per_agent=raw.devices_per_agent or (int(match["count"]) if match else 0),
         time_limit=time_limit,
-        grace_s=int(raw["GRACE_S"]),
-        max_agents=int(raw["MAX_AGENTS"]),
-        idle_s=float(raw["IDLE_S"]),
-        start_timeout_s=float(raw["START_TIMEOUT_S"]),
-        agent_args=_words("BUNGEE_SLURM_AGENT_ARGS", str(raw["AGENT_ARGS"])),
-        sbatch_args=_words("BUNGEE_SLURM_SBATCH_ARGS", str(raw["SBATCH_ARGS"])),
-        portal_url=str(raw["PORTAL_URL"]).strip(),
-        token_file=str(raw["TOKEN_FILE"]).strip(),
-        python=str(raw["PYTHON"]).strip(),
-        workdir=str(raw["WORKDIR"]).strip(),
-        output=str(raw["OUTPUT"]).strip(),
-        export=str(raw["EXPORT"]).strip(),
-        job_name=str(raw["JOB_NAME"]).strip(),
-        every_s=float(raw["EVERY_S"]),
-        command_timeout_s=float(raw["COMMAND_TIMEOUT_S"]),
+        grace_s=raw.grace_s,
+        max_agents=raw.max_agents,
+        idle_s=raw.idle_s,
+        start_timeout_s=raw.start_timeout_s,
+        agent_args=_words("BUNGEE_SLURM_AGENT_ARGS", raw.agent_args),
+        sbatch_args=_words("BUNGEE_SLURM_SBATCH_ARGS", raw.sbatch_args),
+        portal_url=raw.portal_url.strip(),
+        token_file=raw.token_file.strip(),
+        python=raw.python.strip(),
+        workdir=str(raw.workdir).strip(),
+        output=raw.output.strip() or str(settings.BUNGEE.data_dir / "slurm" / "%x-%j.out"),
+        export=raw.export.strip(),
+        job_name=raw.job_name.strip(),
+        every_s=raw.every_s,
+        command_timeout_s=raw.command_timeout_s,
         gres_name=match["name"] if match else "",
     )
     if not config.enabled:

@@ -1,0 +1,458 @@
+"""The agent's configuration: its settings (AgentSettings, one field per flag of `python -m agent`,
+each with its type, default, bounds, environment variable and help), the command line built from
+them (typer: one option per field, named after it), and the configuration the agent runs with
+(AgentConfig: the settings resolved against the token file, the Slurm allocation and the data
+directory), from which the worker supervisor's own configuration is made (supervisor_config).
+
+A value given as a flag wins over the field's variable. A bad value, a missing token or a Slurm
+job the agent cannot serve exits 2 (a usage error), quoting the flag or the variable and the
+value.
+"""
+
+from __future__ import annotations
+
+import inspect
+import socket
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NoReturn
+
+import typer
+from pydantic import Field, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from typer.core import TyperCommand
+
+from agent import slurm as slurm_job
+from agent.devices import GpuSelection, backend_names
+from agent.devices.simulated import MAX_PACE
+from agent.environments import DEFAULT_BUILD_DEADLINE_S, DEFAULT_MAX_BYTES
+from agent.supervisor import SupervisorConfig
+from elastic.environ_settings import EnvironSettings, SettingsError, refusal
+from elastic.wire import NodeRegistration
+
+PROGRAM = "python -m agent"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+DEFAULT_STANDBYS = 8
+"""`--standbys on`: a standby on each free device of a node of up to 8 (a full GPU server); a
+node with more free devices (a simulated one of hundreds) keeps 8, not hundreds of processes."""
+
+DEFAULT_PREPARED = 2
+"""Standbys prepared a job: its next two workers here skip their build (a standby holds a model
+built for the job, on its free device, until the job takes it or stops growing here)."""
+
+OPTIONAL_VALUE = {"slurm": "on"}
+"""Flags that may be given alone, and the value they then take (`--slurm` is `--slurm on`)."""
+
+
+class AgentSettings(EnvironSettings):
+    """`python -m agent`'s settings: field `x_y` is flag `--x-y`, read from its variable when the
+    flag is not given."""
+
+    portal: str = Field(
+        "http://127.0.0.1:8000", validation_alias="BUNGEE_PORTAL_URL", description="the portal's base URL"
+    )
+    token_file: Path | None = Field(
+        None,
+        validation_alias="BUNGEE_AGENT_TOKEN_FILE",
+        description="a file holding the agent token the portal issued, readable by the agent's user only (the "
+        "way to pass it: a --token shows in every local user's ps)",
+    )
+    token: str | None = Field(
+        None, validation_alias="BUNGEE_AGENT_TOKEN", description="the agent token itself, if no --token-file"
+    )
+    name: str | None = Field(
+        None,
+        validation_alias="BUNGEE_NODE_NAME",
+        description="this node's name (default: the machine's host name)",
+    )
+    address: str = Field(
+        "127.0.0.1",
+        validation_alias="BUNGEE_NODE_ADDRESS",
+        description="the host name or IP at which workers on other nodes reach this node",
+    )
+    backend: str = Field(
+        "auto",
+        validation_alias="BUNGEE_DEVICE_BACKEND",
+        description="device backend: nvml, simulated, or auto (nvml if it finds a GPU, else simulated)",
+    )
+    devices: int | None = Field(
+        None,
+        ge=1,
+        validation_alias="BUNGEE_SIM_DEVICES",
+        description="number of simulated slots (default: one per CPU)",
+    )
+    sim_pace: float = Field(
+        1.0,
+        ge=1,
+        le=MAX_PACE,
+        validation_alias="BUNGEE_SIM_PACE",
+        description="simulated slots only: stretch each step's compute by this factor, the worker sleeping for "
+        "the stretch, as a GPU's step leaves its host's CPU mostly idle: several simulated nodes (a demo, a "
+        "test suite) then share a few cores without every worker running flat out; 1 runs flat out",
+    )
+    redis_url: str | None = Field(
+        None,
+        validation_alias="BUNGEE_AGENT_REDIS_URL",
+        description="Redis URL for the command stream, instead of the one the portal hands out",
+    )
+    report_interval: float | None = Field(
+        None,
+        gt=0,
+        validation_alias="BUNGEE_REPORT_INTERVAL_S",
+        description="seconds between reports (default: what the portal says at registration)",
+    )
+    stop_grace: float = Field(
+        30.0,
+        ge=0,
+        validation_alias="BUNGEE_STOP_GRACE_S",
+        description="seconds a worker has after SIGTERM to save and exit before SIGKILL",
+    )
+    on_term: Literal["drain", "stop"] = Field(
+        "drain",
+        validation_alias="BUNGEE_AGENT_ON_TERM",
+        description="what SIGTERM does: drain (the node leaves gracefully: the portal moves its jobs off it, "
+        "each shrinking in place at its next step, and the agent exits once its workers are gone or at "
+        "--drain-deadline; what Slurm's preemption and time limit and a Kubernetes eviction need) or stop "
+        "(the workers save their step and exit at once); SIGINT always stops, and so does a second SIGTERM",
+    )
+    drain_deadline: float = Field(
+        60.0,
+        gt=0,
+        validation_alias="BUNGEE_DRAIN_DEADLINE_S",
+        description="seconds a drain may take; then the workers still here save and exit (give the cluster "
+        "engine's grace period this plus --stop-grace)",
+    )
+    worker_module: str = Field(
+        "elastic.worker",
+        validation_alias="BUNGEE_WORKER_MODULE",
+        description="the module each worker runs as `python -m MODULE`",
+    )
+    standbys: int = Field(
+        DEFAULT_STANDBYS,
+        ge=0,
+        validation_alias="BUNGEE_STANDBYS",
+        description="keep a warm standby worker on each free device, so that a joiner starts in well under a "
+        "second (each costs a process with torch imported, a few hundred MB; on a GPU, its context): on (up "
+        f"to {DEFAULT_STANDBYS} a node), off, or the most to keep; they start one at a time",
+    )
+    prepared_standbys: int = Field(
+        DEFAULT_PREPARED,
+        ge=0,
+        validation_alias="BUNGEE_PREPARED_STANDBYS",
+        description="of those standbys, prepare up to this many for each job that may grow on this node: they "
+        "build its model before a worker is asked for, so that a joiner taken from one also skips its build "
+        "(each holds one model on its free device); 0: none",
+    )
+    standby_start: Literal["fork", "exec"] = Field(
+        "fork",
+        validation_alias="BUNGEE_STANDBY_START",
+        description="how a standby on a CPU slot starts: fork (forked from one process of the node that has "
+        "imported torch and the worker runtime once: milliseconds, its libraries' memory shared) or exec (a "
+        "new interpreter that imports them: seconds of CPU each); with fork, a worker no standby serves is "
+        "forked too; a GPU's standby and worker always start as their own process",
+    )
+    env_dir: Path | None = Field(
+        None,
+        validation_alias="BUNGEE_ENV_DIR",
+        description="where jobs' own Python environments (a requirements.txt with their code) are built and "
+        "cached (default: STATE_DIR/environments)",
+    )
+    env_find_links: str = Field(
+        "",
+        validation_alias="BUNGEE_ENV_FIND_LINKS",
+        description="wheelhouses (directories or URLs, separated by spaces) that jobs' packages may come from, "
+        "beside the index uv or pip is configured with (UV_INDEX_URL, PIP_INDEX_URL; UV_OFFLINE=1: the "
+        "wheelhouses only)",
+    )
+    env_index_options: bool = Field(
+        False,
+        validation_alias="BUNGEE_ENV_INDEX_OPTIONS",
+        description="on: a job's requirements.txt may name its own index or wheelhouse (--index-url, "
+        "--extra-index-url, --find-links, --no-index); set the portal's BUNGEE_ENV_INDEX_OPTIONS alike",
+    )
+    env_build_deadline: float = Field(
+        DEFAULT_BUILD_DEADLINE_S,
+        gt=0,
+        validation_alias="BUNGEE_ENV_BUILD_DEADLINE_S",
+        description="seconds a job's environment may take to build before the job fails",
+    )
+    env_cache_gb: float = Field(
+        DEFAULT_MAX_BYTES / 1024**3,
+        gt=0,
+        validation_alias="BUNGEE_ENV_CACHE_GB",
+        description="the most disk the cached environments may take, in GiB; the least recently used ones not "
+        "in use go first",
+    )
+    state_dir: Path | None = Field(
+        None,
+        validation_alias="BUNGEE_AGENT_STATE_DIR",
+        description="where the workers' output and records live, so that a restarted agent takes its workers "
+        "back (default: BUNGEE_DATA_DIR/agent/NAME, or var/agent/NAME in the project)",
+    )
+    slurm: Literal["auto", "on", "off"] = Field(
+        "auto",
+        validation_alias="BUNGEE_SLURM",
+        description="run as a Slurm batch job, the node being the allocation (named NODE-jobID, its GPUs or a "
+        "count of slots, see agent.slurm): on (--slurm alone), off, or auto (when SLURM_JOB_ID is set)",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", validation_alias="BUNGEE_LOG_LEVEL", description="logging level"
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in backend_names():
+            raise ValueError(f"is not one of {', '.join(backend_names())}")
+        return value
+
+    @field_validator("standbys", mode="before")
+    @classmethod
+    def _on_or_off(cls, value: object) -> object:
+        if value in ("on", "off"):
+            return DEFAULT_STANDBYS if value == "on" else 0
+        if isinstance(value, str) and not value.lstrip("-").isdigit():
+            raise ValueError("is not on, off or a number of standbys")
+        return value
+
+    @staticmethod
+    def flag(name: str) -> str:
+        """The command-line flag of field `name`."""
+        return "--" + name.replace("_", "-")
+
+    def agent_config(
+        self, environ: Mapping[str, str], allocation: slurm_job.SlurmAllocation | None
+    ) -> AgentConfig:
+        """The configuration the agent runs with, inside `allocation` if it is a Slurm job's.
+        Raises ValueError, quoting the value, for a token it cannot read or a bad node name."""
+        token = self.token
+        if self.token_file is not None:
+            try:
+                token = self.token_file.read_text().strip()
+            except OSError as err:
+                raise ValueError(
+                    f"cannot read the agent token from --token-file {str(self.token_file)!r}: {err.strerror}"
+                ) from None
+            if not token:
+                raise ValueError(f"the token file {str(self.token_file)!r} is empty")
+        if not token:
+            raise ValueError(
+                "an agent token is required: pass --token-file (or set BUNGEE_AGENT_TOKEN_FILE, or BUNGEE_AGENT_TOKEN)"
+            )
+        name = self.name or socket.gethostname()
+        backend = slurm_job.backend_for(allocation, self.backend) if allocation is not None else self.backend
+        try:
+            NodeRegistration(name=name, address=self.address, backend=backend, devices=[])
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+            raise ValueError(f"invalid node name {name!r} or address {self.address!r}: {problems}") from None
+        return AgentConfig(
+            portal_url=self.portal,
+            token=token,
+            node_name=name,
+            address=self.address,
+            backend=backend,
+            sim_devices=self.devices,
+            sim_pace=self.sim_pace,
+            redis_url=self.redis_url or None,
+            report_interval_s=self.report_interval,
+            stop_grace_s=self.stop_grace,
+            on_term=self.on_term,
+            drain_deadline_s=self.drain_deadline,
+            worker_module=self.worker_module,
+            log_level=self.log_level,
+            standbys=self.standbys,
+            prepared_standbys=self.prepared_standbys,
+            standby_start=self.standby_start,
+            gpus=slurm_job.gpu_selection(allocation, backend),
+            state_dir=self.state_dir.resolve() if self.state_dir else default_state_dir(environ, name),
+            env_dir=self.env_dir.resolve() if self.env_dir else None,
+            env_find_links=tuple(self.env_find_links.split()),
+            env_build_deadline_s=self.env_build_deadline,
+            env_cache_bytes=int(self.env_cache_gb * 1024**3),
+            env_index_options=self.env_index_options,
+        )
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What the agent runs with: its settings resolved (the token read, the node named, the
+    backend and GPUs of a Slurm allocation, the state directory found)."""
+
+    portal_url: str
+    token: str
+    node_name: str
+    address: str
+    backend: str
+    sim_devices: int | None
+    redis_url: str | None
+    report_interval_s: float | None
+    stop_grace_s: float
+    worker_module: str
+    log_level: str
+    state_dir: Path
+    standbys: int = DEFAULT_STANDBYS
+    """The most warm standby workers the node keeps (0: none)."""
+    prepared_standbys: int = DEFAULT_PREPARED
+    """The most of them prepared for one job that may grow here (0: none)."""
+    standby_start: str = "fork"
+    """How a standby on a CPU slot starts: "fork" (from the node's fork server, which imported
+    the worker runtime once) or "exec" (a new interpreter that imports it)."""
+    sim_pace: float = 1.0
+    """Simulated slots only: the factor by which every step's compute is stretched (1: none)."""
+    on_term: str = "drain"
+    """What SIGTERM does: "drain" (the node leaves gracefully: agent.drain) or "stop" (the
+    workers save and exit at once)."""
+    drain_deadline_s: float = 60.0
+    """How long a drain may take before the agent stops what is left."""
+    gpus: GpuSelection | None = None
+    """nvml only: the machine's GPUs that are this node's (a Slurm allocation's); None: all."""
+    env_dir: Path | None = None
+    """Where jobs' own environments are cached (agent.environments); None: STATE_DIR/environments."""
+    env_find_links: tuple[str, ...] = ()
+    """Wheelhouses the environments' packages may come from, beside the node's index."""
+    env_build_deadline_s: float = DEFAULT_BUILD_DEADLINE_S
+    env_cache_bytes: int = DEFAULT_MAX_BYTES
+    env_index_options: bool = False
+    """Jobs' requirements may name where packages come from (as the portal's setting of the same name)."""
+
+    def supervisor_config(self) -> SupervisorConfig:
+        """The worker supervisor's configuration on this node."""
+        return SupervisorConfig(
+            worker_module=self.worker_module,
+            stop_grace_s=self.stop_grace_s,
+            node_name=self.node_name,
+            node_address=self.address,
+            state_dir=self.state_dir,
+            standbys=self.standbys,
+            prepared_per_job=self.prepared_standbys,
+            fork_standbys=self.standby_start == "fork",
+        )
+
+
+def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
+    """The agent's state directory when none is given: agent/<node> under BUNGEE_DATA_DIR, or
+    under the project's var/ (the portal's default data directory)."""
+    data_dir = environ.get("BUNGEE_DATA_DIR") or str(PROJECT_ROOT / "var")
+    return Path(data_dir).resolve() / "agent" / node_name
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def _shown_default(field: FieldInfo) -> str | None:
+    """A field's default as its help shows it (None: no default worth showing)."""
+    value = field.default
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def flag_help(name: str) -> str:
+    """The help of field `name`'s flag: its description, its variable and its default."""
+    field = AgentSettings.model_fields[name]
+    shown = _shown_default(field)
+    variable = AgentSettings.variable(name)
+    where = f" (env {variable}; default {shown})" if shown is not None else f" (env {variable})"
+    return f"{field.description}{where}"
+
+
+def command_line(take: Callable[[dict[str, str]], None]) -> TyperCommand:
+    """`python -m agent`'s command line: one option per AgentSettings field, each a string that
+    the settings parse (so that a bad value reads the same from a flag as from a variable); it
+    hands `take` the flags given, by field."""
+    parameters = []
+    for name in AgentSettings.model_fields:
+        option = typer.Option(
+            None,
+            AgentSettings.flag(name),
+            help=flag_help(name),
+            metavar=name.upper(),
+            show_default=False,
+        )
+        parameters.append(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=str | None)
+        )
+
+    def given(**flags: str | None) -> None:
+        take({name: value for name, value in flags.items() if value is not None})
+
+    given.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    app = typer.Typer(
+        add_completion=False,
+        rich_markup_mode=None,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    app.command(
+        help="Bungee node agent: registers this node with the portal, reports its devices and runs the elastic "
+        "workers the portal assigns to it."
+    )(given)
+    command = typer.main.get_command(app)
+    assert isinstance(command, TyperCommand)  # one command, no group
+    return command
+
+
+def _usage_error(message: str) -> NoReturn:
+    """Exits 2, as a usage error does, saying what is wrong."""
+    print(f"usage: {PROGRAM} [OPTIONS] (see --help)\n{PROGRAM}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _with_optional_values(argv: Sequence[str]) -> list[str]:
+    """`argv` with the value of each OPTIONAL_VALUE flag given alone (last, or before another
+    flag) written out: click's options take a value or none, never either."""
+    spelled = {AgentSettings.flag(name): value for name, value in OPTIONAL_VALUE.items()}
+    written = []
+    for index, word in enumerate(argv):
+        written.append(word)
+        alone = index + 1 == len(argv) or argv[index + 1].startswith("-")
+        if word in spelled and alone:
+            written.append(spelled[word])
+    return written
+
+
+def parse_flags(argv: Sequence[str] | None) -> dict[str, str]:
+    """The flags given in `argv` (None: the process's), by field; exits 2 on an unknown flag or
+    one missing its value (typer says which), and 0 after --help."""
+    taken: list[dict[str, str]] = []
+    try:
+        command_line(taken.append).main(
+            args=_with_optional_values(sys.argv[1:] if argv is None else argv), prog_name=PROGRAM
+        )
+    except SystemExit as done:
+        if done.code not in (0, None) or not taken:  # a usage error, or --help
+            raise
+    return taken[0]
+
+
+def read_settings(flags: Mapping[str, str], environ: Mapping[str, str]) -> AgentSettings:
+    """The settings from `flags`, then `environ`; exits 2 quoting each bad value with the flag
+    or the variable it came from."""
+    try:
+        return AgentSettings.from_environ(environ, **flags)
+    except SettingsError as err:
+        _usage_error(refusal(AgentSettings, err.error, {name: AgentSettings.flag(name) for name in flags}))
+
+
+def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AgentConfig:
+    """The configuration from `argv` and `environ`; exits 2 with a usage message if a value is
+    missing or wrong. Inside a Slurm allocation (agent.slurm) the variables' values are the
+    allocation's where it has them; a flag still wins."""
+    flags = parse_flags(argv)
+    settings = read_settings(flags, environ)
+    try:
+        allocation = slurm_job.detect(settings.slurm, environ)
+        if allocation is not None:
+            environ = slurm_job.agent_environ(environ, allocation, socket.gethostname())
+            settings = read_settings(flags, environ)
+        return settings.agent_config(environ, allocation)
+    except ValueError as err:  # SlurmEnvironmentError is one
+        _usage_error(str(err))

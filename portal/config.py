@@ -1,0 +1,506 @@
+"""The portal's configuration, one typed class (PortalSettings): every setting of the portal, its
+Celery worker and beat, each with its type, default, bounds, environment variable and meaning.
+
+portal/settings.py reads it once, at start, as `settings.BUNGEE` (`load_settings`); a value that
+does not parse, or is out of bounds, stops the process there with ImproperlyConfigured quoting
+the variable and the value. Code reads typed attributes (`settings.BUNGEE.node_timeout_s`);
+tests change one with Django's settings fixture,
+`settings.BUNGEE = settings.BUNGEE.model_copy(update={"node_timeout_s": 5.0})`. The defaults
+make a laptop run work with no configuration at all. The Slurm pool's settings are a class of
+their own (SlurmPoolSettings, `settings.BUNGEE_SLURM`), whose values portal.slurm.config checks
+further when the pool is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal, TypeVar
+
+from django.core.exceptions import ImproperlyConfigured
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
+
+from elastic.environ_settings import EnvironSettings, SettingsError
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+"""The checkout."""
+
+CommaList = Annotated[list[str], NoDecode]
+"""A list written as comma-separated words in its variable."""
+
+
+class PortalSettings(EnvironSettings):
+    """The portal's settings (see the module's docstring)."""
+
+    # --- Django, the database, Redis -------------------------------------------------------------
+    data_dir: Path = Field(
+        BASE_DIR / "var",
+        validation_alias="BUNGEE_DATA_DIR",
+        description="Where the portal keeps its files: the SQLite database, logs, job checkpoints (runs/), code "
+        "and artifacts.",
+    )
+    secret_key: str = Field(
+        "bungee-development-key-change-me-in-production",
+        validation_alias="SECRET_KEY",
+        description="With DEBUG off the portal refuses this default (portal.secrets_check); `make demo` makes its "
+        "own.",
+    )
+    debug: bool = Field(
+        False, validation_alias="DEBUG", description="Django's debug pages; never in production."
+    )
+    allowed_hosts: CommaList = Field(
+        ["127.0.0.1", "localhost", "[::1]", "testserver"],
+        validation_alias="ALLOWED_HOSTS",
+        description="The host names the portal answers to, comma-separated.",
+    )
+    csrf_trusted_origins: CommaList = Field(
+        [],
+        validation_alias="CSRF_TRUSTED_ORIGINS",
+        description="The origins (scheme and host) from which forms may be posted, comma-separated: the portal's "
+        "own address as browsers see it behind a proxy that changes it.",
+    )
+    login_failure_limit: int = Field(
+        5,
+        ge=1,
+        validation_alias="BUNGEE_LOGIN_FAILURE_LIMIT",
+        description="Failed logins for one user, from any address, before that user is locked.",
+    )
+    login_cooloff_min: int = Field(
+        15,
+        ge=1,
+        validation_alias="BUNGEE_LOGIN_COOLOFF_MIN",
+        description="Minutes a locked user stays locked, from the failure that locked it.",
+    )
+    database_url: str | None = Field(
+        None,
+        validation_alias="DATABASE_URL",
+        description="The database, as a URL (PostgreSQL in production: postgres://USER:PASSWORD@HOST:PORT/NAME); "
+        "unset: sqlite:///DATA_DIR/bungee.sqlite3.",
+    )
+    db_pool_size: int = Field(
+        8,
+        ge=1,
+        validation_alias="BUNGEE_DB_POOL_SIZE",
+        description="PostgreSQL only: the most connections each process (portal, Celery worker, beat) holds.",
+    )
+    db_pool_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        validation_alias="BUNGEE_DB_POOL_TIMEOUT_S",
+        description="PostgreSQL only: how long a request waits for one of them, in seconds.",
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        validation_alias="REDIS_URL",
+        description="The Redis of the Celery broker, the Channels layer, the agents' command streams and live "
+        "metrics.",
+    )
+    channel_prefix: str = Field(
+        "bungee",
+        validation_alias="BUNGEE_CHANNEL_PREFIX",
+        description="The Channels layer's key prefix, so that deployments can share a Redis.",
+    )
+    socket_group_expiry_s: int = Field(
+        120,
+        ge=1,
+        validation_alias="BUNGEE_SOCKET_GROUP_EXPIRY_S",
+        description="A socket that is gone without leaving its groups (the portal was killed) drops out of them "
+        "after this; a live one renews its membership well before (portal.live).",
+    )
+    celery_queue: str = Field(
+        "bungee",
+        validation_alias="BUNGEE_CELERY_QUEUE",
+        description="The Celery queue of the portal's tasks, so that deployments can share a Redis.",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", validation_alias="LOG_LEVEL", description="The portal's logging level."
+    )
+
+    # --- the scheduler and the agents ------------------------------------------------------------
+    schedule_tick_s: float = Field(
+        5.0,
+        gt=0,
+        validation_alias="BUNGEE_SCHEDULE_TICK_S",
+        description="How often the beat runs the scheduler even when nothing happened.",
+    )
+    report_interval_s: float = Field(
+        1.0,
+        gt=0,
+        validation_alias="BUNGEE_REPORT_INTERVAL_S",
+        description="How often agents report; the portal tells them at registration.",
+    )
+    node_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        validation_alias="BUNGEE_NODE_TIMEOUT_S",
+        description="A node silent for this long is lost: its devices leave the pool.",
+    )
+    unreachable_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        validation_alias="BUNGEE_UNREACHABLE_TIMEOUT_S",
+        description='A node whose agent is silent while its workers beat is "agent unreachable" (its workers '
+        "train on); past this much silence it is lost all the same and its workers are told to leave.",
+    )
+    sample_history_every_s: float = Field(
+        10.0,
+        ge=0,
+        validation_alias="BUNGEE_SAMPLE_HISTORY_EVERY_S",
+        description="Device samples are kept in the database at most once per this many seconds per device.",
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        validation_alias="BUNGEE_MAX_RESTARTS",
+        description="The restart budget (portal.jobs.restarts): a job whose workers fail more than this many "
+        "times in a stretch is failed instead of restarted.",
+    )
+    restart_window_s: float = Field(
+        600.0,
+        gt=0,
+        validation_alias="BUNGEE_RESTART_WINDOW_S",
+        description="How long a failure counts against the restart budget.",
+    )
+    restart_healthy_s: float = Field(
+        30.0,
+        ge=0,
+        validation_alias="BUNGEE_RESTART_HEALTHY_S",
+        description="Training this long since the previous failure (with steps done) clears the restart count.",
+    )
+    publish_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        validation_alias="BUNGEE_PUBLISH_TIMEOUT_S",
+        description="A generation's deadline from planned to published (portal.jobs.lifecycle, "
+        "elastic.membership): the job's stopping workers must have exited (their agent gives them 30 s "
+        "after SIGTERM, then kills them).",
+    )
+    warmup_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        validation_alias="BUNGEE_WARMUP_TIMEOUT_S",
+        description="Published, a joiner not ready: its start-up (Python, torch, the model) must end; one still "
+        "warming up is stopped and the job planned again without its device.",
+    )
+    form_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        validation_alias="BUNGEE_FORM_TIMEOUT_S",
+        description="Published, every joiner ready: the group must form (a worker's rendezvous gives up after "
+        "10 s and says so, which expires the generation at once; this is the bound if none can).",
+    )
+    settle_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        validation_alias="BUNGEE_SETTLE_TIMEOUT_S",
+        description="Formed -> settled: leavers gone and rank 0's report in; leavers still there are stopped.",
+    )
+    master_port_base: int = Field(
+        27600,
+        ge=1,
+        le=65535,
+        validation_alias="BUNGEE_MASTER_PORT_BASE",
+        description="First port of the range rendezvous ports are drawn from.",
+    )
+    redis_prefix: str = Field(
+        "bungee",
+        validation_alias="BUNGEE_REDIS_PREFIX",
+        description="Redis key prefix, so that several deployments (or test runs) can share one Redis.",
+    )
+    policy: str = Field(
+        "bungee",
+        validation_alias="BUNGEE_POLICY",
+        description="The scheduling policy, by name (elastic.scheduling.registry); a name it does not know stops "
+        "every process at start (portal.scheduling.policy).",
+    )
+    resize_cost_s: float = Field(
+        1.0,
+        ge=0,
+        validation_alias="BUNGEE_RESIZE_COST_S",
+        description="What one resize costs a job, in seconds of its progress: the policy weighs every move "
+        "against it. 1 s is the order of our in-place resize's pause; bench/resize.py measures it.",
+    )
+
+    # --- limits ------------------------------------------------------------------------------------
+    login_address_failures: int = Field(
+        20,
+        ge=1,
+        validation_alias="BUNGEE_LOGIN_ADDRESS_FAILURES",
+        description="Failed logins from one address (an IPv6 /64) within a window opened by the first of them, "
+        "past which its logins are answered 429 until the window ends (portal.accounts.login_throttle).",
+    )
+    login_address_window_s: int = Field(
+        60,
+        ge=1,
+        validation_alias="BUNGEE_LOGIN_ADDRESS_WINDOW_S",
+        description="The window of BUNGEE_LOGIN_ADDRESS_FAILURES, in seconds.",
+    )
+    decisions_kept: int = Field(
+        50,
+        ge=1,
+        validation_alias="BUNGEE_DECISIONS_KEPT",
+        description="How many scheduling decisions the admin page keeps.",
+    )
+    body_max_bytes: int = Field(
+        1024 * 1024,
+        ge=1,
+        validation_alias="BUNGEE_BODY_MAX_BYTES",
+        description="Any request body other than a code upload or artifacts (a JSON or YAML spec, a report, a "
+        "form): refused with 413 above it.",
+    )
+    code_max_bytes: int = Field(
+        50 * 1024 * 1024,
+        ge=1,
+        validation_alias="BUNGEE_CODE_MAX_BYTES",
+        description="A job's own code (elastic.codepack, kept by sha256 under DATA_DIR/code): the largest upload.",
+    )
+    code_max_unpacked_bytes: int = Field(
+        200 * 1024 * 1024,
+        ge=1,
+        validation_alias="BUNGEE_CODE_MAX_UNPACKED_BYTES",
+        description="What a job's code may unpack to.",
+    )
+    code_max_files: int = Field(
+        10_000,
+        ge=1,
+        validation_alias="BUNGEE_CODE_MAX_FILES",
+        description="How many files a job's code may hold.",
+    )
+    env_index_options: bool = Field(
+        False,
+        validation_alias="BUNGEE_ENV_INDEX_OPTIONS",
+        description="Whether a job's requirements.txt may name where its packages come from (--index-url, "
+        "--find-links, ...: elastic.requirements.INDEX_OPTIONS); the agents need the same setting.",
+    )
+    artifact_max_bytes: int = Field(
+        20 * 1024**3,
+        ge=1,
+        validation_alias="BUNGEE_ARTIFACT_MAX_BYTES",
+        description="A job's model, checkpoint and manifest (portal.jobs.artifacts, kept under "
+        "DATA_DIR/artifacts): the largest upload of them an agent may send.",
+    )
+    artifact_retention_days: int = Field(
+        30,
+        ge=0,
+        validation_alias="BUNGEE_ARTIFACT_RETENTION_DAYS",
+        description="For how many days after the job's end its artifacts are kept (0: for ever).",
+    )
+
+    # --- history, pruned hourly by the beat and by `manage.py prunehistory` (portal.jobs.history) --
+    metrics_full_steps: int = Field(
+        10_000,
+        ge=0,
+        validation_alias="BUNGEE_METRICS_FULL_STEPS",
+        description="A job's metrics stay as reported for its newest this many steps (and its last "
+        "BUNGEE_METRICS_FULL_DAYS days).",
+    )
+    metrics_full_days: float = Field(
+        2.0,
+        ge=0,
+        validation_alias="BUNGEE_METRICS_FULL_DAYS",
+        description="A job's metrics stay as reported for its last this many days (and its newest "
+        "BUNGEE_METRICS_FULL_STEPS steps).",
+    )
+    metrics_old_points: int = Field(
+        4000,
+        ge=0,
+        validation_alias="BUNGEE_METRICS_OLD_POINTS",
+        description="Older metrics are thinned to about this many rows a job (0: never thinned).",
+    )
+    device_samples_full_hours: float = Field(
+        24.0,
+        ge=0,
+        validation_alias="BUNGEE_DEVICE_SAMPLES_FULL_HOURS",
+        description="Device samples stay as taken for this many hours (the API serves a day back).",
+    )
+    device_samples_bucket_s: int = Field(
+        300,
+        ge=1,
+        validation_alias="BUNGEE_DEVICE_SAMPLES_BUCKET_S",
+        description="Older device samples are kept as one per device per this many seconds, the mean of its "
+        "samples.",
+    )
+    device_samples_keep_days: float = Field(
+        30.0,
+        ge=0,
+        validation_alias="BUNGEE_DEVICE_SAMPLES_KEEP_DAYS",
+        description="No device sample is kept past this many days (0: kept for ever).",
+    )
+    log_retention_days: float = Field(
+        30.0,
+        ge=0,
+        validation_alias="BUNGEE_LOG_RETENTION_DAYS",
+        description="The logs of jobs that ended more than this many days ago (0: kept for ever) are cut to "
+        "their last BUNGEE_LOG_LINES_KEPT lines.",
+    )
+    log_lines_kept: int = Field(
+        1000,
+        ge=0,
+        validation_alias="BUNGEE_LOG_LINES_KEPT",
+        description="The lines an old job's log is cut to (0: deleted).",
+    )
+
+    @field_validator("allowed_hosts", "csrf_trusted_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("data_dir", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.resolve()
+
+    @property
+    def run_dir(self) -> Path:
+        """Where jobs keep their periodic checkpoint (shared by agents on one machine)."""
+        return self.data_dir / "runs"
+
+    @property
+    def code_dir(self) -> Path:
+        """Where jobs' code is kept, by sha256."""
+        return self.data_dir / "code"
+
+    @property
+    def artifact_dir(self) -> Path:
+        """Where jobs' artifacts are kept, job-N for each job."""
+        return self.data_dir / "artifacts"
+
+
+class SlurmPoolSettings(EnvironSettings):
+    """Bungee's Slurm pool (portal.slurm): agents submitted as Slurm batch jobs when jobs want more
+    devices than the cluster has, cancelled when idle. Off by default; when on,
+    portal.slurm.config.pool_config checks that the values can work together."""
+
+    enabled: bool = Field(False, validation_alias="BUNGEE_SLURM_ENABLED", description="Run the pool at all.")
+    pool: str = Field(
+        "slurm",
+        validation_alias="BUNGEE_SLURM_POOL",
+        description="The pool's name: its agents' nodes are named POOL-NODE-jobID, the names its pool token "
+        "(create_token --role pool --pool POOL) may register.",
+    )
+    partition: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_PARTITION",
+        description="Where agent jobs are submitted (sbatch --partition); unset: the cluster's default.",
+    )
+    account: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_ACCOUNT",
+        description="sbatch --account; unset: the cluster's default.",
+    )
+    qos: str = Field(
+        "", validation_alias="BUNGEE_SLURM_QOS", description="sbatch --qos; unset: the cluster's default."
+    )
+    gres: str = Field(
+        "gpu:1",
+        validation_alias="BUNGEE_SLURM_GRES",
+        description="What one agent job asks for (--gres), NAME[:TYPE]:COUNT.",
+    )
+    devices_per_agent: int = Field(
+        0,
+        ge=0,
+        validation_alias="BUNGEE_SLURM_DEVICES_PER_AGENT",
+        description="Devices one agent brings; with a gres other than gpu, passed to it as --devices (Slurm tells "
+        "a job nothing of such a gres); 0: the gres count.",
+    )
+    time_limit: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_TIME_LIMIT",
+        description="--time, in Slurm's forms (minutes, H:MM:SS, D-HH, ...); unset: the partition's.",
+    )
+    grace_s: int = Field(
+        120,
+        ge=1,
+        validation_alias="BUNGEE_SLURM_GRACE_S",
+        description="--signal=B:TERM@GRACE: the agent drains from GRACE seconds before its time limit (and, "
+        "where the cluster sets preempt_send_user_signal, when it is preempted).",
+    )
+    max_agents: int = Field(
+        4,
+        ge=0,
+        validation_alias="BUNGEE_SLURM_MAX_AGENTS",
+        description="The most agent jobs at once, pending or running.",
+    )
+    idle_s: float = Field(
+        600.0,
+        validation_alias="BUNGEE_SLURM_IDLE_S",
+        description="An agent whose node held no job for this long is cancelled, if the cluster can spare its "
+        "devices.",
+    )
+    start_timeout_s: float = Field(
+        600.0,
+        validation_alias="BUNGEE_SLURM_START_TIMEOUT_S",
+        description="An agent job running this long without its node registering is cancelled (reported as an "
+        "error).",
+    )
+    agent_args: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_AGENT_ARGS",
+        description="More agent flags (shell words); unset: none.",
+    )
+    sbatch_args: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_SBATCH_ARGS",
+        description="More sbatch options (shell words); unset: none.",
+    )
+    portal_url: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_PORTAL_URL",
+        description="The portal's URL as the agents reach it; required when the pool is on.",
+    )
+    token_file: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_TOKEN_FILE",
+        description="The pool's agent credential, a file the agents read on the compute node; required when the "
+        "pool is on.",
+    )
+    python: str = Field(
+        "python3",
+        validation_alias="BUNGEE_SLURM_PYTHON",
+        description="The interpreter that runs `-m agent` on the compute node.",
+    )
+    workdir: Path = Field(
+        BASE_DIR,
+        validation_alias="BUNGEE_SLURM_WORKDIR",
+        description="--chdir: where `agent` is importable on the compute node.",
+    )
+    output: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_OUTPUT",
+        description="--output of agent jobs (a shared file system: the portal makes the folder); unset: "
+        "DATA_DIR/slurm/%x-%j.out.",
+    )
+    export: str = Field(
+        "NONE",
+        validation_alias="BUNGEE_SLURM_EXPORT",
+        description="--export: NONE gives the agent the submitting user's login environment, never the portal's "
+        "secrets.",
+    )
+    job_name: str = Field(
+        "bungee-agent",
+        validation_alias="BUNGEE_SLURM_JOB_NAME",
+        description="The pool's jobs are those of this name and the portal's user.",
+    )
+    every_s: float = Field(
+        15.0, validation_alias="BUNGEE_SLURM_EVERY_S", description="How often the beat sizes the pool."
+    )
+    command_timeout_s: float = Field(
+        30.0,
+        validation_alias="BUNGEE_SLURM_COMMAND_TIMEOUT_S",
+        description="The longest a Slurm command may take.",
+    )
+
+
+Settings = TypeVar("Settings", bound=EnvironSettings)
+
+
+def load_settings(cls: type[Settings], environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings of class `cls` from `environ` (None: os.environ). Raises
+    ImproperlyConfigured, quoting each bad value with its variable."""
+    try:
+        return cls.from_environ(environ)
+    except SettingsError as err:
+        raise ImproperlyConfigured(str(err)) from None
