@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -69,9 +70,16 @@ def _batch_candidates(job: JobView, adapt_batch: bool) -> list[float]:
         and job.max_batch_size is not None
         and job.max_batch_size > job.min_batch_size
     ):
-        ladder = np.geomspace(job.min_batch_size, job.max_batch_size, LADDER_STEPS)
-        return sorted({*np.round(ladder).tolist(), float(job.batch_size)})
+        return sorted({*_ladder(job.min_batch_size, job.max_batch_size), float(job.batch_size)})
     return [float(job.batch_size)]
+
+
+@lru_cache(maxsize=1024)
+def _ladder(smallest: int, largest: int) -> tuple[float, ...]:
+    """The rounded geometric ladder of batch sizes between two bounds. Jobs of one workload
+    share their bounds, and numpy's geomspace costs tens of microseconds a call: at 1,000 jobs
+    it was a fifth of a decision."""
+    return tuple(np.round(np.geomspace(smallest, largest, LADDER_STEPS)).tolist())
 
 
 def speedup_table(
