@@ -82,6 +82,21 @@ def _ladder(smallest: int, largest: int) -> tuple[float, ...]:
     return tuple(np.round(np.geomspace(smallest, largest, LADDER_STEPS)).tolist())
 
 
+def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the first index of each distinct row, the distinct row of each row): rows[kept][row_of]
+    is `rows`, bit for bit."""
+    seen: dict[bytes, int] = {}
+    kept: list[int] = []
+    row_of = np.empty(len(rows), dtype=np.int64)
+    for i, row in enumerate(rows):
+        key = row.tobytes()
+        if key not in seen:
+            seen[key] = len(kept)
+            kept.append(i)
+        row_of[i] = seen[key]
+    return np.array(kept, dtype=np.int64), row_of
+
+
 def speedup_table(
     jobs: Sequence[JobView], workers: np.ndarray, node_size: int, adapt_batch: bool = True
 ) -> SpeedupTable:
@@ -103,15 +118,23 @@ def speedup_table(
     lo = np.array([j.min_workers for j in jobs])
     hi = np.array([min(j.max_workers, j.virtual_workers or j.max_workers) for j in jobs])
 
+    # Step times depend on the curve, the batch sizes tried and the micro-batch limit alone, which
+    # the jobs of one workload share: they are worked out once per distinct such row and handed
+    # to every job that has it. Only the statistical gain is each job's own.
+    shapes = np.concatenate([params, batch, max_local[:, None], weak_scaling[:, None]], axis=1)
+    kept, shape_of = _distinct_rows(shapes)
+
     def rates(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         kk = np.maximum(k, 1).astype(float)[None, :, None]
-        global_batch = np.where(weak_scaling[:, None, None], kk, batch[:, None, :])
+        weak = weak_scaling[kept][:, None, None]
+        global_batch = np.where(weak, kk, batch[kept][:, None, :])
         local = global_batch / kk
-        accumulation = np.maximum(np.ceil(local / max_local[:, None, None]), 1.0)
+        accumulation = np.maximum(np.ceil(local / max_local[kept][:, None, None]), 1.0)
         micro = local / accumulation
         nodes = np.ceil(kk / node_size)
         with np.errstate(invalid="ignore", divide="ignore"):
-            step = step_times(params[:, None, None, :], kk, nodes, micro, accumulation)
+            step = step_times(params[kept][:, None, None, :], kk, nodes, micro, accumulation)[shape_of]
+            global_batch, local = global_batch[shape_of], local[shape_of]
             scale = global_batch / base[:, None, None]
             total = (var + sqr)[:, None, None]
             gain = np.where(total > 0, total / (var[:, None, None] / scale + sqr[:, None, None]), 1.0)
