@@ -108,9 +108,13 @@ def speedup_table(
     for j, values in enumerate(candidates):
         batch[j, : len(values)] = values
     weak_scaling = np.isnan(batch[:, 0])
-    params = np.array(
-        [j.throughput.as_array() if j.throughput is not None else _LINEAR for j in jobs]
-    ).reshape(n_jobs, 7)
+    curves: dict[int, np.ndarray] = {}  # by identity: the jobs of one workload share a model
+    for job in jobs:
+        if job.throughput is not None and id(job.throughput) not in curves:
+            curves[id(job.throughput)] = job.throughput.as_array()
+    params = np.array([_LINEAR if j.throughput is None else curves[id(j.throughput)] for j in jobs]).reshape(
+        n_jobs, 7
+    )
     max_local = np.array([j.max_local_batch_size or np.inf for j in jobs], dtype=float)
     base = np.array([j.gradient_noise.base_batch_size if j.gradient_noise else 1 for j in jobs], dtype=float)
     sqr = np.array([j.gradient_noise.grad_sqr if j.gradient_noise else 0.0 for j in jobs])
@@ -143,7 +147,7 @@ def speedup_table(
         rate = np.where(np.isfinite(rate) & (local >= 1.0), rate, -np.inf)
         best = np.argmax(rate, axis=2)
         best_rate = np.take_along_axis(rate, best[..., None], axis=2)[..., 0]
-        best_batch = np.take_along_axis(np.nan_to_num(global_batch, nan=0.0), best[..., None], axis=2)[..., 0]
+        best_batch = np.nan_to_num(np.take_along_axis(global_batch, best[..., None], axis=2)[..., 0], nan=0.0)
         return best_rate, best_batch
 
     rate, best_batch = rates(workers) if n_jobs else (np.zeros((0, n_workers)), np.zeros((0, n_workers)))
