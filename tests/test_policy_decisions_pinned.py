@@ -28,7 +28,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from elastic.scheduling import POLICY_NAMES, ClusterSnapshot, DeviceView, GradientNoise, JobView, Plan, get_policy
+from elastic.scheduling import (
+    POLICY_NAMES,
+    ClusterSnapshot,
+    DeviceView,
+    GradientNoise,
+    JobView,
+    Plan,
+    get_policy,
+)
 from elastic.scheduling.throughput import ThroughputModel
 
 FIXTURE = Path(__file__).parent / "fixtures" / "policy_decisions.json"
@@ -65,7 +73,9 @@ def _bench_like(devices: int, jobs: int, seed: int) -> tuple[tuple[DeviceView, .
                 min_batch_size=base,
                 max_batch_size=base * 64,
                 max_local_batch_size=base * 4,
-                gradient_noise=GradientNoise(base, float(rng.uniform(0.01, 2.0)), float(rng.uniform(0.1, 40.0))),
+                gradient_noise=GradientNoise(
+                    base, float(rng.uniform(0.01, 2.0)), float(rng.uniform(0.1, 40.0))
+                ),
                 attained_service_s=float(rng.exponential(7200)),
                 remaining_work=float(rng.uniform(100, 50000)),
             )
@@ -121,7 +131,11 @@ def _mixed(devices: int, jobs: int, seed: int) -> tuple[tuple[DeviceView, ...], 
                     else None
                 ),
                 attained_service_s=float(rng.exponential(7200)),
-                virtual_workers=None if hybrid else max(1, int(high + rng.integers(-2, 3))) if rng.random() < 0.5 else None,
+                virtual_workers=None
+                if hybrid
+                else max(1, int(high + rng.integers(-2, 3)))
+                if rng.random() < 0.5
+                else None,
                 remaining_work=float(rng.uniform(100, 50000)) if rng.random() < 0.7 else None,
             )
         )

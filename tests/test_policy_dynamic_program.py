@@ -91,11 +91,12 @@ unordered_options = st.lists(st.integers(1, 9), max_size=6, unique=True).flatmap
     ),
     capacity=st.integers(0, 30),
 )
-def test_agrees_with_the_reference_ties_included(jobs: list[tuple[list[int], list[int], bool]], capacity: int) -> None:
+def test_agrees_with_the_reference_ties_included(
+    jobs: list[tuple[list[int], list[int], bool]], capacity: int
+) -> None:
     """Small integer values make ties common; options come in any order, 0 anywhere."""
     options = [np.array(ks) for ks, _, _ in jobs]
     values = [
-        np.array([float(v) if fine else float(v) / 3.0 for v in vs[: len(ks)]])
-        for ks, vs, fine in jobs
+        np.array([float(v) if fine else float(v) / 3.0 for v in vs[: len(ks)]]) for ks, vs, fine in jobs
     ]
     assert maximise(options, values, capacity) == reference_maximise(options, values, capacity)
