@@ -140,13 +140,16 @@ def speedup_table(
         nodes = np.ceil(kk / node_size)
         with np.errstate(invalid="ignore", divide="ignore"):
             step = step_times(params[kept][:, None, None, :], kk, nodes, micro, accumulation)[shape_of]
-            global_batch, local = global_batch[shape_of], local[shape_of]
+            usable = (local >= 1.0)[shape_of]
+            global_batch = global_batch[shape_of]
             scale = global_batch / base[:, None, None]
             total = (var + sqr)[:, None, None]
-            gain = np.where(total > 0, total / (var[:, None, None] / scale + sqr[:, None, None]), 1.0)
-            gain = np.where(weak_scaling[:, None, None], global_batch, gain)
-            rate = gain / step
-        rate = np.where(np.isfinite(rate) & (local >= 1.0), rate, -np.inf)
+            rate = np.where(total > 0, total / (var[:, None, None] / scale + sqr[:, None, None]), 1.0)
+            if weak_scaling.any():
+                rate = np.where(weak_scaling[:, None, None], global_batch, rate)
+            rate /= step
+        usable &= np.isfinite(rate)
+        rate[~usable] = -np.inf
         best = np.argmax(rate, axis=2)
         best_rate = np.take_along_axis(rate, best[..., None], axis=2)[..., 0]
         best_batch = np.nan_to_num(np.take_along_axis(global_batch, best[..., None], axis=2)[..., 0], nan=0.0)
