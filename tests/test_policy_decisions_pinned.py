@@ -4,10 +4,10 @@ reasons, notes, pin problems, straggler actions) is compared with the one record
 `fixtures/policy_decisions.json`, by digest, with every job's worker count kept beside it so a
 failure says which jobs moved.
 
-The scenarios mirror `bench/simulate.py --decision-time` (4-device nodes, about one hybrid job
-per two devices, half of them already placed by a first decision) at 64, 512 and 2,048
-devices, with curves built here rather than fitted to the Pollux traces (which live outside
-the repository), plus smaller mixed clusters: lent and reclaimed devices, unusable ones, uneven
+The scenarios are `bench/simulate.py --decision-time`'s own clusters (4-device nodes, about one
+hybrid job per two devices, half of them already placed by a first decision) at 64, 512 and
+2,048 devices, on applications built here rather than fitted to the Pollux traces (which live
+outside the repository), plus smaller mixed clusters: lent and reclaimed devices, unusable ones, uneven
 nodes, pins, opportunistic and strict jobs, jobs without curves, stragglers.
 
 A change that is meant to change decisions re-records the fixture and says why in its commit:
@@ -38,6 +38,8 @@ from elastic.scheduling import (
     get_policy,
 )
 from elastic.scheduling.throughput import ThroughputModel
+from elastic.simulator.synthetic import jobs_for, synthetic_snapshot
+from elastic.simulator.traces import Application, ValidationCurve
 
 FIXTURE = Path(__file__).parent / "fixtures" / "policy_decisions.json"
 
@@ -51,36 +53,24 @@ MODELS = (
 BASE_BATCHES = (32, 64, 128, 256)
 
 
-def _bench_like(devices: int, jobs: int, seed: int) -> tuple[tuple[DeviceView, ...], list[JobView]]:
-    """The shape of `elastic.simulator.synthetic.synthetic_snapshot`, with curves of our own."""
-    rng = np.random.default_rng(seed)
-    device_views = tuple(DeviceView(id=i, node=f"node{i // 4:04d}") for i in range(devices))
-    job_views = []
-    for job_id in range(jobs):
-        app = int(rng.integers(len(MODELS)))
-        base = BASE_BATCHES[app]
-        batch = base * 2 ** int(rng.integers(0, 4))
-        job_views.append(
-            JobView(
-                id=job_id,
-                min_workers=int(rng.choice([1, 1, 1, 2, 4])),
-                max_workers=64,
-                submitted_at=float(rng.uniform(0, 3600)),
-                requested_workers=int(rng.choice([1, 2, 4, 8, 16])),
-                consistency="hybrid",
-                throughput=MODELS[app],
-                batch_size=batch,
-                min_batch_size=base,
-                max_batch_size=base * 64,
-                max_local_batch_size=base * 4,
-                gradient_noise=GradientNoise(
-                    base, float(rng.uniform(0.01, 2.0)), float(rng.uniform(0.1, 40.0))
-                ),
-                attained_service_s=float(rng.exponential(7200)),
-                remaining_work=float(rng.uniform(100, 50000)),
-            )
+def _application(name: str, model: ThroughputModel, base: int) -> Application:
+    """A workload like the Pollux trace's: gradient noise that falls as training progresses, less
+    so at a larger batch."""
+    progress = np.array([0.0, 2e4, 1e5])
+    curves = tuple(
+        ValidationCurve(
+            batch, progress, np.array([2.0, 0.5, 0.05]) * scale, np.array([30.0, 12.0, 4.0]) / scale
         )
-    return device_views, job_views
+        for batch, scale in ((base, 1.0), (base * 8, 1.5))
+    )
+    return Application(name, model, 0.0, base, base * 64, 1, base * 4, 1e5, curves)
+
+
+APPLICATIONS = {
+    f"app{i}": _application(f"app{i}", model, base)
+    for i, (model, base) in enumerate(zip(MODELS, BASE_BATCHES, strict=True))
+}
+"""Stand-ins for the trace's applications, which live outside the repository."""
 
 
 def _mixed(devices: int, jobs: int, seed: int) -> tuple[tuple[DeviceView, ...], list[JobView]]:
@@ -153,10 +143,14 @@ def _slow_workers(job: JobView, rng: np.random.Generator) -> tuple[tuple[float, 
 
 def scenario(kind: str, devices: int, jobs: int, seed: int, policy_name: str) -> ClusterSnapshot:
     """A snapshot after a first decision by the policy itself: half the jobs hold what it gave
-    them (with step-time reports, for the mixed kind), attained service jittered."""
-    device_views, job_views = (_bench_like if kind == "bench" else _mixed)(devices, jobs, seed)
-    snapshot = ClusterSnapshot(device_views, tuple(job_views), now=3600.0)
-    plan = get_policy(policy_name)(snapshot)
+    them (with step-time reports, for the mixed kind), attained service jittered. The bench kind
+    is `bench/simulate.py --decision-time`'s own cluster, on APPLICATIONS."""
+    policy = get_policy(policy_name)
+    if kind == "bench":
+        assert jobs == jobs_for(devices)
+        return synthetic_snapshot(devices, APPLICATIONS, seed, warm_with=policy)
+    device_views, job_views = _mixed(devices, jobs, seed)
+    plan = policy(ClusterSnapshot(device_views, tuple(job_views), now=3600.0))
     rng = np.random.default_rng(seed + 1000)
     running = set(rng.choice(len(job_views), size=len(job_views) // 2, replace=False).tolist())
     warmed = []
@@ -166,10 +160,10 @@ def scenario(kind: str, devices: int, jobs: int, seed: int, policy_name: str) ->
             current=plan.assignments.get(job.id, ()) if job.id in running else (),
             attained_service_s=job.attained_service_s * float(rng.uniform(0.9, 1.1)),
         )
-        if kind == "mixed" and len(job.current) > 1:
+        if len(job.current) > 1:
             job = replace(job, worker_step_times=_slow_workers(job, rng))
         warmed.append(job)
-    return replace(snapshot, jobs=tuple(warmed))
+    return ClusterSnapshot(device_views, tuple(warmed), now=3600.0)
 
 
 SCENARIOS: list[tuple[str, str, int, int, int]] = [
