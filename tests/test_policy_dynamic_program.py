@@ -50,3 +50,53 @@ def test_a_job_is_given_its_minimum_or_nothing() -> None:
 def test_negative_capacity_is_refused() -> None:
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         maximise([np.array([0])], [np.array([0.0])], -1)
+
+
+def reference_maximise(options: list[np.ndarray], values: list[np.ndarray], capacity: int) -> list[int]:
+    """The dynamic program as first written: the whole (budget x option) table of every job, the
+    first best option of each row kept. The fast one must agree with it exactly, ties included."""
+    best = np.zeros(capacity + 1)
+    budget = np.arange(capacity + 1)
+    reach = 0
+    choices: list[np.ndarray] = []
+    for ks, vs in zip(options, values, strict=True):
+        reach = min(capacity, reach + int(ks.max()))
+        before = budget[: reach + 1, None] - ks[None, :]
+        candidate = np.where(before >= 0, best[np.maximum(before, 0)] + vs[None, :], -np.inf)
+        pick = np.argmax(candidate, axis=1)
+        best = best.copy()
+        best[: reach + 1] = candidate[np.arange(reach + 1), pick]
+        best[reach + 1 :] = best[reach]
+        chosen = np.full(capacity + 1, pick[reach])
+        chosen[: reach + 1] = pick
+        choices.append(chosen)
+    counts = [0] * len(options)
+    left = capacity
+    for j in range(len(options) - 1, -1, -1):
+        counts[j] = int(options[j][choices[j][left]])
+        left -= counts[j]
+    return counts
+
+
+unordered_options = st.lists(st.integers(1, 9), max_size=6, unique=True).flatmap(
+    lambda ks: st.permutations([0, *ks])
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(unordered_options, st.lists(st.integers(0, 4), min_size=7, max_size=7), st.booleans()),
+        max_size=8,
+    ),
+    capacity=st.integers(0, 30),
+)
+def test_agrees_with_the_reference_ties_included(
+    jobs: list[tuple[list[int], list[int], bool]], capacity: int
+) -> None:
+    """Small integer values make ties common; options come in any order, 0 anywhere."""
+    options = [np.array(ks) for ks, _, _ in jobs]
+    values = [
+        np.array([float(v) if fine else float(v) / 3.0 for v in vs[: len(ks)]]) for ks, vs, fine in jobs
+    ]
+    assert maximise(options, values, capacity) == reference_maximise(options, values, capacity)

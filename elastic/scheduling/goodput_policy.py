@@ -121,38 +121,30 @@ class GoodputPolicy:
         penalty = (
             min(1.0, self.config.resize_cost_s / self.config.horizon_s) if self.config.horizon_s > 0 else 0.0
         )
-        options: list[np.ndarray] = []
-        option_values: list[np.ndarray] = []
-        for j, job in enumerate(jobs):
-            allowed = np.isfinite(values[j])
-            ks = grid[allowed]
-            vs = values[j][allowed].copy()
-            held = len(job.current)
-            intact = all(d in available for d in job.current)
-            moved = ks != held
-            if intact:
-                vs[moved & (ks > 0)] *= 1.0 - penalty
-                vs[~moved] *= 1.0 + _STAY_BONUS
-            useful = vs > np.maximum.accumulate(np.concatenate([[-np.inf], vs[:-1]]))
-            useful[0] = True
-            options.append(ks[useful])
-            option_values.append(vs[useful])
+        options, option_values = _options(jobs, grid, values, available, penalty)
         counts = maximise(options, option_values, capacity)
         spare = capacity - sum(counts)
+        given = np.array(counts)
+        column = np.searchsorted(grid, given)
+        # The next candidate count above each job's: grid is sorted and holds every count given.
+        above = grid[np.minimum(column + 1, len(grid) - 1)]
+        limit = np.minimum(np.array([job.max_workers for job in jobs]), given + spare)
+        grows = ((column + 1 < len(grid)) & (above <= limit)).tolist()
+        batch = table.batch[np.arange(len(jobs)), column].tolist()
         decision = Decision({})
         for j, (job, count) in enumerate(zip(jobs, counts, strict=True)):
             decision.counts[job.id] = count
             if count == 0:
                 continue
             if job.consistency == "hybrid" and job.batch_size is not None:
-                column = int(np.searchsorted(grid, count))
-                chosen = int(table.batch[j, column]) or job.batch_size
+                chosen = int(batch[j]) or job.batch_size
                 if chosen:
                     decision.batch_sizes[job.id] = chosen
-            more = grid[(grid > count) & (grid <= min(job.max_workers, count + spare))]
-            if len(more):
+            if grows[j]:
                 decision.reasons[job.id] = Reason.NOT_WORTH
-                decision.notes[job.id] = self._not_worth(job, speedup[j], grid, count, int(more[0]), spare, penalty)
+                decision.notes[job.id] = self._not_worth(
+                    job, speedup[j], grid, count, int(above[j]), spare, penalty
+                )
             elif count == job.min_workers:
                 decision.reasons[job.id] = Reason.MINIMUM
             else:
@@ -175,6 +167,28 @@ class GoodputPolicy:
         return (f"{head}: +{then / now - 1.0:.0%} speed, worth +{worth:.1%} in the policy's value of "
                 f"speed (alpha-fair, alpha {self.config.spread:g}), not more than a resize costs "
                 f"({penalty:.1%} of the next {self.config.horizon_s:.0f} s)")
+
+
+def _options(
+    jobs: Sequence[JobView], grid: np.ndarray, values: np.ndarray, available: set[int], penalty: float
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each job's options for the dynamic program: the allowed counts of `grid` (finite
+    `values`) that are worth more than every smaller one, with their values. A job that holds
+    only devices still available pays the resize `penalty` on every other count but 0 and gets
+    the stay bonus on its own; the others move anyway. All jobs at once (a row each)."""
+    allowed = np.isfinite(values)
+    held = np.array([len(job.current) for job in jobs])[:, None]
+    intact = np.array([all(d in available for d in job.current) for job in jobs])[:, None]
+    shaped = values.copy()
+    shaped[allowed & intact & (grid != held) & (grid > 0)] *= 1.0 - penalty
+    shaped[allowed & intact & (grid == held)] *= 1.0 + _STAY_BONUS
+    masked = np.where(allowed, shaped, -np.inf)
+    best_below = np.maximum.accumulate(masked, axis=1)
+    useful = masked > np.concatenate([np.full((len(jobs), 1), -np.inf), best_below[:, :-1]], axis=1)
+    useful[np.arange(len(jobs)), np.argmax(allowed, axis=1)] = True
+    rows, columns = np.nonzero(useful)
+    ends = np.cumsum(np.count_nonzero(useful, axis=1))[:-1]
+    return np.split(grid[columns], ends), np.split(shaped[rows, columns], ends)
 
 
 BUNGEE = GoodputConfig(fairness=True, resize_cost_s=30.0, stragglers=StragglerConfig())
