@@ -1,0 +1,81 @@
+"""What one scheduling cycle asks the database: the cluster's devices are read once, whatever
+the cycle does (a first plan and launch, a resize of a job whose workers hold the state, a
+cycle with nothing to change). The cycle builds one view of the world (portal.scheduling.
+snapshot.CycleView) and planning, publishing and the decision record all take it."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from elastic.wire import AgentReport, WorkerEvent
+from portal.jobs.agents import ingest_report
+from portal.jobs.models import Job
+from portal.scheduling.cycle import CycleResult, run_cycle
+from tests.conftest import VALID_SPEC
+
+pytestmark = pytest.mark.django_db
+
+DEVICE_TABLE = re.compile(r'\bFROM "cluster_device"|JOIN "cluster_device"')
+
+
+def device_reads(queries: list[dict[str, Any]]) -> list[str]:
+    """The queries that read the Device table (a SELECT from it, or one joining it)."""
+    return [q["sql"] for q in queries if q["sql"].lstrip().upper().startswith("SELECT") and DEVICE_TABLE.search(q["sql"])]
+
+
+def counted_cycle() -> tuple[CycleResult, list[dict[str, Any]]]:
+    with CaptureQueriesContext(connection) as captured:
+        result = run_cycle()
+    return result, captured.captured_queries
+
+
+def submit(api: dict, **change: Any) -> Job:
+    reply = api["alice"].post("/api/jobs", {**VALID_SPEC, **change})
+    assert reply.status_code == 201, reply.content
+    return Job.objects.get(pk=reply.json()["id"])
+
+
+def form(node: Any, job: Job, ranks: int) -> None:
+    """What the workers of the job's newest generation report once its group formed."""
+    def event(kind: str, rank: int = 0, **fields: Any) -> WorkerEvent:
+        return WorkerEvent(job_id=job.pk, generation=job.generation, rank=rank, kind=kind, at=time.time(), **fields)
+
+    ingest_report(node, AgentReport(node=node.name, events=[
+        *(event("joined", rank=rank, pid=1000 + rank, device_index=rank) for rank in range(ranks)),
+        event("resized"),
+    ]))
+
+
+def test_a_first_plan_and_launch_reads_the_devices_once(api: dict, cluster: Any, redis_client: Any) -> None:
+    jobs = [submit(api, name="first"), submit(api, name="second")]
+    result, queries = counted_cycle()
+    assert sorted(result.launched_jobs) == sorted(job.pk for job in jobs), "the cycle planned and launched both"
+    assert len(device_reads(queries)) == 1, device_reads(queries)
+
+
+def test_a_resize_of_a_running_job_reads_the_devices_once(api: dict, cluster: Any, redis_client: Any) -> None:
+    job = submit(api, max_workers=4)
+    run_cycle()
+    job.refresh_from_db()
+    form(cluster, job, 4)
+    submit(api, name="newcomer", min_workers=2)
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 2})
+    result, queries = counted_cycle()
+    assert job.pk in result.changed_jobs and job.pk in result.launched_jobs, "the running job shrank in place"
+    assert len(device_reads(queries)) == 1, device_reads(queries)
+
+
+def test_a_cycle_with_nothing_to_change_reads_the_devices_once(api: dict, cluster: Any, redis_client: Any) -> None:
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    form(cluster, job, 2)
+    result, queries = counted_cycle()
+    assert result.changed_jobs == [] and result.launched_jobs == []
+    assert len(device_reads(queries)) == 1, device_reads(queries)
