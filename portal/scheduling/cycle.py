@@ -162,5 +162,7 @@ def run_cycle() -> CycleResult:
     for job in Job.objects.filter(pk__in={*result.changed_jobs, *explained}):
         broadcast.job_changed(job)
     if result.changed_jobs:
-        broadcast.allocation_changed(view.allocation_rows())
+        # Read, not taken from the view: a job that ended meanwhile (its owner cancelled it) has
+        # freed its devices, and the boards must not be told it still holds them.
+        broadcast.allocation_changed(lifecycle.allocation_rows())
     return result

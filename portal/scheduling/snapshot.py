@@ -170,14 +170,6 @@ class CycleView:
         self.allocated[job_id] = (generation, devices)
         self.planned.add(job_id)
 
-    def allocation_rows(self) -> list[dict[str, int]]:
-        """Every device held by a job, for the board (as lifecycle.allocation_rows)."""
-        return [
-            {"device_id": device, "job_id": job_id, "rank": rank, "generation": generation}
-            for job_id, (generation, devices) in self.allocated.items()
-            for rank, device in enumerate(devices)
-        ]
-
 
 def build_snapshot() -> CycleView:
     """Reads the world for one scheduling cycle; returns it (the snapshot the policy plans
