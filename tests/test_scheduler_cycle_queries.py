@@ -26,7 +26,11 @@ DEVICE_TABLE = re.compile(r'\bFROM "cluster_device"|JOIN "cluster_device"')
 
 def device_reads(queries: list[dict[str, Any]]) -> list[str]:
     """The queries that read the Device table (a SELECT from it, or one joining it)."""
-    return [q["sql"] for q in queries if q["sql"].lstrip().upper().startswith("SELECT") and DEVICE_TABLE.search(q["sql"])]
+    return [
+        q["sql"]
+        for q in queries
+        if q["sql"].lstrip().upper().startswith("SELECT") and DEVICE_TABLE.search(q["sql"])
+    ]
 
 
 def counted_cycle() -> tuple[CycleResult, list[dict[str, Any]]]:
@@ -43,19 +47,30 @@ def submit(api: dict, **change: Any) -> Job:
 
 def form(node: Any, job: Job, ranks: int) -> None:
     """What the workers of the job's newest generation report once its group formed."""
-    def event(kind: str, rank: int = 0, **fields: Any) -> WorkerEvent:
-        return WorkerEvent(job_id=job.pk, generation=job.generation, rank=rank, kind=kind, at=time.time(), **fields)
 
-    ingest_report(node, AgentReport(node=node.name, events=[
-        *(event("joined", rank=rank, pid=1000 + rank, device_index=rank) for rank in range(ranks)),
-        event("resized"),
-    ]))
+    def event(kind: str, rank: int = 0, **fields: Any) -> WorkerEvent:
+        return WorkerEvent(
+            job_id=job.pk, generation=job.generation, rank=rank, kind=kind, at=time.time(), **fields
+        )
+
+    ingest_report(
+        node,
+        AgentReport(
+            node=node.name,
+            events=[
+                *(event("joined", rank=rank, pid=1000 + rank, device_index=rank) for rank in range(ranks)),
+                event("resized"),
+            ],
+        ),
+    )
 
 
 def test_a_first_plan_and_launch_reads_the_devices_once(api: dict, cluster: Any, redis_client: Any) -> None:
     jobs = [submit(api, name="first"), submit(api, name="second")]
     result, queries = counted_cycle()
-    assert sorted(result.launched_jobs) == sorted(job.pk for job in jobs), "the cycle planned and launched both"
+    assert sorted(result.launched_jobs) == sorted(job.pk for job in jobs), (
+        "the cycle planned and launched both"
+    )
     assert len(device_reads(queries)) == 1, device_reads(queries)
 
 
@@ -71,7 +86,9 @@ def test_a_resize_of_a_running_job_reads_the_devices_once(api: dict, cluster: An
     assert len(device_reads(queries)) == 1, device_reads(queries)
 
 
-def test_a_cycle_with_nothing_to_change_reads_the_devices_once(api: dict, cluster: Any, redis_client: Any) -> None:
+def test_a_cycle_with_nothing_to_change_reads_the_devices_once(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
     job = submit(api)
     run_cycle()
     job.refresh_from_db()
