@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import re
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from elastic.wire import AgentReport, WorkerEvent
+from portal.cluster.models import Node
 from portal.jobs.agents import ingest_report
-from portal.jobs.models import Job
+from portal.jobs.models import Allocation, Generation, Job
 from portal.scheduling.cycle import CycleResult, run_cycle
 from tests.conftest import VALID_SPEC
 
@@ -95,4 +98,38 @@ def test_a_cycle_with_nothing_to_change_reads_the_devices_once(
     form(cluster, job, 2)
     result, queries = counted_cycle()
     assert result.changed_jobs == [] and result.launched_jobs == []
+    assert len(device_reads(queries)) == 1, device_reads(queries)
+
+
+def test_a_cycle_while_joiners_warm_up_reads_the_devices_once(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    """The published generation's deadline is checked against its joiners (expire_overdue)."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    assert job.state == "running" and job.generation == 1
+    result, queries = counted_cycle()
+    assert result.changed_jobs == [] and result.launched_jobs == []
+    assert len(device_reads(queries)) == 1, device_reads(queries)
+
+
+def test_a_cycle_that_finds_a_node_lost_reads_the_devices_once(
+    api: dict, cluster: Any, redis_client: Any
+) -> None:
+    """The lost node's workers are gone, their devices left out of the next plan (nodes_lost),
+    without a lookup of each worker's device."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    form(cluster, job, 2)
+    held = sorted(Allocation.objects.filter(job=job).values_list("device_id", flat=True))
+    Node.objects.filter(pk=cluster.pk).update(last_seen_at=timezone.now() - timedelta(hours=1))
+    result, queries = counted_cycle()
+    assert Node.objects.get(pk=cluster.pk).state == Node.State.LOST
+    generation = Generation.objects.get(job=job, number=1)
+    assert (generation.phase, sorted(generation.excluded_devices)) == ("lost", held), (
+        "its workers' devices left out"
+    )
+    assert result.changed_jobs == [job.pk] and Job.objects.get(pk=job.pk).state == "queued"
     assert len(device_reads(queries)) == 1, device_reads(queries)
