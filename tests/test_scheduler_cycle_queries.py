@@ -6,7 +6,6 @@ snapshot.CycleView) and planning, publishing and the decision record all take it
 from __future__ import annotations
 
 import re
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -15,12 +14,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from elastic.wire import AgentReport, WorkerEvent
 from portal.cluster.models import Node
-from portal.jobs.agents import ingest_report
 from portal.jobs.models import Allocation, Generation, Job
 from portal.scheduling.cycle import CycleResult, run_cycle
-from tests.conftest import VALID_SPEC
+from tests.test_scheduler_cycle import form, submit
 
 pytestmark = pytest.mark.django_db
 
@@ -40,32 +37,6 @@ def counted_cycle() -> tuple[CycleResult, list[dict[str, Any]]]:
     with CaptureQueriesContext(connection) as captured:
         result = run_cycle()
     return result, captured.captured_queries
-
-
-def submit(api: dict, **change: Any) -> Job:
-    reply = api["alice"].post("/api/jobs", {**VALID_SPEC, **change})
-    assert reply.status_code == 201, reply.content
-    return Job.objects.get(pk=reply.json()["id"])
-
-
-def form(node: Any, job: Job, ranks: int) -> None:
-    """What the workers of the job's newest generation report once its group formed."""
-
-    def event(kind: str, rank: int = 0, **fields: Any) -> WorkerEvent:
-        return WorkerEvent(
-            job_id=job.pk, generation=job.generation, rank=rank, kind=kind, at=time.time(), **fields
-        )
-
-    ingest_report(
-        node,
-        AgentReport(
-            node=node.name,
-            events=[
-                *(event("joined", rank=rank, pid=1000 + rank, device_index=rank) for rank in range(ranks)),
-                event("resized"),
-            ],
-        ),
-    )
 
 
 def test_a_first_plan_and_launch_reads_the_devices_once(api: dict, cluster: Any, redis_client: Any) -> None:
@@ -89,26 +60,17 @@ def test_a_resize_of_a_running_job_reads_the_devices_once(api: dict, cluster: An
     assert len(device_reads(queries)) == 1, device_reads(queries)
 
 
+@pytest.mark.parametrize("formed", [False, True], ids=["joiners-warming-up", "formed"])
 def test_a_cycle_with_nothing_to_change_reads_the_devices_once(
-    api: dict, cluster: Any, redis_client: Any
+    api: dict, cluster: Any, redis_client: Any, formed: bool
 ) -> None:
+    """Before the group forms, the published generation's deadline is checked against its
+    joiners (expire_overdue); after, the workers hold the state."""
     job = submit(api)
     run_cycle()
     job.refresh_from_db()
-    form(cluster, job, 2)
-    result, queries = counted_cycle()
-    assert result.changed_jobs == [] and result.launched_jobs == []
-    assert len(device_reads(queries)) == 1, device_reads(queries)
-
-
-def test_a_cycle_while_joiners_warm_up_reads_the_devices_once(
-    api: dict, cluster: Any, redis_client: Any
-) -> None:
-    """The published generation's deadline is checked against its joiners (expire_overdue)."""
-    job = submit(api)
-    run_cycle()
-    job.refresh_from_db()
-    assert job.state == "running" and job.generation == 1
+    if formed:
+        form(cluster, job, 2)
     result, queries = counted_cycle()
     assert result.changed_jobs == [] and result.launched_jobs == []
     assert len(device_reads(queries)) == 1, device_reads(queries)
