@@ -19,6 +19,11 @@ def wire_key(device: Device) -> str:
     return member_key(device.node.name, device.index)
 
 
+def node_of(key: str) -> str:
+    """The node name of member key `key` (as resize records store them)."""
+    return key.partition("/")[0]
+
+
 def device_id(node: Node, index: int | None) -> int | None:
     """The id of device `index` of `node`, as its agent names it in a report; None for no
     index or one the node never registered. One query."""

@@ -49,7 +49,7 @@ from elastic.wire import (
 from elastic.wording import counted
 from elastic.worker import USER_ERROR_LOG_PREFIX, user_error_summary
 from portal import dispatch
-from portal.cluster.devices import ClusterDevices, device_id
+from portal.cluster.devices import ClusterDevices, device_id, node_of
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating, tell_to_leave
 from portal.jobs.models import Allocation, Generation, Job, JobArtifacts, JobLog, ResizeEvent, Worker
@@ -148,7 +148,7 @@ def ranks_held(node: Node, job_id: int, generation: int) -> frozenset[int]:
     planned = (
         ResizeEvent.objects.filter(job_id=job_id, generation=generation).values_list("devices_after", flat=True).first()
     )
-    return frozenset(rank for rank, device in enumerate(planned or []) if device.rpartition("/")[0] == node.name)
+    return frozenset(rank for rank, device in enumerate(planned or []) if node_of(device) == node.name)
 
 
 def allocation_rows() -> list[dict[str, Any]]:

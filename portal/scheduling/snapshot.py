@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, ThroughputLearner, ThroughputModel
 from elastic.spec import JobSpec
-from portal.cluster.devices import ClusterDevices
+from portal.cluster.devices import ClusterDevices, node_of
 from portal.cluster.models import Node
 from portal.jobs import lifecycle
 from portal.jobs.ingest import step_times_key
@@ -84,7 +84,7 @@ def measured_throughput(jobs: dict[int, Job]) -> dict[int, ThroughputModel]:
         shape = shapes.get((row["job_id"], row["generation"]))
         if shape is None or shape.workers_after < 1:
             continue
-        nodes = len({str(label).split("/")[0] for label in shape.devices_after}) or 1
+        nodes = len({node_of(str(label)) for label in shape.devices_after}) or 1
         observed.setdefault(row["job_id"], []).append(
             (shape.workers_after, nodes, float(f"{row['rate']:.3g}"), min(int(row["reports"]), 20))
         )
