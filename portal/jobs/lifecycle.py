@@ -364,12 +364,12 @@ def _free_port(job: Job, generation: int) -> int:
 
 def plan(
     plans: list[GenerationPlan], unblocked: Callable[[list[int]], list[int]], devices: ClusterDevices
-) -> list[int]:
+) -> dict[int, Generation]:
     """Writes a new generation for each plan whose job nobody touched since the snapshot and
     that `unblocked` still lets through (its devices are free); `devices` names them in its
-    resize record. Returns the job ids written."""
+    resize record. Returns the generations written, by job id (in the order written)."""
     by_job = {p.job_id: p for p in plans}
-    changed: list[int] = []
+    changed: dict[int, Generation] = {}
     with transaction.atomic():
         locked = {
             j.pk: j for j in Job.objects.select_for_update().filter(pk__in=list(by_job), state__in=ACTIVE_STATES)
@@ -379,20 +379,20 @@ def plan(
         )
         Allocation.objects.filter(job_id__in=fresh).delete()
         for job_id in fresh:
-            _write_generation(locked[job_id], by_job[job_id], devices)
-            changed.append(job_id)
+            changed[job_id] = _write_generation(locked[job_id], by_job[job_id], devices)
     for job_id in changed:
         if not by_job[job_id].devices:
             _stop_all(locked[job_id], "resize")
     return changed
 
 
-def _write_generation(job: Job, planned: GenerationPlan, devices: ClusterDevices) -> None:
+def _write_generation(job: Job, planned: GenerationPlan, devices: ClusterDevices) -> Generation:
+    """Writes the job's next generation, its allocations and its resize record; returns it."""
     number = job.generation + 1
     before = current(job)
     if before is not None and not Phase(before.phase).final:
         move_phase(before, Phase.SUPERSEDED)
-    Generation.objects.create(
+    generation = Generation.objects.create(
         job=job,
         number=number,
         reason=planned.reason[:40],
@@ -447,6 +447,7 @@ def _write_generation(job: Job, planned: GenerationPlan, devices: ClusterDevices
         waiting = " once its stopping workers are gone" if has_workers else ""
         fields["message"] = f"starting {counted(len(planned.devices), 'worker')}{waiting}"
         Job.objects.filter(pk=job.pk).update(**fields)
+    return generation
 
 
 # --- publishing ----------------------------------------------------------------------------------
@@ -484,28 +485,37 @@ def membership_record(job: Job, allocated: Sequence[Device], live: dict[tuple[in
     )
 
 
-def publish(job_id: int, allocated: tuple[int, Sequence[Device]] | None = None) -> bool:
+@dataclass(frozen=True)
+class Planned:
+    """A job's newest generation and its devices in rank order, as a scheduling cycle knows
+    them (it planned them, or read them at its start): publish takes them from it instead of
+    reading back what the cycle wrote."""
+
+    generation: Generation
+    devices: Sequence[Device]
+
+
+def publish(job_id: int, planned: Planned | None = None) -> bool:
     """Publishes the job's newest generation once (planned -> published): its record on the
     board, then a launch to every node involved. A queued job waits until its old workers
-    (stopping) have exited. `allocated`: the generation the job's devices were given in and the
-    devices in rank order, as a scheduling cycle knows them (it planned or read them, and gives
-    them so that nothing it wrote is read back); read from its allocations if not given.
-    Returns whether this call published."""
+    (stopping) have exited. `planned`: the generation and its devices, as a scheduling cycle
+    knows them; read from the database if not given. Returns whether this call published."""
     job = Job.objects.filter(pk=job_id).first()
     if job is None or job.state not in ACTIVE_STATES:
         return False
-    generation = current(job)
-    if generation is None or generation.phase != Phase.PLANNED:
+    if planned is None:
+        rows = list(job.allocations.select_related("device__node").order_by("rank"))
+        newest = current(job)
+        if newest is None or any(a.generation != newest.number for a in rows):
+            return False
+        planned = Planned(newest, [a.device for a in rows])
+    generation, devices = planned.generation, planned.devices
+    if generation.number != job.generation or generation.phase != Phase.PLANNED:
         return False
     live = live_workers(job.pk)
     if job.state == JobState.QUEUED and live:
         return False
-    if allocated is None:
-        rows = list(job.allocations.select_related("device__node").order_by("rank"))
-        given = {a.generation for a in rows}
-        allocated = (given.pop() if len(given) == 1 else -1, [a.device for a in rows])
-    number, devices = allocated
-    if not devices or number != job.generation:
+    if not devices:
         return False
     record = membership_record(job, devices, live)
     joiners = [m for m in record.members if m.joiner]

@@ -131,9 +131,9 @@ def apply_plan(plan: Plan, view: CycleView) -> list[int]:
         for job_id in changing
     ]
     written = lifecycle.plan(plans, lambda fresh: _unblocked(fresh, targets, current), view.devices)
-    for job_id in written:
-        view.planned_now(job_id, jobs[job_id].generation + 1, targets[job_id])
-    return written
+    for job_id, generation in written.items():
+        view.planned_now(job_id, generation, targets[job_id])
+    return list(written)
 
 
 def run_cycle() -> CycleResult:
@@ -153,8 +153,7 @@ def run_cycle() -> CycleResult:
     explained = store_job_reasons(plan, view)
     record_decision(policy_name(), decision_ms, plan, view, result.changed_jobs)
     for job_id in sorted(view.planned):
-        generation, devices = view.allocated[job_id]
-        if lifecycle.publish(job_id, (generation, [view.devices.by_id[d] for d in devices])):
+        if lifecycle.publish(job_id, view.to_publish(job_id)):
             result.launched_jobs.append(job_id)
     if result.changed_jobs:
         log.info("scheduler (%s, %.1f ms): new generations for jobs %s", policy_name(), decision_ms,

@@ -141,7 +141,8 @@ class CycleView:
     held: set[int]
     """The devices some job holds (every allocation); kept up to date with `allocated`."""
     newest: dict[int, Generation]
-    """Per active job that has been planned, its newest generation, as the cycle started."""
+    """Per active job that has been planned, its newest generation; a job the cycle plans gets
+    its new one here as it is written."""
     running: dict[int, list[Worker]]
     """Per active job, its running worker rows, oldest generation first."""
     planned: set[int]
@@ -162,13 +163,24 @@ class CycleView:
         running = [row.device_id for row in self.running.get(job_id, [])]
         return lifecycle.resize_in_flight(self.newest.get(job_id), devices, running)
 
-    def planned_now(self, job_id: int, generation: int, devices: tuple[int, ...]) -> None:
-        """The cycle wrote generation `generation` of the job, onto `devices` in rank order."""
+    def planned_now(self, job_id: int, generation: Generation, devices: tuple[int, ...]) -> None:
+        """The cycle wrote `generation` of the job, onto `devices` in rank order."""
         _, before = self.allocated.get(job_id, (0, ()))
         self.held.difference_update(before)
         self.held.update(devices)
-        self.allocated[job_id] = (generation, devices)
+        self.allocated[job_id] = (generation.number, devices)
+        self.newest[job_id] = generation
         self.planned.add(job_id)
+
+    def to_publish(self, job_id: int) -> lifecycle.Planned | None:
+        """The job's newest generation and its devices, for lifecycle.publish (none: it waits
+        for devices); None if its devices were given in another generation (publish then reads
+        them, and refuses)."""
+        generation = self.newest.get(job_id)
+        number, devices = self.allocated.get(job_id, (-1, ()))
+        if generation is None or (devices and number != generation.number):
+            return None
+        return lifecycle.Planned(generation, [self.devices.by_id[d] for d in devices])
 
 
 def build_snapshot() -> CycleView:
