@@ -510,12 +510,10 @@ def publish(job_id: int, planned: Planned | None = None) -> bool:
             return False
         planned = Planned(newest, [a.device for a in rows])
     generation, devices = planned.generation, planned.devices
-    if generation.number != job.generation or generation.phase != Phase.PLANNED:
+    if not devices or generation.number != job.generation or generation.phase != Phase.PLANNED:
         return False
     live = live_workers(job.pk)
     if job.state == JobState.QUEUED and live:
-        return False
-    if not devices:
         return False
     record = membership_record(job, devices, live)
     joiners = [m for m in record.members if m.joiner]
