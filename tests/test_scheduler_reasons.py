@@ -205,7 +205,7 @@ def test_throughput_service_and_remaining_work_come_from_the_reports(
     job_id = submit(api, max_workers=2, steps=500, hyperparameters={"batch_size": 32})
     settle(cluster)
     job = Job.objects.get(pk=job_id)
-    [view] = build_snapshot()[0].jobs
+    [view] = build_snapshot().snapshot.jobs
     prior = view.throughput
     assert prior is not None and view.attained_service_s == 0 and view.remaining_work == 500
     # Rank 0 reported 640 samples/s on 2 workers, once a second over the last five (the reports
@@ -214,7 +214,7 @@ def test_throughput_service_and_remaining_work_come_from_the_reports(
     for second in range(5):
         progress = event(job, "progress", step=100 + 20 * second, loss=1.0, samples_per_s=640.0)
         report(cluster, progress.model_copy(update={"at": start + second}))
-    [view] = build_snapshot()[0].jobs
+    [view] = build_snapshot().snapshot.jobs
     assert view.remaining_work == 500 - 180
     assert view.attained_service_s == pytest.approx(2 * 4.0), view.attained_service_s
     assert view.throughput is not None and view.throughput != prior

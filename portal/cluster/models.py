@@ -7,6 +7,7 @@ from typing import Any
 
 from django.db import models
 
+from elastic.wire import member_key
 from portal.accounts.models import ApiToken
 from portal.cluster.node_states import NodeState, check_node_transition
 
@@ -99,7 +100,8 @@ class Device(models.Model):
         constraints = [models.UniqueConstraint(fields=["node", "index"], name="device_unique_index")]
 
     def __str__(self) -> str:
-        return f"{self.node.name}/{self.index}"
+        """Its member key, the name agents and workers know it by (portal.cluster.devices)."""
+        return member_key(self.node.name, self.index)
 
     @property
     def usable(self) -> bool:

@@ -24,7 +24,7 @@ leaves a line in the job's log and message, so the job page says what happened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -49,6 +49,7 @@ from elastic.wire import (
 from elastic.wording import counted
 from elastic.worker import USER_ERROR_LOG_PREFIX, user_error_summary
 from portal import dispatch
+from portal.cluster.devices import ClusterDevices, device_id, node_of
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating, tell_to_leave
 from portal.jobs.models import Allocation, Generation, Job, JobArtifacts, JobLog, ResizeEvent, Worker
@@ -114,17 +115,21 @@ def needs_replan(generation: Generation | None) -> bool:
 
 def leavers(job: Job) -> list[Worker]:
     """The job's running workers on devices its newest generation does not hold."""
-    allocated = set(job.allocations.values_list("device__node_id", "device__index"))
+    allocated = set(job.allocations.values_list("device_id", flat=True))
     running = Worker.objects.filter(job=job, state=Worker.State.RUNNING).select_related("node")
-    return [row for row in running if (row.node_id, row.device_index) not in allocated]
+    return [row for row in running if row.device_id not in allocated]
 
 
-def resize_in_flight(job: Job, generation: Generation | None) -> bool:
-    """Whether the job's newest generation is on its way to forming, or formed but a leaver is
-    still on its way out (so that no newer plan takes it for a survivor)."""
-    if generation is not None and Phase(generation.phase).in_flight and job.allocations.exists():
+def resize_in_flight(
+    generation: Generation | None, allocated: Collection[int], running: Iterable[int | None]
+) -> bool:
+    """Whether a job's newest generation `generation` is on its way to forming, or formed but a
+    leaver is still on its way out (so that no newer plan takes it for a survivor). `allocated`:
+    the devices the job holds; `running`: the devices of its running workers (None: a device its
+    node never registered), as the scheduling cycle read them."""
+    if generation is not None and Phase(generation.phase).in_flight and allocated:
         return True  # a generation of no devices (the job waits for some) has nothing to form
-    return bool(leavers(job))
+    return any(device not in allocated for device in running)
 
 
 def live_workers(job_id: int) -> dict[tuple[int, int], Worker]:
@@ -140,7 +145,7 @@ def ranks_held(node: Node, job_id: int, generation: int) -> frozenset[int]:
     planned = (
         ResizeEvent.objects.filter(job_id=job_id, generation=generation).values_list("devices_after", flat=True).first()
     )
-    return frozenset(rank for rank, device in enumerate(planned or []) if device.rpartition("/")[0] == node.name)
+    return frozenset(rank for rank, device in enumerate(planned or []) if node_of(device) == node.name)
 
 
 def allocation_rows() -> list[dict[str, Any]]:
@@ -354,17 +359,14 @@ def _free_port(job: Job, generation: int) -> int:
     raise RuntimeError(f"no free rendezvous port in [{base}, {base + MASTER_PORT_SPAN})")
 
 
-def plan(plans: list[GenerationPlan], unblocked: Callable[[list[int]], list[int]]) -> list[int]:
+def plan(
+    plans: list[GenerationPlan], unblocked: Callable[[list[int]], list[int]], devices: ClusterDevices
+) -> dict[int, Generation]:
     """Writes a new generation for each plan whose job nobody touched since the snapshot and
-    that `unblocked` still lets through (its devices are free). Returns the job ids written."""
+    that `unblocked` still lets through (its devices are free); `devices` names them in its
+    resize record. Returns the generations written, by job id (in the order written)."""
     by_job = {p.job_id: p for p in plans}
-    names = {
-        d.pk: str(d)
-        for d in Device.objects.select_related("node").filter(
-            pk__in={d for p in plans for d in (*p.devices, *p.devices_before)}
-        )
-    }
-    changed: list[int] = []
+    changed: dict[int, Generation] = {}
     with transaction.atomic():
         locked = {
             j.pk: j for j in Job.objects.select_for_update().filter(pk__in=list(by_job), state__in=ACTIVE_STATES)
@@ -374,20 +376,20 @@ def plan(plans: list[GenerationPlan], unblocked: Callable[[list[int]], list[int]
         )
         Allocation.objects.filter(job_id__in=fresh).delete()
         for job_id in fresh:
-            _write_generation(locked[job_id], by_job[job_id], names)
-            changed.append(job_id)
+            changed[job_id] = _write_generation(locked[job_id], by_job[job_id], devices)
     for job_id in changed:
         if not by_job[job_id].devices:
             _stop_all(locked[job_id], "resize")
     return changed
 
 
-def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) -> None:
+def _write_generation(job: Job, planned: GenerationPlan, devices: ClusterDevices) -> Generation:
+    """Writes the job's next generation, its allocations and its resize record; returns it."""
     number = job.generation + 1
     before = current(job)
     if before is not None and not Phase(before.phase).final:
         move_phase(before, Phase.SUPERSEDED)
-    Generation.objects.create(
+    generation = Generation.objects.create(
         job=job,
         number=number,
         reason=planned.reason[:40],
@@ -405,7 +407,7 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
     # The workers the job runs on before this resize: those of the last one that landed. A
     # resize to some workers that never landed (expired, lost, superseded) hands its "before"
     # on; one to none needs no report to land (its workers stop).
-    running = [names[d] for d in planned.devices_before]
+    running = devices.keys(planned.devices_before)
     if previous is not None and previous.completed_at is None and previous.devices_after:
         running = previous.devices_before
     ResizeEvent.objects.create(
@@ -416,7 +418,7 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
         workers_before=len(running),
         workers_after=len(planned.devices),
         devices_before=running,
-        devices_after=[names[d] for d in planned.devices],
+        devices_after=devices.keys(planned.devices),
     )
     fields: dict[str, Any] = {
         "generation": number,
@@ -442,13 +444,14 @@ def _write_generation(job: Job, planned: GenerationPlan, names: dict[int, str]) 
         waiting = " once its stopping workers are gone" if has_workers else ""
         fields["message"] = f"starting {counted(len(planned.devices), 'worker')}{waiting}"
         Job.objects.filter(pk=job.pk).update(**fields)
+    return generation
 
 
 # --- publishing ----------------------------------------------------------------------------------
 
 
-def membership_record(job: Job, allocations: list[Allocation], live: dict[tuple[int, int], Worker]) -> Membership:
-    """The record of the job's newest generation: its allocations in rank order, each member a
+def membership_record(job: Job, allocated: Sequence[Device], live: dict[tuple[int, int], Worker]) -> Membership:
+    """The record of the job's newest generation: its devices in rank order, each member a
     joiner unless a worker that holds the state runs on its device. A worker that holds the
     state but is not a member hands it over (the donor) when no member holds it
     (elastic.membership.compose)."""
@@ -456,30 +459,44 @@ def membership_record(job: Job, allocations: list[Allocation], live: dict[tuple[
     return compose_membership(
         job.pk,
         job.generation,
-        [Seat(a.device.node.name, a.device.index, a.device.node.address) for a in allocations],
+        [Seat(device.node.name, device.index, device.node.address) for device in allocated],
         [Seat(row.node.name, row.device_index, row.node.address) for row in holders],
         master_port=job.master_port or settings.BUNGEE.master_port_base,
         global_batch=job.batch_size if job.consistency == Job.Consistency.HYBRID else None,
     )
 
 
-def publish(job_id: int) -> bool:
+@dataclass(frozen=True)
+class Planned:
+    """A job's newest generation and its devices in rank order, as a scheduling cycle knows
+    them (it planned them, or read them at its start): publish takes them from it instead of
+    reading back what the cycle wrote."""
+
+    generation: Generation
+    devices: Sequence[Device]
+
+
+def publish(job_id: int, planned: Planned | None = None) -> bool:
     """Publishes the job's newest generation once (planned -> published): its record on the
     board, then a launch to every node involved. A queued job waits until its old workers
-    (stopping) have exited. Returns whether this call published."""
+    (stopping) have exited. `planned`: the generation and its devices, as a scheduling cycle
+    knows them; read from the database if not given. Returns whether this call published."""
     job = Job.objects.filter(pk=job_id).first()
     if job is None or job.state not in ACTIVE_STATES:
         return False
-    generation = current(job)
-    if generation is None or generation.phase != Phase.PLANNED:
+    if planned is None:
+        rows = list(job.allocations.select_related("device__node").order_by("rank"))
+        newest = current(job)
+        if newest is None or any(a.generation != newest.number for a in rows):
+            return False
+        planned = Planned(newest, [a.device for a in rows])
+    generation, devices = planned.generation, planned.devices
+    if not devices or generation.number != job.generation or generation.phase != Phase.PLANNED:
         return False
     live = live_workers(job.pk)
     if job.state == JobState.QUEUED and live:
         return False
-    allocations = list(job.allocations.select_related("device__node").order_by("rank"))
-    if not allocations or any(a.generation != job.generation for a in allocations):
-        return False
-    record = membership_record(job, allocations, live)
+    record = membership_record(job, devices, live)
     joiners = [m for m in record.members if m.joiner]
     with transaction.atomic():
         if not move_phase(
@@ -496,8 +513,7 @@ def publish(job_id: int) -> bool:
     nodes: dict[str, tuple[list[WorkerAssignment], list[int]]] = {}
     for row in live.values():
         nodes.setdefault(row.node.name, ([], []))
-    for rank, allocation in enumerate(allocations):
-        device = allocation.device
+    for rank, device in enumerate(devices):
         starting, members = nodes.setdefault(device.node.name, ([], []))
         members.append(device.index)
         if (device.node_id, device.index) not in live:
@@ -506,7 +522,7 @@ def publish(job_id: int) -> bool:
         node_name: LaunchCommand(
             job_id=job.pk,
             generation=job.generation,
-            world_size=len(allocations),
+            world_size=len(devices),
             master_addr=record.master_addr,
             master_port=record.master_port,
             workers=starting,
@@ -529,13 +545,15 @@ def publish(job_id: int) -> bool:
 
 def _running_row(node: Node, job: Job, event: WorkerEvent, **fields: Any) -> None:
     """Writes the row of `event`'s worker in its generation as running, with `fields`."""
+    index = event.device_index or 0
     Worker.objects.update_or_create(
         job=job,
         generation=event.generation,
         rank=event.rank,
         defaults={
             "node": node,
-            "device_index": event.device_index or 0,
+            "device_id": device_id(node, index),
+            "device_index": index,
             "pid": event.pid,
             "state": Worker.State.RUNNING,
             **fields,
@@ -626,25 +644,25 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     was_running = row is not None and row.state == Worker.State.RUNNING
     if event.device_index is None and row is not None:
         event = event.model_copy(update={"device_index": row.device_index})
+    # The worker's device, if the event or the worker's row says which it was.
+    device_index = event.device_index
+    if row is not None and (row.node_id, row.device_index) == (node.pk, device_index):
+        device = row.device_id
+    else:
+        device = device_id(node, device_index)
     Worker.objects.update_or_create(
         job=job,
         generation=event.generation,
         rank=event.rank,
         defaults={
             "node": node,
-            "device_index": event.device_index or 0,
+            "device_id": device,
+            "device_index": device_index or 0,
             "state": Worker.State.EXITED,
             "exit_code": event.exit_code,
             "reason": event.reason or "",
             "exited_at": _at(event.at),
         },
-    )
-    # The worker's device, if the event or the worker's row says which it was.
-    device_index = event.device_index
-    device = (
-        None
-        if device_index is None
-        else Device.objects.filter(node=node, index=device_index).values_list("pk", flat=True).first()
     )
     # A death matters to the job if the worker was a member of its newest generation or held
     # the state; a joiner already planned out (one that hung while warming up) does not.
@@ -677,9 +695,7 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         and not _stopped_late_joiner(job, row, event)
     ):
         held = job.allocations.filter(device_id=device).exists()
-        replaced = Worker.objects.filter(
-            job=job, node=node, device_index=device_index, state=Worker.State.RUNNING
-        ).exists()
+        replaced = Worker.objects.filter(job=job, device_id=device, state=Worker.State.RUNNING).exists()
         if held and not replaced:
             _end_generation(
                 job, Phase.LOST, "a worker exited",
@@ -754,11 +770,10 @@ def _worker_failed(job: Job, event: WorkerEvent, device: int | None) -> None:
 def _workers_gone(rows: QuerySet[Worker], reason: str, end_reason: str, note: str) -> list[int]:
     """Marks `rows` exited with `reason`; the newest generation of each active job they served
     is lost, leaving their devices out of the next plan. Returns those jobs' ids."""
-    rows = rows.filter(state=Worker.State.RUNNING).select_related("node")
+    rows = rows.filter(state=Worker.State.RUNNING)
     devices: dict[int, set[int]] = {}
-    for row in rows:
-        device = Device.objects.filter(node=row.node, index=row.device_index).values_list("pk", flat=True).first()
-        devices.setdefault(row.job_id, set()).update([device] if device is not None else [])
+    for job_id, device in rows.values_list("job_id", "device_id"):
+        devices.setdefault(job_id, set()).update([device] if device is not None else [])
     rows.update(state=Worker.State.EXITED, reason=reason, exited_at=timezone.now())
     for job in Job.objects.filter(pk__in=list(devices), state__in=ACTIVE_STATES):
         _end_generation(job, Phase.LOST, end_reason, note, devices[job.pk])
@@ -817,16 +832,17 @@ def node_registered(node: Node, adopted: list[RunningWorker]) -> None:
 
 
 def _joiner_devices(job: Job, record: Membership | None) -> dict[str, int]:
-    """The joiners of the job's newest generation: member key -> device id."""
+    """The joiners of the job's newest generation: member key -> device id. The record lists
+    its members in the rank order of the generation's allocations (publish)."""
     if record is None:
         return {}
-    keys = {m.key for m in record.members if m.joiner}
-    found = {}
-    for allocation in job.allocations.select_related("device__node"):
-        key = f"{allocation.device.node.name}/{allocation.device.index}"
-        if key in keys:
-            found[key] = allocation.device_id
-    return found
+    allocated = job.allocations.filter(generation=record.generation).order_by("rank")
+    ranked = list(allocated.values_list("device_id", flat=True))
+    if len(ranked) != len(record.members):
+        return {}
+    return {
+        member.key: device for member, device in zip(record.members, ranked, strict=True) if member.joiner
+    }
 
 
 def expire_overdue() -> list[int]:
@@ -888,9 +904,10 @@ def _expire_published(job: Job, generation: Generation, late: dict[str, int]) ->
                     late.values())
     stuck = list(Worker.objects.filter(job=job, state=Worker.State.RUNNING, joined_at__isnull=True)
                  .select_related("node"))
+    late_devices = set(late.values())
     per_node: dict[str, list[int]] = {}
     for worker in stuck:
-        if f"{worker.node.name}/{worker.device_index}" in late:
+        if worker.device_id in late_devices:
             per_node.setdefault(worker.node.name, []).append(worker.device_index)
     dispatch.stop_devices(job.pk, per_node, generation.number + 1, "resize")
 

@@ -190,7 +190,17 @@ class Worker(models.Model):
     generation = models.PositiveIntegerField()
     rank = models.PositiveIntegerField()
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="workers")
-    device_index = models.PositiveIntegerField()
+    device = models.ForeignKey(
+        Device,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="workers",
+        help_text="the device it runs on; null if its node never registered the index it reported",
+    )
+    device_index = models.PositiveIntegerField(
+        help_text="the device index its agent reported (the API shows it)"
+    )
     pid = models.PositiveIntegerField(null=True)
     state = models.CharField(max_length=10, choices=State.choices, default=State.RUNNING)
     exit_code = models.IntegerField(null=True, blank=True)

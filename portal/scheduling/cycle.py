@@ -1,6 +1,7 @@
 """One scheduling cycle: snapshot -> policy -> lifecycle.plan(), then lifecycle.publish() for
 every job with a generation to publish. Running it twice on the same state changes nothing the
-second time.
+second time. The cycle reads the world once (build_snapshot's CycleView, the devices among it)
+and every step takes that view; what it plans is written into the view, not read back.
 
 A job changes one generation at a time: while its newest generation is on its way to forming
 (or its leavers are still on their way out), the plan waits, unless that generation was lost or
@@ -13,21 +14,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from django.db.models import Q
-
 from elastic.membership.compose import holders_first
-from elastic.scheduling import ClusterSnapshot, Plan
+from elastic.scheduling import Plan
 from portal.cluster import drain
 from portal.cluster.models import Device, Node
 from portal.jobs import lifecycle
-from portal.jobs.models import Allocation, Generation, Job, Worker
-from portal.jobs.states import ACTIVE_STATES
+from portal.jobs.models import Generation, Job
 from portal.live import broadcast
 from portal.scheduling.decisions import record_decision, store_job_reasons
 from portal.scheduling.policy import configured_policy, policy_name
-from portal.scheduling.snapshot import build_snapshot
+from portal.scheduling.snapshot import CycleView, build_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +36,6 @@ class CycleResult:
     launched_jobs: list[int] = field(default_factory=list)
     decision_ms: float = 0.0
     """How long the policy took to plan."""
-
-
-def _holder_ranks(job_ids: list[int]) -> dict[int, dict[int, int]]:
-    """Per job, the devices whose worker holds the training state, with its rank."""
-    devices = {(d.node_id, d.index): d.pk for d in Device.objects.all()}
-    holders: dict[int, dict[int, int]] = {job_id: {} for job_id in job_ids}
-    rows = Worker.objects.filter(job_id__in=job_ids, state=Worker.State.RUNNING, joined_at__isnull=False)
-    for row in rows.order_by("generation"):
-        device_id = devices.get((row.node_id, row.device_index))
-        if device_id is not None:
-            holders[row.job_id][device_id] = row.rank
-    return holders
 
 
 def _target(planned: tuple[int, ...], generation: Generation | None, min_workers: int,
@@ -66,7 +53,7 @@ DRAINED_STATES = (Node.State.DRAINING, Node.State.DRAINED)
 
 
 def _resize_reason(job: Job, generation: Generation | None, current: tuple[int, ...],
-                   devices: dict[int, Device], plan: Plan) -> tuple[str, str]:
+                   devices: Mapping[int, Device], plan: Plan) -> tuple[str, str]:
     """Why the job's membership changes, for its resize history, and a sentence for its message
     if it must wait: the true cause, first the generation that ended, then a device that went
     away (its owner back, its node draining (the cause of the drain) or lost)."""
@@ -109,17 +96,16 @@ def _unblocked(
         ready = [job_id for job_id in ready if job_id not in blocked]
 
 
-def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> list[int]:
+def apply_plan(plan: Plan, view: CycleView) -> list[int]:
     """Write the plan: a new generation for every job whose set of devices changes, or whose
-    newest generation was lost or expired. Returns their ids."""
-    current = {view.id: view.current for view in snapshot.jobs}
-    newest = lifecycle.newest_generations(plan.assignments)
-    holders = _holder_ranks(list(plan.assignments))
+    newest generation was lost or expired; each is written into `view` too. Returns their ids."""
+    jobs, newest = view.jobs, view.newest
+    current = {job.id: job.current for job in view.snapshot.jobs}
     targets = {
-        job_id: _target(planned, newest.get(job_id), jobs[job_id].min_workers, holders[job_id])
+        job_id: _target(planned, newest.get(job_id), jobs[job_id].min_workers, view.holders(job_id))
         for job_id, planned in plan.assignments.items()
     }
-    available = {device.id for device in snapshot.devices if device.available}
+    available = {device.id for device in view.snapshot.devices if device.available}
     replan = {job_id for job_id in plan.assignments if lifecycle.needs_replan(newest.get(job_id))}
     # A target of the same devices in another order is no change: the ranks of a running group
     # are the members' own business (holders first was settled when it formed), and a generation
@@ -130,23 +116,24 @@ def apply_plan(plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot) -> l
         if (set(target) != set(current[job_id]) or job_id in replan)
         and (
             job_id in replan
-            or not lifecycle.resize_in_flight(jobs[job_id], newest.get(job_id))
+            or not view.resize_in_flight(job_id)
             or not set(current[job_id]) <= available  # a device it holds is gone: no waiting
         )
     ]
     changing = _unblocked(changing, targets, current)
     if not changing:
         return []
-    devices = {d.pk: d for d in Device.objects.select_related("node").filter(
-        pk__in={d for job_id in changing for d in current[job_id]})}
     plans = [
         lifecycle.GenerationPlan(
             job_id, jobs[job_id].generation, targets[job_id], current[job_id],
-            *_resize_reason(jobs[job_id], newest.get(job_id), current[job_id], devices, plan),
+            *_resize_reason(jobs[job_id], newest.get(job_id), current[job_id], view.devices.by_id, plan),
         )
         for job_id in changing
     ]
-    return lifecycle.plan(plans, lambda fresh: _unblocked(fresh, targets, current))
+    written = lifecycle.plan(plans, lambda fresh: _unblocked(fresh, targets, current), view.devices)
+    for job_id, generation in written.items():
+        view.planned_now(job_id, generation, targets[job_id])
+    return list(written)
 
 
 def run_cycle() -> CycleResult:
@@ -156,20 +143,17 @@ def run_cycle() -> CycleResult:
     lifecycle.nodes_lost()
     lifecycle.expire_overdue()
     policy = configured_policy()
-    snapshot, jobs = build_snapshot()
+    view = build_snapshot()
     started = time.perf_counter()
-    plan = policy(snapshot)
+    plan = policy(view.snapshot)
     decision_ms = (time.perf_counter() - started) * 1000
-    result = CycleResult(changed_jobs=apply_plan(plan, jobs, snapshot), decision_ms=decision_ms)
-    # The reasons count free devices from the allocations as written, which the job list shows.
-    held = set(Allocation.objects.values_list("device_id", flat=True))
-    explained = store_job_reasons(plan, jobs, snapshot, held)
-    record_decision(policy_name(), decision_ms, plan, jobs, snapshot, result.changed_jobs, held)
-    to_publish = Generation.objects.filter(
-        Q(phase=lifecycle.Phase.PLANNED), job__state__in=ACTIVE_STATES
-    ).values_list("job_id", flat=True)
-    for job_id in sorted(set(to_publish)):
-        if lifecycle.publish(job_id):
+    result = CycleResult(changed_jobs=apply_plan(plan, view), decision_ms=decision_ms)
+    # The reasons count free devices from the allocations as written (view.held, kept up to
+    # date as the plan is written), which the job list shows.
+    explained = store_job_reasons(plan, view)
+    record_decision(policy_name(), decision_ms, plan, view, result.changed_jobs)
+    for job_id in sorted(view.planned):
+        if lifecycle.publish(job_id, view.to_publish(job_id)):
             result.launched_jobs.append(job_id)
     if result.changed_jobs:
         log.info("scheduler (%s, %.1f ms): new generations for jobs %s", policy_name(), decision_ms,
@@ -177,5 +161,7 @@ def run_cycle() -> CycleResult:
     for job in Job.objects.filter(pk__in={*result.changed_jobs, *explained}):
         broadcast.job_changed(job)
     if result.changed_jobs:
+        # Read, not taken from the view: a job that ended meanwhile (its owner cancelled it) has
+        # freed its devices, and the boards must not be told it still holds them.
         broadcast.allocation_changed(lifecycle.allocation_rows())
     return result

@@ -11,9 +11,9 @@ from django.conf import settings
 from elastic.scheduling import ClusterSnapshot, JobView, Plan, Reason
 from elastic.scheduling.queue import QueueEntry, explain_queue
 from elastic.wording import counted
-from portal.cluster.models import Device
 from portal.jobs.models import Job
 from portal.scheduling.models import SchedulerDecision
+from portal.scheduling.snapshot import CycleView
 
 
 def reasons_of(job: JobView, plan: Plan, snapshot: ClusterSnapshot) -> tuple[Reason, ...]:
@@ -123,12 +123,11 @@ def _same_queue(old: dict[str, Any], new: dict[str, Any], now: float) -> bool:
     return True
 
 
-def store_job_reasons(
-    plan: Plan, jobs: dict[int, Job], snapshot: ClusterSnapshot, held: Collection[int]
-) -> list[int]:
+def store_job_reasons(plan: Plan, cycle: CycleView) -> list[int]:
     """Writes each job's reasons, note, pin problem, queue view and (hybrid) batch size where
-    they changed, `held` the devices jobs hold once the plan is written (explain). Returns the
-    ids of the jobs that changed, to be pushed to the browsers."""
+    they changed, with the devices jobs hold once the plan is written (`cycle.held`, explain).
+    Returns the ids of the jobs that changed, to be pushed to the browsers."""
+    jobs, snapshot, held = cycle.jobs, cycle.snapshot, cycle.held
     changed = []
     ends = {job.pk: at - snapshot.now for job in jobs.values() if (at := job.finish_estimate_at()) is not None}
     queue = explain_queue(snapshot, plan, ends)
@@ -152,16 +151,11 @@ def store_job_reasons(
 
 
 def record_decision(
-    policy: str,
-    decision_ms: float,
-    plan: Plan,
-    jobs: dict[int, Job],
-    snapshot: ClusterSnapshot,
-    changed_jobs: list[int],
-    held: Collection[int],
+    policy: str, decision_ms: float, plan: Plan, cycle: CycleView, changed_jobs: list[int]
 ) -> SchedulerDecision:
-    """Stores the decision and forgets all but the newest DECISIONS_KEPT. Returns it."""
-    labels = {d.pk: str(d) for d in Device.objects.select_related("node")}
+    """Stores the decision, its devices named by their member keys, and forgets all but the
+    newest DECISIONS_KEPT. Returns it."""
+    jobs, snapshot, held, label = cycle.jobs, cycle.snapshot, cycle.held, cycle.devices.key
     owners = {d.id: d.owner for d in snapshot.devices if d.owner}
     holder = {device: job_id for job_id, devices in plan.assignments.items() for device in devices}
     rows = []
@@ -178,7 +172,7 @@ def record_decision(
                 "max_workers": view.max_workers,
                 "pinned_workers": view.pinned_workers,
                 "workers_before": len(view.current),
-                "target": [labels.get(d, str(d)) for d in target],
+                "target": [label(d) for d in target],
                 "reasons": [str(r) for r in reasons_of(view, plan, snapshot)],
                 "note": explain(view, plan, snapshot, held),
                 "pin_problem": plan.pin_problems.get(view.id, ""),
@@ -186,16 +180,18 @@ def record_decision(
             }
         )
     lent = [
-        {"device": labels.get(d, str(d)), "owner": owner, "job": holder[d]}
+        {"device": label(d), "owner": owner, "job": holder[d]}
         for d, owner in sorted(owners.items())
         if d in holder
     ]
     stragglers = [
         {
             "job": s.job_id,
-            "device": labels.get(s.slow_device, str(s.slow_device)),
+            "device": label(s.slow_device),
             "slowdown": round(s.slowdown, 3),
-            "replacement": labels.get(s.replacement) if s.replacement is not None else None,
+            "replacement": label(s.replacement)
+            if s.replacement is not None and s.replacement in cycle.devices.by_id
+            else None,
             "virtual_workers": list(s.virtual_workers) if s.virtual_workers else None,
         }
         for s in plan.stragglers
