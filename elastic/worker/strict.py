@@ -81,6 +81,10 @@ MIN_SPARE_BITS = 24
 MAX_SCALE_MARGIN_BITS = 8
 """The most a predicted scale leaves for a segment's magnitude to grow (and to shrink) before the
 step falls back to the MAX all-reduce."""
+WIDEN_WINDOW = 4
+WIDEN_AFTER_REJECTIONS = 2
+"""A job in int32 whose predicted scales were rejected in this many of the last WIDEN_WINDOW
+steps that tried them sums in int64 from its next step on (see the module's docstring)."""
 _VOTES = 3  # per segment: terms over the predicted range, terms within its low end, nonzero terms
 
 
@@ -136,34 +140,50 @@ class StrictTrainer(Trainer):
         )
         """Each segment's smallest and largest term, written in place every step (CPU)."""
         self._terms: torch.Tensor | None = None
-        # int32 fixed point where it keeps as many bits below each tensor's largest entry as a
-        # float32 term has (24): the SUM then moves the bytes of a float32 all-reduce. With more
-        # virtual workers the sum needs more headroom, and int64 it is.
-        narrow = spare_bits(virtual_workers, 31) >= MIN_SPARE_BITS
-        self._fixed, self._int_bits = (torch.int32, 31) if narrow else (torch.int64, 63)
-        spare = spare_bits(virtual_workers, self._int_bits)
-        self._margin_bits = min((spare - MIN_SPARE_BITS) // 2, MAX_SCALE_MARGIN_BITS)
-        """How far a segment's magnitude may grow, and shrink, under a predicted scale (0: no
-        prediction, every step takes the MAX all-reduce: so with 9 to 32 virtual workers)."""
-        self._highest_scaled = 2.0**spare
-        self._lowest_scaled = 2.0 ** (spare - 2 * self._margin_bits - 1)
         self.predicted_scales: list[float] | None = None
         """The scales the next step tries without the MAX all-reduce; a function of the committed
         steps alone, so the same on every worker and in the state a joiner or a checkpoint gets."""
         self.scale_fallbacks = 0
         """Steps whose predicted scales every worker rejected (then the MAX all-reduce ran)."""
+        self.recent_rejections: list[bool] = []
+        """Whether each of the last WIDEN_WINDOW steps that tried predicted scales rejected them
+        (committed steps only, agreed by every worker: state, as the scales)."""
         self._votes_at = ends[-1] + _STATS
-        per_word = 8 // self._fixed.itemsize
-        self._contexts_at = math.ceil((self._votes_at + _VOTES * len(sizes)) / per_word) * per_word
-        """Where the contexts start in the SUM buffer, on an 8-byte boundary."""
-        self._total = torch.zeros(
-            self._contexts_at + virtual_workers * words * per_word, dtype=self._fixed, device=self._device
-        )
+        self._set_fixed_point(wide=spare_bits(virtual_workers, 31) < MIN_SPARE_BITS)
         self._result: torch.Tensor | None = None
         """The step's exact sum, as floats, for a worker that hosts no vw (else the first row of
         the terms holds it: see _result_row)."""
         self.hosted = range(0)
         self.rebind(rank, world_size)
+
+    def _set_fixed_point(self, wide: bool) -> None:
+        """Sums in int64 (`wide`) or int32 from now on: the predicted scales' margin, the range
+        they are voted on, and the SUM buffer (fixed-point sums, votes, contexts) follow."""
+        self.wide_fixed_point = wide
+        """Whether the fixed point is int64: from the start with more than 32 virtual workers
+        (int32 would keep fewer than MIN_SPARE_BITS), or after predictions in int32 failed
+        (WIDEN_AFTER_REJECTIONS); never int32 again."""
+        self._fixed, self._int_bits = (torch.int64, 63) if wide else (torch.int32, 31)
+        spare = spare_bits(self.virtual_workers, self._int_bits)
+        self._margin_bits = min((spare - MIN_SPARE_BITS) // 2, MAX_SCALE_MARGIN_BITS)
+        """How far a segment's magnitude may grow, and shrink, under a predicted scale (0: no
+        prediction, every step takes the MAX all-reduce: so with 9 to 32 virtual workers in
+        int32)."""
+        self._highest_scaled = 2.0**spare
+        self._lowest_scaled = 2.0 ** (spare - 2 * self._margin_bits - 1)
+        per_word = 8 // self._fixed.itemsize
+        self._contexts_at = math.ceil((self._votes_at + _VOTES * len(self._bounds)) / per_word) * per_word
+        """Where the contexts start in the SUM buffer, on an 8-byte boundary."""
+        self._total = torch.zeros(
+            self._contexts_at + self.virtual_workers * self.contexts.shape[1] * per_word,
+            dtype=self._fixed,
+            device=self._device,
+        )
+
+    @property
+    def fixed_dtype(self) -> torch.dtype:
+        """The integers the step's SUM all-reduce adds: torch.int32 or torch.int64."""
+        return self._fixed
 
     # --- placement ---------------------------------------------------------------------------
 
@@ -186,7 +206,9 @@ class StrictTrainer(Trainer):
             start, stop = share_bounds(self.batch_size, self.virtual_workers, vw)
             indices = self.stream.positions(first + start, first + stop)
             seed = virtual_worker_seed(self.seed, step + 1, vw)
-            ahead.append(Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start), seed, True))
+            ahead.append(
+                Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start), seed, True)
+            )
         return ahead
 
     # --- contexts ----------------------------------------------------------------------------
@@ -220,12 +242,19 @@ class StrictTrainer(Trainer):
             **super().small_state(),
             "virtual_workers": self.virtual_workers,
             "predicted_scales": None if self.predicted_scales is None else list(self.predicted_scales),
+            "wide_fixed_point": self.wide_fixed_point,
+            "recent_rejections": list(self.recent_rejections),
         }
 
     def load_small_state(self, state: dict[str, Any]) -> None:
         super().load_small_state(state)
         carried = state.get("predicted_scales")
         self.predicted_scales = None if carried is None else [float(scale) for scale in carried]
+        # A state from before int64 could be chosen on the way: the job's first fixed point.
+        wide = bool(state.get("wide_fixed_point", spare_bits(self.virtual_workers, 31) < MIN_SPARE_BITS))
+        if wide != self.wide_fixed_point:
+            self._set_fixed_point(wide)
+        self.recent_rejections = [bool(rejected) for rejected in state.get("recent_rejections", [])]
         if state.get("virtual_workers", self.virtual_workers) != self.virtual_workers:
             raise ValueError(
                 f"the state is of {state['virtual_workers']} virtual workers, this job has {self.virtual_workers}"
@@ -264,7 +293,9 @@ class StrictTrainer(Trainer):
             numpy.random.seed(vw_seed)
             random.seed(vw_seed)
             try:
-                items = self.readahead.batch(indices, self.item_seeds(first + start, len(indices)), vw_seed, True)
+                items = self.readahead.batch(
+                    indices, self.item_seeds(first + start, len(indices)), vw_seed, True
+                )
                 if not reading_ahead:  # the next step's items, once this step's first are in
                     self.start_reading_ahead(step)
                     reading_ahead = True
@@ -306,6 +337,7 @@ class StrictTrainer(Trainer):
         if self.compute_done is not None:
             self.compute_done()
         predicted = self.predicted_scales
+        tried = predicted is not None
         scaled_by: list[float] | None = None  # what the terms carry when a prediction is rejected
         over_here: torch.Tensor | None = None  # on the device: some term here is over (votes_on_device)
         votes = total[self._votes_at : self._votes_at + _VOTES * len(self._bounds)].view(_VOTES, -1)
@@ -340,7 +372,11 @@ class StrictTrainer(Trainer):
             all_reduce(total, dist.ReduceOp.SUM)
             # The second read: the loss's and metrics' integers, the agreed values, the votes.
             read = self.to_host(total[g : self._votes_at + votes.numel()])
-            sums, agreed, voted = read[: width - g], read[width - g : width - g + _STATS], read[width - g + _STATS :]
+            sums, agreed, voted = (
+                read[: width - g],
+                read[width - g : width - g + _STATS],
+                read[width - g + _STATS :],
+            )
             if predicted is not None and not self._accepted(voted):
                 self.scale_fallbacks += 1
                 all_reduce(max_abs, dist.ReduceOp.MAX)
@@ -368,7 +404,9 @@ class StrictTrainer(Trainer):
         else:
             exact = self._result_row(terms)
             exact.copy_(total[:width])  # integers to float, rounded once
-            torch._foreach_mul_(self._segments(exact), [1.0 / scale for scale in scales])  # powers of two: exact
+            torch._foreach_mul_(
+                self._segments(exact), [1.0 / scale for scale in scales]
+            )  # powers of two: exact
             self._point_gradients_at(exact[:g])
             self.optimizer.step()
             self.advance_schedule()
@@ -387,6 +425,8 @@ class StrictTrainer(Trainer):
             step_loss = float(reported[0])
             metric_sums = reported[1:].tolist()  # weighted by share: they sum to 1 per batch
             self.agree_metrics(metric_sums, agreed[_METRIC_NAMES], agreed[_COUNT] / batch)
+            if tried:
+                self._count_prediction(rejected=predicted is None)
         outcome = StepOutcome(
             step=step + 1,
             loss=step_loss,
@@ -398,6 +438,17 @@ class StrictTrainer(Trainer):
         local = torch.cat(trained) if trained else torch.empty(0, dtype=torch.int64)
         self._committed(step, local, outcome)
         return outcome
+
+    def _count_prediction(self, rejected: bool) -> None:
+        """Counts a committed step that tried predicted scales; in int32, WIDEN_AFTER_REJECTIONS
+        rejections among the last WIDEN_WINDOW make the fixed point int64 from the next step on
+        (which takes the MAX all-reduce for int64's scales). Every worker counts the same
+        agreed votes, so the switch happens at the same step on every placement."""
+        self.recent_rejections = [*self.recent_rejections, rejected][-WIDEN_WINDOW:]
+        if not self.wide_fixed_point and sum(self.recent_rejections) >= WIDEN_AFTER_REJECTIONS:
+            self._set_fixed_point(wide=True)
+            self.predicted_scales = None
+            self.recent_rejections = []
 
     def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's buffers, kept between steps so that a step faults in no memory: one row of
@@ -485,10 +536,14 @@ class StrictTrainer(Trainer):
 
     def _scales_of(self, max_abs: list[float]) -> list[float]:
         largest = 2.0 ** math.floor(math.log2(torch.finfo(self._dtype).max / 2))
-        scales = tensor_scales(torch.tensor(max_abs, dtype=torch.float64), self.virtual_workers, self._int_bits)
+        scales = tensor_scales(
+            torch.tensor(max_abs, dtype=torch.float64), self.virtual_workers, self._int_bits
+        )
         return scales.clamp_(max=largest).tolist()
 
-    def _vote_on_device(self, max_abs: torch.Tensor, scales: list[float], votes: torch.Tensor) -> torch.Tensor:
+    def _vote_on_device(
+        self, max_abs: torch.Tensor, scales: list[float], votes: torch.Tensor
+    ) -> torch.Tensor:
         """_vote computed on the device from the magnitudes there (float64, as the host's
         floats: the same votes), with no read; returns whether some term here is over, on the
         device."""
