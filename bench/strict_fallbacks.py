@@ -1,6 +1,6 @@
 """How often strict mode's predicted scales are rejected (issue 37): fallbacks per step.
 
-    python bench/strict_fallbacks.py                      # three tasks, 1..8 and 16 virtual workers
+    python bench/strict_fallbacks.py                      # three tasks, 1..8 and 16 virtual workers, 60 steps
     python bench/strict_fallbacks.py --steps 15 --virtual-workers 3,4
 
 A strict step tries the scales predicted from the last step that took the MAX all-reduce
@@ -9,7 +9,9 @@ the MAX all-reduce and a second SUM of the whole gradient. This bench trains eac
 StrictTrainer over a process group of one (gloo) for `--steps` steps after the first (which
 takes the MAX all-reduce) and counts, per number of virtual workers: the steps that tried a
 prediction, the rejected ones (fallbacks), the steps that took the MAX all-reduce without trying
-one (no margin to predict in), and the fixed point the job ended in. The votes are those a
+one (no margin to predict in), the fallbacks per step over the second half of the steps (after
+a switch to int64, if the job made one: elastic.worker.strict), and the fixed point the job
+ended in. The votes are those a
 multi-worker run agrees on (a vote is on the max over every virtual worker, whatever their
 placement), so the counts hold for any world size.
 
@@ -58,13 +60,18 @@ def measure(name: str, virtual_workers: int, steps: int) -> dict[str, Any]:
     trainer.step(0, stop_requested=False)  # takes the MAX all-reduce: nothing predicted yet
     predicted = max_only = 0
     fallbacks_before = trainer.scale_fallbacks
+    half = steps // 2 + 1
+    second_half_from = fallbacks_before
     for step in range(1, steps + 1):
+        if step == half:
+            second_half_from = trainer.scale_fallbacks
         if trainer.predicted_scales is None:
             max_only += 1
         else:
             predicted += 1
         trainer.step(step, stop_requested=False)
     fallbacks = trainer.scale_fallbacks - fallbacks_before
+    late = trainer.scale_fallbacks - second_half_from
     return {
         "task": name,
         "virtual_workers": virtual_workers,
@@ -74,13 +81,15 @@ def measure(name: str, virtual_workers: int, steps: int) -> dict[str, Any]:
         "fallbacks": fallbacks,
         "max_only": max_only,
         "fallbacks_per_step": round(fallbacks / steps, 3),
+        "second_half_fallbacks": late,
+        "second_half_per_step": round(late / (steps - half + 1), 3),
         "fixed_point": str(trainer.fixed_dtype).removeprefix("torch."),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--virtual-workers", default="1,2,3,4,5,6,7,8,16")
     parser.add_argument("--tasks", default=",".join(TASKS))
     args = parser.parse_args()
@@ -89,14 +98,15 @@ def main() -> None:
     conditions = {**machine(), "steps": args.steps, "threads": 1, "world_size": 1, "seed": SEED}
     print("conditions:", json.dumps(conditions))
     print(f"{'task':<11} {'vws':>3} {'batch':>5} {'predicted':>9} {'fallbacks':>9} {'max only':>8} "
-          f"{'per step':>8}  fixed point at the end")  # fmt: skip
+          f"{'per step':>8} {'2nd half':>8}  fixed point at the end")  # fmt: skip
     rows = []
     for name in args.tasks.split(","):
         for virtual_workers in (int(v) for v in args.virtual_workers.split(",")):
             row = measure(name, virtual_workers, args.steps)
             rows.append(row)
             print(f"{name:<11} {virtual_workers:>3} {row['batch']:>5} {row['predicted']:>9} {row['fallbacks']:>9} "
-                  f"{row['max_only']:>8} {row['fallbacks_per_step']:>8.3f}  {row['fixed_point']}", flush=True)  # fmt: skip
+                  f"{row['max_only']:>8} {row['fallbacks_per_step']:>8.3f} {row['second_half_per_step']:>8.3f}  "
+                  f"{row['fixed_point']}", flush=True)  # fmt: skip
     dist.destroy_process_group()
     print(json.dumps({"rows": rows, "conditions": conditions}))
 

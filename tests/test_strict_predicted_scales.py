@@ -25,9 +25,7 @@ SEED = 3
 def _trainer(virtual_workers: int = 2) -> StrictTrainer:
     task = bind_task(RINGS, "task:RingsTask", {"batch_size": BATCH, "hidden": 8}, seed=SEED)
     stream = SampleStream(task.num_samples, SEED)
-    return StrictTrainer(
-        task, task.make_optimizer(), stream, BATCH, SEED, 0, 1, virtual_workers=virtual_workers
-    )
+    return StrictTrainer(task, task.make_optimizer(), stream, BATCH, SEED, 0, 1, virtual_workers=virtual_workers)
 
 
 def _parameters(trainer: StrictTrainer) -> list[torch.Tensor]:
@@ -96,16 +94,20 @@ def test_many_virtual_workers_in_int32_take_the_max_all_reduce_every_step(group_
     assert trainer.predicted_scales is None
 
 
-def test_two_rejections_in_four_predicted_steps_move_an_int32_job_to_int64(group_of_one: None) -> None:
-    """The rule alone, fed outcomes: rejections further apart than the window leave int32; the
-    second within it switches to int64 for good, with no prediction (the next step takes the
-    MAX all-reduce for int64's scales) and a fresh count."""
+def test_half_the_last_predictions_rejected_move_an_int32_job_to_int64(group_of_one: None) -> None:
+    """The rule alone, fed outcomes: rejections that the window never holds enough of leave
+    int32; the one that makes WIDEN_AFTER_REJECTIONS within it switches to int64 for good, with
+    no prediction (the next step takes the MAX all-reduce for int64's scales) and a fresh
+    count."""
     trainer = _trainer(virtual_workers=3)
     trainer.step(0, False)
     assert trainer.fixed_dtype == torch.int32 and trainer.predicted_scales is not None
-    for rejected in [True, False, False, False, True, False]:
-        trainer._count_prediction(rejected)
-    assert trainer.fixed_dtype == torch.int32, "two rejections four predicted steps apart"
+    for _ in range(3):  # one rejection in every window
+        for rejected in [True] + [False] * (WIDEN_WINDOW - 1):
+            trainer._count_prediction(rejected)
+    for _ in range(WIDEN_AFTER_REJECTIONS - 1):
+        trainer._count_prediction(True)
+    assert trainer.fixed_dtype == torch.int32, "one rejection short"
     trainer._count_prediction(True)
     assert trainer.fixed_dtype == torch.int64 and trainer._total.dtype == torch.int64
     assert trainer.predicted_scales is None and trainer.recent_rejections == []
@@ -121,10 +123,10 @@ def test_two_rejections_in_four_predicted_steps_move_an_int32_job_to_int64(group
 def test_predictions_int32_cannot_hold_stop_failing_once_the_job_sums_in_int64(group_of_one: None) -> None:
     """The noisy task's magnitudes jump by up to 6 bits from one step to the next with 3
     virtual workers of 4 samples: int32's one-bit margin rejected 13 of 15 predictions (26 of
-    30: bench/results/strict-fallbacks-cpu-2core-2026-11-26.txt). The job switches to int64 at
-    its second rejection within WIDEN_WINDOW predicted steps, and int64's 8-bit margin holds
-    (each segment spanned at most 7 bits over 30 steps): at most WIDEN_AFTER_REJECTIONS + 1
-    fallbacks (one for a first rejection further than the window from the next)."""
+    30 at this batch). The job switches to int64 at its WIDEN_AFTER_REJECTIONS-th rejection
+    within WIDEN_WINDOW predicted steps, and int64's 8-bit margin holds (each segment spanned
+    at most 7 bits over 30 steps): at most WIDEN_AFTER_REJECTIONS + 1 fallbacks (one for a
+    first rejection that the window lets go before the switch)."""
     task = bind_task(NOISY, "task:NoisyMetrics", {}, seed=6)
     try:
         trainer = StrictTrainer(

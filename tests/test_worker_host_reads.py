@@ -110,15 +110,8 @@ def test_strict_votes_taken_on_the_device_train_as_votes_taken_on_the_host(
         task = bind_task(directory, entrypoint, hyperparameters, seed=SEED)
         bound.append(task)
         trainer = StrictTrainer(
-            task,
-            task.make_optimizer(),
-            SampleStream(task.num_samples, SEED),
-            BATCH,
-            SEED,
-            0,
-            1,
-            virtual_workers=3,
-            skip_nonfinite=True,
+            task, task.make_optimizer(), SampleStream(task.num_samples, SEED), BATCH, SEED, 0, 1,
+            virtual_workers=3, skip_nonfinite=True,
         )
         trainer.votes_on_device = on_device
         outcomes.append([trainer.step(step, stop_requested=False) for step in range(2 * STEPS)])
@@ -126,15 +119,11 @@ def test_strict_votes_taken_on_the_device_train_as_votes_taken_on_the_host(
         states.append({name: value.clone() for name, value in task.model.state_dict().items()})
     assert [o.skipped for o in outcomes[1]] == [o.skipped for o in outcomes[0]]
     assert fallbacks[0] == fallbacks[1] and (fallbacks[0] > 0 or any(o.skipped for o in outcomes[0]))
-    assert [o.loss for o in outcomes[1]] == pytest.approx(
-        [o.loss for o in outcomes[0]], rel=0, abs=0, nan_ok=True
-    )
+    assert [o.loss for o in outcomes[1]] == pytest.approx([o.loss for o in outcomes[0]], rel=0, abs=0, nan_ok=True)
     assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device: set_sync_debug_mode checks CUDA syncs"
-)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: set_sync_debug_mode checks CUDA syncs")
 @pytest.mark.parametrize("mode", ["plain", "strict"])
 def test_a_step_syncs_the_gpu_only_where_it_reads(mode: str) -> None:
     """On a GPU, torch itself flags each synchronisation: with sync debug mode set to error,
@@ -151,11 +140,8 @@ def test_a_step_syncs_the_gpu_only_where_it_reads(mode: str) -> None:
         tasks.append(task)
         stream = SampleStream(task.num_samples, SEED)
         trainer: Trainer = (
-            StrictTrainer(
-                task, task.make_optimizer(), stream, BATCH, SEED, 0, 1, virtual_workers=VIRTUAL_WORKERS
-            )
-            if mode == "strict"
-            else Trainer(task, task.make_optimizer(), stream, BATCH, SEED, 0, 1)
+            StrictTrainer(task, task.make_optimizer(), stream, BATCH, SEED, 0, 1, virtual_workers=VIRTUAL_WORKERS)
+            if mode == "strict" else Trainer(task, task.make_optimizer(), stream, BATCH, SEED, 0, 1)
         )
         trainer.step(0, stop_requested=False)
         real_to_host = trainer.to_host
@@ -181,9 +167,7 @@ def test_a_step_syncs_the_gpu_only_where_it_reads(mode: str) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert steady >= STEPS
-        assert trainer.readahead.hits == (VIRTUAL_WORKERS if mode == "strict" else 1) * (
-            2 * STEPS - 1
-        )  # a batch per vw
+        assert trainer.readahead.hits == (VIRTUAL_WORKERS if mode == "strict" else 1) * (2 * STEPS - 1)  # a batch per vw
     finally:
         for task in tasks:
             task.close()

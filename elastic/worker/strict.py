@@ -17,13 +17,34 @@ the gradients' own dtype, exactly, rather than through float64, and the step's b
 from one step to the next. Every parameter update is therefore placement-independent.
 
 Predicted scales: the MAX all-reduce is a second round trip a step. After a step that took it,
-the next steps use its scales loosened by a margin (up to MAX_SCALE_MARGIN_BITS; none with 9 to
-32 virtual workers, where int32 has no bits to spare) without it, and every rank votes in the SUM
-all-reduce whether its terms fit them: none over the integers' range, and in each segment that
-is not all zeros some term that keeps MIN_SPARE_BITS. If any vote fails, every rank takes the
-MAX all-reduce and a second SUM of the gradients for that step, with what the MAX gives, and
-predicts again from it. The scales a step uses are thus a function of the committed steps alone,
-the same on every placement; they are state (small_state), carried to joiners and checkpoints.
+the next steps use its scales loosened by a margin of M bits each way (up to
+MAX_SCALE_MARGIN_BITS) without it, and every rank votes in the SUM all-reduce whether its terms
+fit them: none over the integers' range, and in each segment that is not all zeros some term
+that keeps MIN_SPARE_BITS. If any vote fails, every rank takes the MAX all-reduce and a second
+SUM of the gradients for that step, with what the MAX gives, and predicts again from it. The
+scales a step uses are thus a function of the committed steps alone, the same on every
+placement; they are state (small_state), carried to joiners and checkpoints.
+
+int32 or int64: int32 leaves a term 29 - ceil(log2 V) bits, of which 24 are the floor, so M is 2
+bits with 1 or 2 virtual workers, 1 with 3 to 8, and 0 (no prediction: every step takes the MAX
+all-reduce) with 9 to 32; int64 leaves M = 8. A segment's largest gradient moves by more than a
+bit or two from step to step on small models and small per-vw batches (the noisy test task, the
+ResNet-style example at width 8: up to 6 bits), and one segment out of range rejects the step:
+int32 predictions were rejected in 10-80% of steps at 1 to 8 virtual workers there, 0-7% on the
+digits MLP (bench/results/strict-fallbacks-cpu-2core-2026-11-26.txt). The trade-off, with B the
+bytes of an int32 SUM and L what a rejection adds besides bytes (the MAX round trip, two host
+reads that drain a GPU's queue, a second scaling pass): int32 costs B + r(B + L) a step at a
+rejection rate r, int64 2B, so int64 is cheaper once r > B / (B + L): on one node, where L is
+milliseconds of host syncs and B a fraction of one, from r of about 0.2-0.3; across a slow
+network, where B dominates, only as r nears 1; with one worker (no all-reduce: B is 0) at any r.
+A job therefore starts in int32 and, once WIDEN_AFTER_REJECTIONS of the last WIDEN_WINDOW steps
+that tried predictions rejected them (a rate of one half), sums in int64 for the rest of its
+life: its next step takes the MAX all-reduce for int64's scales, and the predictions then hold
+(a rate of 0.5 switches in about 7 predicted steps, 0.3 in 19, 0.1 in about 370, 0.05 in
+thousands: a job whose rejections are rare stays in int32). On the tasks above 10-17% of 30
+steps fell back, nearly all before the switch; the digits MLP stays int32. The switch is taken
+from the agreed votes of committed steps (recent_rejections) and is state, as the scales: it
+happens at the same step on every placement and travels to joiners and checkpoints.
 
 Contexts and crashes: the contexts of all V vws ride in the step's SUM all-reduce, each
 worker writing the rows of the vws it hosts and zeros elsewhere (x + 0 = x in integers, so the
@@ -81,10 +102,10 @@ MIN_SPARE_BITS = 24
 MAX_SCALE_MARGIN_BITS = 8
 """The most a predicted scale leaves for a segment's magnitude to grow (and to shrink) before the
 step falls back to the MAX all-reduce."""
-WIDEN_WINDOW = 4
-WIDEN_AFTER_REJECTIONS = 2
+WIDEN_WINDOW = 8
+WIDEN_AFTER_REJECTIONS = 4
 """A job in int32 whose predicted scales were rejected in this many of the last WIDEN_WINDOW
-steps that tried them sums in int64 from its next step on (see the module's docstring)."""
+steps that tried them (half) sums in int64 from its next step on (see the module's docstring)."""
 _VOTES = 3  # per segment: terms over the predicted range, terms within its low end, nonzero terms
 
 
@@ -206,9 +227,7 @@ class StrictTrainer(Trainer):
             start, stop = share_bounds(self.batch_size, self.virtual_workers, vw)
             indices = self.stream.positions(first + start, first + stop)
             seed = virtual_worker_seed(self.seed, step + 1, vw)
-            ahead.append(
-                Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start), seed, True)
-            )
+            ahead.append(Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start), seed, True))
         return ahead
 
     # --- contexts ----------------------------------------------------------------------------
@@ -293,9 +312,7 @@ class StrictTrainer(Trainer):
             numpy.random.seed(vw_seed)
             random.seed(vw_seed)
             try:
-                items = self.readahead.batch(
-                    indices, self.item_seeds(first + start, len(indices)), vw_seed, True
-                )
+                items = self.readahead.batch(indices, self.item_seeds(first + start, len(indices)), vw_seed, True)
                 if not reading_ahead:  # the next step's items, once this step's first are in
                     self.start_reading_ahead(step)
                     reading_ahead = True
@@ -372,11 +389,7 @@ class StrictTrainer(Trainer):
             all_reduce(total, dist.ReduceOp.SUM)
             # The second read: the loss's and metrics' integers, the agreed values, the votes.
             read = self.to_host(total[g : self._votes_at + votes.numel()])
-            sums, agreed, voted = (
-                read[: width - g],
-                read[width - g : width - g + _STATS],
-                read[width - g + _STATS :],
-            )
+            sums, agreed, voted = read[: width - g], read[width - g : width - g + _STATS], read[width - g + _STATS :]
             if predicted is not None and not self._accepted(voted):
                 self.scale_fallbacks += 1
                 all_reduce(max_abs, dist.ReduceOp.MAX)
@@ -404,9 +417,7 @@ class StrictTrainer(Trainer):
         else:
             exact = self._result_row(terms)
             exact.copy_(total[:width])  # integers to float, rounded once
-            torch._foreach_mul_(
-                self._segments(exact), [1.0 / scale for scale in scales]
-            )  # powers of two: exact
+            torch._foreach_mul_(self._segments(exact), [1.0 / scale for scale in scales])  # powers of two: exact
             self._point_gradients_at(exact[:g])
             self.optimizer.step()
             self.advance_schedule()
@@ -536,14 +547,10 @@ class StrictTrainer(Trainer):
 
     def _scales_of(self, max_abs: list[float]) -> list[float]:
         largest = 2.0 ** math.floor(math.log2(torch.finfo(self._dtype).max / 2))
-        scales = tensor_scales(
-            torch.tensor(max_abs, dtype=torch.float64), self.virtual_workers, self._int_bits
-        )
+        scales = tensor_scales(torch.tensor(max_abs, dtype=torch.float64), self.virtual_workers, self._int_bits)
         return scales.clamp_(max=largest).tolist()
 
-    def _vote_on_device(
-        self, max_abs: torch.Tensor, scales: list[float], votes: torch.Tensor
-    ) -> torch.Tensor:
+    def _vote_on_device(self, max_abs: torch.Tensor, scales: list[float], votes: torch.Tensor) -> torch.Tensor:
         """_vote computed on the device from the magnitudes there (float64, as the host's
         floats: the same votes), with no read; returns whether some term here is over, on the
         device."""
