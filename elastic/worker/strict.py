@@ -30,8 +30,8 @@ bits with 1 or 2 virtual workers, 1 with 3 to 8, and 0 (no prediction: every ste
 all-reduce) with 9 to 32; int64 leaves M = 8. A segment's largest gradient moves by more than a
 bit or two from step to step on small models and small per-vw batches (the noisy test task, the
 ResNet-style example at width 8: up to 6 bits), and one segment out of range rejects the step:
-int32 predictions were rejected in 10-80% of steps at 1 to 8 virtual workers there, 0-7% on the
-digits MLP (bench/results/strict-fallbacks-cpu-2core-2026-11-26.txt). The trade-off, with B the
+int32 predictions were rejected in 10-72% of 60 steps at 1 to 8 virtual workers there, 2-7% on
+the digits MLP (bench/results/strict-fallbacks-cpu-2core-2026-11-26.txt). The trade-off, with B the
 bytes of an int32 SUM and L what a rejection adds besides bytes (the MAX round trip, two host
 reads that drain a GPU's queue, a second scaling pass): int32 costs B + r(B + L) a step at a
 rejection rate r, int64 2B, so int64 is cheaper once r > B / (B + L): on one node, where L is
@@ -40,9 +40,10 @@ network, where B dominates, only as r nears 1; with one worker (no all-reduce: B
 A job therefore starts in int32 and, once WIDEN_AFTER_REJECTIONS of the last WIDEN_WINDOW steps
 that tried predictions rejected them (a rate of one half), sums in int64 for the rest of its
 life: its next step takes the MAX all-reduce for int64's scales, and the predictions then hold
-(a rate of 0.5 switches in about 7 predicted steps, 0.3 in 19, 0.1 in about 370, 0.05 in
-thousands: a job whose rejections are rare stays in int32). On the tasks above 10-17% of 30
-steps fell back, nearly all before the switch; the digits MLP stays int32. The switch is taken
+(medians, simulated: a rate of 0.5 switches in about 7 predicted steps, 0.3 in 19, 0.2 in 50,
+0.1 in 370, 0.05 in thousands: a job whose rejections are rare stays in int32). Measured over 60
+steps: the jobs that switched fell back in 7-12% of steps, all before the switch (none in the
+second half); those at 2 virtual workers (10% and 22%) and the digits MLP stayed in int32. The switch is taken
 from the agreed votes of committed steps (recent_rejections) and is state, as the scales: it
 happens at the same step on every placement and travels to joiners and checkpoints.
 
