@@ -3,7 +3,8 @@ its scales, loosened by a margin, without it; the SUM all-reduce carries every r
 a step whose terms left the predicted range falls back to the MAX all-reduce and gives exactly
 what that path gives. The scales are state: they travel in the small state (to joiners and
 checkpoints), so that a resized or resumed run predicts as the fixed run does (the multi-process
-bitwise tests, tests/test_worker_strict_consistency.py, run through all of this)."""
+bitwise tests, tests/test_worker_strict_consistency.py, run through all of this). So is the
+switch from int32 to int64 of a job whose int32 predictions are rejected too often."""
 
 from __future__ import annotations
 
