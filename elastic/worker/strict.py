@@ -31,8 +31,8 @@ all-reduce) with 9 to 32; int64 leaves M = 8. A segment's largest gradient moves
 bit or two from step to step on small models and small per-vw batches (the noisy test task, the
 ResNet-style example at width 8: up to 6 bits), and one segment out of range rejects the step:
 int32 predictions were rejected in 10-72% of 60 steps at 1 to 8 virtual workers there, 2-7% on
-the digits MLP (bench/results/strict-fallbacks-cpu-2core-2026-11-26.txt). The trade-off, with B the
-bytes of an int32 SUM and L what a rejection adds besides bytes (the MAX round trip, two host
+the digits MLP (bench/results/strict-fallbacks-cpu-2core-2026-11-26.txt). The trade-off, with
+B the bytes of an int32 SUM and L what a rejection adds besides bytes (the MAX round trip, two host
 reads that drain a GPU's queue, a second scaling pass): int32 costs B + r(B + L) a step at a
 rejection rate r, int64 2B, so int64 is cheaper once r > B / (B + L): on one node, where L is
 milliseconds of host syncs and B a fraction of one, from r of about 0.2-0.3; across a slow
@@ -43,9 +43,10 @@ life: its next step takes the MAX all-reduce for int64's scales, and the predict
 (medians, simulated: a rate of 0.5 switches in about 7 predicted steps, 0.3 in 19, 0.2 in 50,
 0.1 in 370, 0.05 in thousands: a job whose rejections are rare stays in int32). Measured over 60
 steps: the jobs that switched fell back in 7-12% of steps, all before the switch (none in the
-second half); those at 2 virtual workers (10% and 22%) and the digits MLP stayed in int32. The switch is taken
-from the agreed votes of committed steps (recent_rejections) and is state, as the scales: it
-happens at the same step on every placement and travels to joiners and checkpoints.
+second half); those at 2 virtual workers (10% and 22%) and the digits MLP stayed in int32. The
+switch is taken from the agreed votes of committed steps (recent_rejections) and is state, as
+the scales: it happens at the same step on every placement and travels to joiners and
+checkpoints.
 
 Contexts and crashes: the contexts of all V vws ride in the step's SUM all-reduce, each
 worker writing the rows of the vws it hosts and zeros elsewhere (x + 0 = x in integers, so the
