@@ -3,7 +3,8 @@ its scales, loosened by a margin, without it; the SUM all-reduce carries every r
 a step whose terms left the predicted range falls back to the MAX all-reduce and gives exactly
 what that path gives. The scales are state: they travel in the small state (to joiners and
 checkpoints), so that a resized or resumed run predicts as the fixed run does (the multi-process
-bitwise tests, tests/test_worker_strict_consistency.py, run through all of this)."""
+bitwise tests, tests/test_worker_strict_consistency.py, run through all of this). So is the
+switch from int32 to int64 of a job whose int32 predictions are rejected too often."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import torch
 
 from elastic.tasks.runtime import bind_task
 from elastic.worker.data import SampleStream
-from elastic.worker.strict import StrictTrainer
+from elastic.worker.strict import MAX_SCALE_MARGIN_BITS, WIDEN_AFTER_REJECTIONS, WIDEN_WINDOW, StrictTrainer
 
 RINGS = Path(__file__).parent / "tasks" / "rings"
+NOISY = Path(__file__).parent / "tasks" / "noisy"
 BATCH = 24
 SEED = 3
 
@@ -91,3 +93,74 @@ def test_many_virtual_workers_in_int32_take_the_max_all_reduce_every_step(group_
     for step in range(2):
         trainer.step(step, False)
     assert trainer.predicted_scales is None
+
+
+def test_half_the_last_predictions_rejected_move_an_int32_job_to_int64(group_of_one: None) -> None:
+    """The rule alone, fed outcomes: rejections that the window never holds enough of leave
+    int32; the one that makes WIDEN_AFTER_REJECTIONS within it switches to int64 for good, with
+    no prediction (the next step takes the MAX all-reduce for int64's scales) and a fresh
+    count."""
+    trainer = _trainer(virtual_workers=3)
+    trainer.step(0, False)
+    assert trainer.fixed_dtype == torch.int32 and trainer.predicted_scales is not None
+    for _ in range(3):  # one rejection in every window
+        for rejected in [True] + [False] * (WIDEN_WINDOW - 1):
+            trainer._count_prediction(rejected)
+    for _ in range(WIDEN_AFTER_REJECTIONS - 1):
+        trainer._count_prediction(True)
+    assert trainer.fixed_dtype == torch.int32, "one rejection short"
+    trainer._count_prediction(True)
+    assert trainer.fixed_dtype == torch.int64 and trainer._total.dtype == torch.int64
+    assert trainer.predicted_scales is None and trainer.recent_rejections == []
+    assert trainer.wide_fixed_point and trainer._margin_bits == MAX_SCALE_MARGIN_BITS
+    for _ in range(WIDEN_WINDOW):
+        trainer._count_prediction(True)
+    assert trainer.fixed_dtype == torch.int64, "never back to int32"
+    for step in range(1, 4):  # trains on in int64, predicting again after one MAX step
+        trainer.step(step, False)
+    assert trainer.predicted_scales is not None
+
+
+def test_predictions_int32_cannot_hold_stop_failing_once_the_job_sums_in_int64(group_of_one: None) -> None:
+    """The noisy task's magnitudes jump by up to 6 bits from one step to the next with 3
+    virtual workers of 4 samples: int32's one-bit margin rejected 13 of 15 predictions (26 of
+    30 at this batch). The job switches to int64 at its WIDEN_AFTER_REJECTIONS-th rejection
+    within WIDEN_WINDOW predicted steps, and int64's 8-bit margin holds (each segment spanned
+    at most 7 bits over 30 steps): at most WIDEN_AFTER_REJECTIONS + 1 fallbacks (one for a
+    first rejection that the window lets go before the switch)."""
+    task = bind_task(NOISY, "task:NoisyMetrics", {}, seed=6)
+    try:
+        trainer = StrictTrainer(
+            task, task.make_optimizer(), SampleStream(task.num_samples, 6), 12, 6, 0, 1, virtual_workers=3
+        )
+        for step in range(16):
+            trainer.step(step, False)
+    finally:
+        task.close()
+    assert trainer.fixed_dtype == torch.int64
+    assert trainer.scale_fallbacks <= WIDEN_AFTER_REJECTIONS + 1, trainer.scale_fallbacks
+
+
+def test_the_fixed_point_travels_in_the_small_state(group_of_one: None) -> None:
+    holder = _trainer(virtual_workers=3)
+    holder.step(0, False)
+    for _ in range(WIDEN_AFTER_REJECTIONS):
+        holder._count_prediction(True)
+    for step in range(1, 3):
+        holder.step(step, False)
+    assert holder.fixed_dtype == torch.int64
+    joiner = _trainer(virtual_workers=3)
+    joiner.problem.model.load_state_dict(holder.problem.model.state_dict())
+    joiner.optimizer.load_state_dict(copy.deepcopy(holder.optimizer.state_dict()))
+    for mine, theirs in zip(joiner.bulk_state(), holder.bulk_state(), strict=True):
+        mine.copy_(theirs)
+    joiner.load_small_state(copy.deepcopy(holder.small_state()))
+    joiner.state_arrived()
+    assert joiner.fixed_dtype == torch.int64 and joiner.recent_rejections == holder.recent_rejections
+    for step in range(3, 5):
+        assert joiner.step(step, False).loss == holder.step(step, False).loss
+    assert all(torch.equal(a, b) for a, b in zip(_parameters(joiner), _parameters(holder), strict=True))
+    old = holder.small_state()
+    del old["wide_fixed_point"], old["recent_rejections"]  # a checkpoint from before the switch
+    joiner.load_small_state(old)
+    assert joiner.fixed_dtype == torch.int32 and joiner.recent_rejections == []

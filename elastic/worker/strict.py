@@ -17,13 +17,36 @@ the gradients' own dtype, exactly, rather than through float64, and the step's b
 from one step to the next. Every parameter update is therefore placement-independent.
 
 Predicted scales: the MAX all-reduce is a second round trip a step. After a step that took it,
-the next steps use its scales loosened by a margin (up to MAX_SCALE_MARGIN_BITS; none with 9 to
-32 virtual workers, where int32 has no bits to spare) without it, and every rank votes in the SUM
-all-reduce whether its terms fit them: none over the integers' range, and in each segment that
-is not all zeros some term that keeps MIN_SPARE_BITS. If any vote fails, every rank takes the
-MAX all-reduce and a second SUM of the gradients for that step, with what the MAX gives, and
-predicts again from it. The scales a step uses are thus a function of the committed steps alone,
-the same on every placement; they are state (small_state), carried to joiners and checkpoints.
+the next steps use its scales loosened by a margin of M bits each way (up to
+MAX_SCALE_MARGIN_BITS) without it, and every rank votes in the SUM all-reduce whether its terms
+fit them: none over the integers' range, and in each segment that is not all zeros some term
+that keeps MIN_SPARE_BITS. If any vote fails, every rank takes the MAX all-reduce and a second
+SUM of the gradients for that step, with what the MAX gives, and predicts again from it. The
+scales a step uses are thus a function of the committed steps alone, the same on every
+placement; they are state (small_state), carried to joiners and checkpoints.
+
+int32 or int64: int32 leaves a term 29 - ceil(log2 V) bits, of which 24 are the floor, so M is 2
+bits with 1 or 2 virtual workers, 1 with 3 to 8, and 0 (no prediction: every step takes the MAX
+all-reduce) with 9 to 32; int64 leaves M = 8. A segment's largest gradient moves by more than a
+bit or two from step to step on small models and small per-vw batches (the noisy test task, the
+ResNet-style example at width 8: up to 6 bits), and one segment out of range rejects the step:
+int32 predictions were rejected in 10-72% of 60 steps at 1 to 8 virtual workers there, 2-7% on
+the digits MLP (bench/results/strict-fallbacks-cpu-2core-2026-11-26.txt). The trade-off, with
+B the bytes of an int32 SUM and L what a rejection adds besides bytes (the MAX round trip, two host
+reads that drain a GPU's queue, a second scaling pass): int32 costs B + r(B + L) a step at a
+rejection rate r, int64 2B, so int64 is cheaper once r > B / (B + L): on one node, where L is
+milliseconds of host syncs and B a fraction of one, from r of about 0.2-0.3; across a slow
+network, where B dominates, only as r nears 1; with one worker (no all-reduce: B is 0) at any r.
+A job therefore starts in int32 and, once WIDEN_AFTER_REJECTIONS of the last WIDEN_WINDOW steps
+that tried predictions rejected them (a rate of one half), sums in int64 for the rest of its
+life: its next step takes the MAX all-reduce for int64's scales, and the predictions then hold
+(medians, simulated: a rate of 0.5 switches in about 7 predicted steps, 0.3 in 19, 0.2 in 50,
+0.1 in 370, 0.05 in thousands: a job whose rejections are rare stays in int32). Measured over 60
+steps: the jobs that switched fell back in 7-12% of steps, all before the switch (none in the
+second half); those at 2 virtual workers (10% and 22%) and the digits MLP stayed in int32. The
+switch is taken from the agreed votes of committed steps (recent_rejections) and is state, as
+the scales: it happens at the same step on every placement and travels to joiners and
+checkpoints.
 
 Contexts and crashes: the contexts of all V vws ride in the step's SUM all-reduce, each
 worker writing the rows of the vws it hosts and zeros elsewhere (x + 0 = x in integers, so the
@@ -81,6 +104,10 @@ MIN_SPARE_BITS = 24
 MAX_SCALE_MARGIN_BITS = 8
 """The most a predicted scale leaves for a segment's magnitude to grow (and to shrink) before the
 step falls back to the MAX all-reduce."""
+WIDEN_WINDOW = 8
+WIDEN_AFTER_REJECTIONS = 4
+"""A job in int32 whose predicted scales were rejected in this many of the last WIDEN_WINDOW
+steps that tried them (half) sums in int64 from its next step on (see the module's docstring)."""
 _VOTES = 3  # per segment: terms over the predicted range, terms within its low end, nonzero terms
 
 
@@ -136,34 +163,50 @@ class StrictTrainer(Trainer):
         )
         """Each segment's smallest and largest term, written in place every step (CPU)."""
         self._terms: torch.Tensor | None = None
-        # int32 fixed point where it keeps as many bits below each tensor's largest entry as a
-        # float32 term has (24): the SUM then moves the bytes of a float32 all-reduce. With more
-        # virtual workers the sum needs more headroom, and int64 it is.
-        narrow = spare_bits(virtual_workers, 31) >= MIN_SPARE_BITS
-        self._fixed, self._int_bits = (torch.int32, 31) if narrow else (torch.int64, 63)
-        spare = spare_bits(virtual_workers, self._int_bits)
-        self._margin_bits = min((spare - MIN_SPARE_BITS) // 2, MAX_SCALE_MARGIN_BITS)
-        """How far a segment's magnitude may grow, and shrink, under a predicted scale (0: no
-        prediction, every step takes the MAX all-reduce: so with 9 to 32 virtual workers)."""
-        self._highest_scaled = 2.0**spare
-        self._lowest_scaled = 2.0 ** (spare - 2 * self._margin_bits - 1)
         self.predicted_scales: list[float] | None = None
         """The scales the next step tries without the MAX all-reduce; a function of the committed
         steps alone, so the same on every worker and in the state a joiner or a checkpoint gets."""
         self.scale_fallbacks = 0
         """Steps whose predicted scales every worker rejected (then the MAX all-reduce ran)."""
+        self.recent_rejections: list[bool] = []
+        """Whether each of the last WIDEN_WINDOW steps that tried predicted scales rejected them
+        (committed steps only, agreed by every worker: state, as the scales)."""
         self._votes_at = ends[-1] + _STATS
-        per_word = 8 // self._fixed.itemsize
-        self._contexts_at = math.ceil((self._votes_at + _VOTES * len(sizes)) / per_word) * per_word
-        """Where the contexts start in the SUM buffer, on an 8-byte boundary."""
-        self._total = torch.zeros(
-            self._contexts_at + virtual_workers * words * per_word, dtype=self._fixed, device=self._device
-        )
+        self._set_fixed_point(wide=spare_bits(virtual_workers, 31) < MIN_SPARE_BITS)
         self._result: torch.Tensor | None = None
         """The step's exact sum, as floats, for a worker that hosts no vw (else the first row of
         the terms holds it: see _result_row)."""
         self.hosted = range(0)
         self.rebind(rank, world_size)
+
+    def _set_fixed_point(self, wide: bool) -> None:
+        """Sums in int64 (`wide`) or int32 from now on: the predicted scales' margin, the range
+        they are voted on, and the SUM buffer (fixed-point sums, votes, contexts) follow."""
+        self.wide_fixed_point = wide
+        """Whether the fixed point is int64: from the start with more than 32 virtual workers
+        (int32 would keep fewer than MIN_SPARE_BITS), or after predictions in int32 failed
+        (WIDEN_AFTER_REJECTIONS); never int32 again."""
+        self._fixed, self._int_bits = (torch.int64, 63) if wide else (torch.int32, 31)
+        spare = spare_bits(self.virtual_workers, self._int_bits)
+        self._margin_bits = min((spare - MIN_SPARE_BITS) // 2, MAX_SCALE_MARGIN_BITS)
+        """How far a segment's magnitude may grow, and shrink, under a predicted scale (0: no
+        prediction, every step takes the MAX all-reduce: so with 9 to 32 virtual workers in
+        int32)."""
+        self._highest_scaled = 2.0**spare
+        self._lowest_scaled = 2.0 ** (spare - 2 * self._margin_bits - 1)
+        per_word = 8 // self._fixed.itemsize
+        self._contexts_at = math.ceil((self._votes_at + _VOTES * len(self._bounds)) / per_word) * per_word
+        """Where the contexts start in the SUM buffer, on an 8-byte boundary."""
+        self._total = torch.zeros(
+            self._contexts_at + self.virtual_workers * self.contexts.shape[1] * per_word,
+            dtype=self._fixed,
+            device=self._device,
+        )
+
+    @property
+    def fixed_dtype(self) -> torch.dtype:
+        """The integers the step's SUM all-reduce adds: torch.int32 or torch.int64."""
+        return self._fixed
 
     # --- placement ---------------------------------------------------------------------------
 
@@ -220,12 +263,19 @@ class StrictTrainer(Trainer):
             **super().small_state(),
             "virtual_workers": self.virtual_workers,
             "predicted_scales": None if self.predicted_scales is None else list(self.predicted_scales),
+            "wide_fixed_point": self.wide_fixed_point,
+            "recent_rejections": list(self.recent_rejections),
         }
 
     def load_small_state(self, state: dict[str, Any]) -> None:
         super().load_small_state(state)
         carried = state.get("predicted_scales")
         self.predicted_scales = None if carried is None else [float(scale) for scale in carried]
+        # A state from before int64 could be chosen on the way: the job's first fixed point.
+        wide = bool(state.get("wide_fixed_point", spare_bits(self.virtual_workers, 31) < MIN_SPARE_BITS))
+        if wide != self.wide_fixed_point:
+            self._set_fixed_point(wide)
+        self.recent_rejections = [bool(rejected) for rejected in state.get("recent_rejections", [])]
         if state.get("virtual_workers", self.virtual_workers) != self.virtual_workers:
             raise ValueError(
                 f"the state is of {state['virtual_workers']} virtual workers, this job has {self.virtual_workers}"
@@ -306,6 +356,7 @@ class StrictTrainer(Trainer):
         if self.compute_done is not None:
             self.compute_done()
         predicted = self.predicted_scales
+        tried = predicted is not None
         scaled_by: list[float] | None = None  # what the terms carry when a prediction is rejected
         over_here: torch.Tensor | None = None  # on the device: some term here is over (votes_on_device)
         votes = total[self._votes_at : self._votes_at + _VOTES * len(self._bounds)].view(_VOTES, -1)
@@ -387,6 +438,8 @@ class StrictTrainer(Trainer):
             step_loss = float(reported[0])
             metric_sums = reported[1:].tolist()  # weighted by share: they sum to 1 per batch
             self.agree_metrics(metric_sums, agreed[_METRIC_NAMES], agreed[_COUNT] / batch)
+            if tried:
+                self._count_prediction(rejected=predicted is None)
         outcome = StepOutcome(
             step=step + 1,
             loss=step_loss,
@@ -398,6 +451,17 @@ class StrictTrainer(Trainer):
         local = torch.cat(trained) if trained else torch.empty(0, dtype=torch.int64)
         self._committed(step, local, outcome)
         return outcome
+
+    def _count_prediction(self, rejected: bool) -> None:
+        """Counts a committed step that tried predicted scales; in int32, WIDEN_AFTER_REJECTIONS
+        rejections among the last WIDEN_WINDOW make the fixed point int64 from the next step on
+        (which takes the MAX all-reduce for int64's scales). Every worker counts the same
+        agreed votes, so the switch happens at the same step on every placement."""
+        self.recent_rejections = [*self.recent_rejections, rejected][-WIDEN_WINDOW:]
+        if not self.wide_fixed_point and sum(self.recent_rejections) >= WIDEN_AFTER_REJECTIONS:
+            self._set_fixed_point(wide=True)
+            self.predicted_scales = None
+            self.recent_rejections = []
 
     def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's buffers, kept between steps so that a step faults in no memory: one row of
