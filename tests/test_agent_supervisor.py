@@ -17,13 +17,9 @@ import pytest
 
 from agent.devices import make_backend
 from agent.devices.simulated import SimulatedBackend
-from agent.supervisor import (
-    SupervisorConfig,
-    WorkerSupervisor,
-    exit_reason,
-    settle_exit,
-    socket_interface_env,
-)
+from agent.spawn import socket_interface_env
+from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from agent.worker_process import exit_reason, settle_exit
 from elastic.wire import (
     WORKER_EVENT_PREFIX,
     LaunchCommand,
