@@ -330,8 +330,12 @@ class WorkerProcess:
 
     # --- its life ----------------------------------------------------------------------------
 
-    def _move(self, target: WorkerState, detail: str = "") -> None:
-        """The one place its state changes (raises InvalidWorkerTransition). Call under its lock."""
+    def _move(self, target: WorkerState, detail: str = "", only_from: WorkerState | None = None) -> None:
+        """The one place its state changes (raises InvalidWorkerTransition; also where the move
+        is listed but the caller's act is not that move: `only_from` another state). Call under
+        its lock."""
+        if only_from is not None and self.state is not only_from:
+            raise InvalidWorkerTransition(self.state, target)
         check_worker_transition(self.state, target)
         now = time.monotonic()
         log.debug(
@@ -359,7 +363,7 @@ class WorkerProcess:
     def spawn_failed(self) -> None:
         """starting -> exited: it never ran."""
         with self._lock:
-            self._move(WorkerState.EXITED)
+            self._move(WorkerState.EXITED, only_from=WorkerState.STARTING)
 
     def said_joined(self, generation: int, rank: int) -> None:
         """It joined `generation` as `rank` (adopted or warming -> joined)."""
@@ -487,7 +491,7 @@ class WorkerProcess:
         """ended -> exited: reaps it (a re-adopted one's exit code is its record's, if the agent
         that started it reaped it; else unknown) and returns how it ended."""
         with self._lock:
-            self._move(WorkerState.EXITED)
+            self._move(WorkerState.EXITED, only_from=WorkerState.ENDED)
             if self.process is not None:
                 self.exit_code = self.process.wait()
         outcome = settle_exit(
