@@ -83,20 +83,29 @@ class OutputReader:
             log.error("cannot read the output of pid %s: %s", worker.pid, err)
             output = None
         with self._lock:
-            self._new.append(_Tail(worker, output))
-        self._wake()
+            if not self._closed:
+                self._new.append(_Tail(worker, output))
+                self._wake()
+                return
+        log.warning("not reading the output of pid %s: the reader is closed", worker.pid)
+        if output is not None:
+            output.close()
 
     def close(self, timeout_s: float) -> None:
         """Stops reading (what has not ended by now is not reported) and waits up to `timeout_s`
         for the thread to end."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-        self._wake()
+            self._wake()
         self._thread.join(timeout=timeout_s)
         if self._thread.is_alive():
             log.error("the worker output reader did not stop within %.0f s", timeout_s)
 
     def _wake(self) -> None:
+        """Wakes the thread from its wait (call under the lock, while not closed: the thread
+        closes the pipe once it has seen `_closed`)."""
         try:
             os.write(self._wake_write, b"x")
         except BlockingIOError:  # the pipe is full: the thread is woken already
@@ -111,8 +120,10 @@ class OutputReader:
                 if tail.output is not None:
                     tail.output.close()
             self._selector.close()
-            os.close(self._wake_read)
-            os.close(self._wake_write)
+            with self._lock:
+                self._closed = True  # also when the loop failed: nobody writes to the pipe now
+                os.close(self._wake_read)
+                os.close(self._wake_write)
 
     def _pass(self) -> bool:
         """Reads every worker's output once and settles those that ended; then waits for an

@@ -291,6 +291,11 @@ class WorkerSupervisor:
             listed = [worker.running_worker() for worker in self._workers if not worker.done.is_set()]
         return [worker for worker in listed if worker is not None]
 
+    def idle(self) -> bool:
+        """Whether no worker is here: none running, none being spawned, every exit reported."""
+        with self._lock:
+            return not self._workers
+
     def keep_standbys(self, backend: DeviceBackend, taken: set[int]) -> None:
         """Keeps a warm standby on each device of `backend` that runs no worker of ours and is
         not in `taken` (its owner is there), and none on any other. Does nothing unless
