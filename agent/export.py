@@ -16,7 +16,7 @@ from pathlib import Path
 
 from agent.code import CodeCache, CodeUnavailable
 from agent.environments import BuildFailed, Environments
-from agent.supervisor import process_environment, python_path
+from agent.spawn import process_environment, python_path
 from elastic.membership.codec import decode
 from elastic.requirements import RequirementsError, declared_in_directory
 from elastic.wire import ExportCommand, RunningWorker, WorkerEvent

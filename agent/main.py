@@ -210,7 +210,7 @@ class Agent:
             running = self.supervisor.running()
             log.warning("the drain's deadline passed with %d worker(s) still here: stopping them", len(running))
             return True
-        return not self.supervisor.running() and not len(self._pending)
+        return self.supervisor.idle() and not len(self._pending)
 
     # --- registration ------------------------------------------------------------------------
 
@@ -221,7 +221,7 @@ class Agent:
         delay = 0.5
         while not self.stopping.is_set():
             self.liveness.beat()
-            if self.drain.notice is not None and not self.supervisor.running():
+            if self.drain.notice is not None and self.supervisor.idle():
                 log.info("drained before the portal answered: nothing here to move")
                 return None
             known_url: str | None

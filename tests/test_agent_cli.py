@@ -203,7 +203,7 @@ def test_nvml_without_a_gpu_exits_4() -> None:
 
 
 def test_the_token_comes_from_a_file_and_never_reaches_a_worker(tmp_path: Path, monkeypatch: Any) -> None:
-    from agent.supervisor import process_environment
+    from agent.spawn import process_environment
 
     token_file = tmp_path / "agent.token"
     token_file.write_text("bng_secret\n")

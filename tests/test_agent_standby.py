@@ -68,7 +68,7 @@ def warm(
 ) -> dict[int, int]:
     """Keeps the standbys, as the agent does after each report, until `count` are warm (they
     start one at a time); returns device index -> pid."""
-    pool = supervisor._standbys
+    pool = supervisor._spawner.standbys
     assert pool is not None
 
     def all_warm() -> bool:
@@ -264,8 +264,8 @@ def test_a_worker_no_standby_serves_is_forked_too(backend: SimulatedBackend) -> 
     )
     try:
         standbys = warm(supervisor, backend, count=1)
-        assert supervisor._standbys is not None and supervisor._standbys._forkserver is not None
-        server_pid = supervisor._standbys._forkserver.process.pid
+        assert supervisor._spawner.standbys is not None and supervisor._spawner.standbys._forkserver is not None
+        server_pid = supervisor._spawner.standbys._forkserver.process.pid
         recorder = Recorder(supervisor)
         assert supervisor.launch(launch(ranks=2, steps=200), backend, REDIS_URL)
         recorder.wait_for(lambda _: len(recorder.of("started")) == 2)
@@ -295,7 +295,7 @@ def test_a_standby_prepared_for_a_growing_job_serves_that_job_only(monkeypatch: 
     supervisor = WorkerSupervisor(
         SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8, prepared_per_job=1)
     )
-    pool = supervisor._standbys
+    pool = supervisor._spawner.standbys
     assert pool is not None
 
     def settled(prepared_for: dict[int, int | None]) -> Callable[[], bool]:
@@ -342,7 +342,7 @@ def test_a_job_that_stops_growing_here_loses_its_prepared_standbys(monkeypatch: 
     supervisor = WorkerSupervisor(
         SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8, prepared_per_job=2)
     )
-    pool = supervisor._standbys
+    pool = supervisor._spawner.standbys
     assert pool is not None
     try:
         recorder = Recorder(supervisor)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,15 +16,11 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.devices import make_backend
+from agent.devices import WorkerPlacement, make_backend
 from agent.devices.simulated import SimulatedBackend
-from agent.supervisor import (
-    SupervisorConfig,
-    WorkerSupervisor,
-    exit_reason,
-    settle_exit,
-    socket_interface_env,
-)
+from agent.spawn import socket_interface_env
+from agent.supervisor import SupervisorConfig, WorkerSupervisor
+from agent.worker_process import exit_reason, settle_exit
 from elastic.wire import (
     WORKER_EVENT_PREFIX,
     LaunchCommand,
@@ -447,6 +444,52 @@ def test_shutdown_stops_every_worker_and_refuses_new_launches(backend: Simulated
     recorder.wait_for(recorder.exits(3))
     assert {(e.exit_code, e.reason) for e in recorder.of("exited")} == {(75, "stopped")}
     assert not supervisor.launch(launch(job_id=3), backend, REDIS_URL)
+
+
+class GatedBackend(SimulatedBackend):
+    """A node whose placement of a worker, the first step of its spawn, waits until the test
+    opens `gate`: a spawn in progress for as long as the test wants (with a deadline, so that a
+    test that never opens it fails rather than hangs)."""
+
+    def __init__(self) -> None:
+        super().__init__(slots=2)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.left = threading.Event()
+
+    def placement(self, index: int) -> WorkerPlacement:
+        self.entered.set()
+        self.gate.wait(timeout=60)
+        self.left.set()
+        return super().placement(index)
+
+
+def test_a_spawn_in_progress_holds_up_no_report_and_a_stop_meanwhile_reaches_its_worker() -> None:
+    backend = GatedBackend()
+    supervisor = WorkerSupervisor(SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0))
+    recorder = Recorder(supervisor)
+    launched: list[bool] = []
+    spawning = threading.Thread(target=lambda: launched.append(supervisor.launch(launch(), backend, REDIS_URL)))
+    try:
+        spawning.start()
+        assert backend.entered.wait(timeout=60), "the spawn never began"
+        # The agent's report loop asks these while the spawn waits: they answer at once.
+        assert supervisor.running() == [], "a worker being spawned has no pid to report yet"
+        assert supervisor.drain_events() == []
+        assert supervisor.stop(StopCommand(job_id=1, before_generation=2, reason="cancel")) == 1
+        assert not backend.left.is_set(), "the report path waited for the spawn"
+        backend.gate.set()
+        spawning.join(timeout=60)
+        assert launched == [True]
+        recorder.wait_for(recorder.exits(1))
+        [started] = recorder.of("started")
+        [exited] = recorder.of("exited")
+        assert exited.pid == started.pid and exited.reason == "stopped", exited
+        assert (exited.message or "").endswith("after stop (cancel)"), exited
+        assert supervisor.running() == []
+    finally:
+        backend.gate.set()
+        supervisor.shutdown(grace_s=1.0)
 
 
 # --- exit codes (the worker's output lines: tests/test_worker_event_codec.py) -----------------

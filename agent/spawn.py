@@ -1,0 +1,274 @@
+"""How a worker process comes to be: the environment and WorkerConfig it starts with, and the three
+ways it is started (a warm standby of its device takes it, the node's fork server forks it, or a
+new interpreter starts it cold), in its own session, its output appended to a file.
+
+The spawner owns the standby pool (agent.standby), which is not thread-safe: every use of the pool
+holds the spawner's pool lock, and nothing else. The supervisor calls `spawn` outside its own
+lock, so that a slow start holds up no report.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+import elastic
+from agent.devices import DeviceBackend, DeviceError, WorkerPlacement
+from agent.records import RecordStore, process_start_time
+from agent.standby import StandbyPool
+from agent.worker_process import Process
+from elastic.wire import LaunchCommand, WorkerAssignment, WorkerConfig
+from elastic.worker import WORKER_CONFIG_ENV
+from elastic.worker.forkserver import ForkedProcess
+
+if TYPE_CHECKING:
+    from agent.supervisor import SupervisorConfig
+
+log = logging.getLogger(__name__)
+
+_PROJECT_ROOT = str(Path(elastic.__file__).resolve().parent.parent)
+
+AGENT_SECRETS = ("BUNGEE_AGENT_TOKEN", "BUNGEE_AGENT_TOKEN_FILE")
+"""What the agent's environment holds that no worker, and so no job's code, may read."""
+
+
+def process_environment() -> dict[str, str]:
+    """The agent's environment without its secrets: what a worker or an export starts with."""
+    return {name: value for name, value in os.environ.items() if name not in AGENT_SECRETS}
+
+
+def socket_interface_env(address: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME naming the interface that holds `address` (an
+    IP or a host name), unless `environ` sets them already. Without them gloo listens on what
+    the machine's host name resolves to, often 127.0.0.1, which peers on other hosts cannot
+    reach. Empty if no interface holds the address (it is then a NAT's or a proxy's)."""
+    interface = interface_holding(address)
+    if interface is None:
+        return {}
+    return {name: interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in environ}
+
+
+@functools.cache
+def interface_holding(address: str) -> str | None:
+    """The name of this machine's network interface that holds `address` (resolved once), or
+    None."""
+    try:
+        ips = {str(info[4][0]) for info in socket.getaddrinfo(address, None)}
+    except OSError:
+        return None
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(a.address in ips for a in addresses):
+            return interface
+    return None
+
+
+def python_path() -> str:
+    """PYTHONPATH for a process of the runtime (a worker, an export): the project first."""
+    return os.pathsep.join(path for path in (_PROJECT_ROOT, os.environ.get("PYTHONPATH")) if path)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launch as the supervisor received it: what a worker of it, or a standby prepared for
+    its job, is started with."""
+
+    command: LaunchCommand
+    backend: DeviceBackend
+    redis_url: str
+    code_dir: Path | None
+    initial_model: Path | None
+    python: str | None = None
+    """The interpreter of the job's own environment (agent.environments); None: the node's."""
+
+
+@dataclass(frozen=True)
+class Spawned:
+    process: Process
+    start_time: int | None
+    pidfd: int | None
+    how: str
+    """" (a warm standby)", " (forked)" or "" (a new interpreter): for the log."""
+
+
+class SpawnError(Exception):
+    """The worker could not be started; the message says why."""
+
+
+class WorkerSpawner:
+    """Starts the node's workers and keeps its standbys. Thread-safe."""
+
+    def __init__(self, config: SupervisorConfig, records: RecordStore, state_dir: Path) -> None:
+        self.config = config
+        self._records = records
+        self.standbys = (
+            StandbyPool(
+                state_dir / "standby",
+                config.python,
+                config.worker_module,
+                config.standbys,
+                config.prepared_per_job,
+                fork=config.fork_standbys,
+            )
+            if config.standbys > 0
+            else None
+        )
+        self._pool_lock = threading.Lock()
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment every worker of this node starts with, before its device's and its
+        own config: a standby is started with it too."""
+        return {
+            **process_environment(),
+            **socket_interface_env(self.config.node_address, os.environ),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": python_path(),
+        }
+
+    def worker_config(
+        self,
+        launch: Launch,
+        assignment: WorkerAssignment,
+        placement: WorkerPlacement,
+        generation: int | None = None,
+        world_size: int | None = None,
+    ) -> WorkerConfig:
+        """The config of `launch`'s worker `assignment` (in another `generation` or
+        `world_size`, if given)."""
+        command = launch.command
+        return WorkerConfig(
+            job_id=command.job_id,
+            generation=command.generation if generation is None else generation,
+            rank=assignment.rank,
+            world_size=command.world_size if world_size is None else world_size,
+            master_addr=command.master_addr,
+            master_port=command.master_port,
+            device=placement.device,
+            spec=command.spec,
+            run_dir=command.run_dir,
+            node=self.config.node_name,
+            device_index=assignment.device_index,
+            redis_url=launch.redis_url,
+            coordination_key=command.coordination_key,
+            code_dir=str(launch.code_dir) if launch.code_dir is not None else None,
+            entrypoint=command.spec.get("entrypoint") if launch.code_dir is not None else None,
+            initial_model=str(launch.initial_model) if launch.initial_model is not None else None,
+        )
+
+    def env_of(self, config: WorkerConfig, placement: WorkerPlacement) -> dict[str, str]:
+        return {**self.worker_env(), **placement.env, WORKER_CONFIG_ENV: config.model_dump_json()}
+
+    @staticmethod
+    def new_stem(command: LaunchCommand, assignment: WorkerAssignment) -> str:
+        return f"job{command.job_id}-gen{command.generation}-rank{assignment.rank}-{uuid.uuid4().hex[:8]}"
+
+    def spawn(self, launch: Launch, assignment: WorkerAssignment, stem: str) -> Spawned:
+        """Starts `launch`'s worker `assignment`, its output appended to the file of `stem`.
+        Raises SpawnError."""
+        try:
+            placement = launch.backend.placement(assignment.device_index)
+        except DeviceError as err:
+            raise SpawnError(f"cannot place the worker: {err}") from err
+        env = self.env_of(self.worker_config(launch, assignment, placement), placement)
+        argv = [launch.python or self.config.python, "-m", self.config.worker_module]
+        output_path = self._records.output_path(stem)
+        # Standbys and the fork server run the node's environment: a job with its own starts a
+        # new interpreter of it (docs/operator/environments.md: what a grow costs).
+        pool = self.standbys if launch.python is None else None
+        how = ""
+        try:
+            # A file, not a pipe: the worker must outlive the agent. Its own session keeps it out
+            # of the agent's process group and away from the agent's terminal.
+            with output_path.open("ab") as output:
+                process: Process | None = None
+                if pool is not None:
+                    with self._pool_lock:
+                        standby = pool.take(
+                            assignment.device_index, placement, output_path, env, launch.command.job_id
+                        )
+                        if standby is not None:
+                            process, how = standby.process, " (a warm standby)"
+                        else:
+                            process = pool.fork_worker(
+                                self.config.worker_module, placement, output.fileno(), env
+                            )
+                            how = " (forked)" if process is not None else ""
+                if process is None:
+                    process = subprocess.Popen(
+                        argv,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+        except OSError as err:
+            self._records.remove(stem)
+            raise SpawnError(f"cannot start {' '.join(argv)}: {err}") from err
+        if placement.cpu_affinity and how != " (a warm standby)":
+            try:
+                os.sched_setaffinity(process.pid, placement.cpu_affinity)
+            except OSError as err:
+                log.warning(
+                    "could not pin pid %d to cores %s: %s", process.pid, sorted(placement.cpu_affinity), err
+                )
+        return Spawned(process, process_start_time(process.pid), _pidfd(process), how)
+
+    # --- standbys ----------------------------------------------------------------------------
+
+    def keep_standbys(
+        self,
+        placements: Callable[[], dict[int, WorkerPlacement]],
+        growing: Callable[[], list[int]],
+        prepared_env: Callable[[int, int, WorkerPlacement], dict[str, str]],
+        quiet: Callable[[], bool],
+    ) -> None:
+        """Keeps a standby on each device of `placements()` (the free devices, asked once the pool
+        is free) and prepares them for the jobs `growing()` (agent.standby). Skipped, as the next
+        call does it, while a spawn is using the pool: the report loop never waits for a spawn."""
+        if self.standbys is None or not self._pool_lock.acquire(blocking=False):
+            return
+        try:
+            self.standbys.keep(placements(), self.worker_env(), growing(), prepared_env, quiet())
+        finally:
+            self._pool_lock.release()
+
+    def standby_pids(self) -> dict[int, int]:
+        """pid -> device index of the standbys waiting."""
+        if self.standbys is None:
+            return {}
+        with self._pool_lock:
+            return self.standbys.pids()
+
+    def close_standbys(self) -> None:
+        if self.standbys is not None:
+            with self._pool_lock:
+                self.standbys.close()
+
+    def close_forkserver(self) -> None:
+        if self.standbys is not None:
+            with self._pool_lock:
+                self.standbys.close_forkserver()
+
+
+def _pidfd(process: Process) -> int | None:
+    """A pidfd of the worker just started (its parent, the agent or the fork server, has not
+    reaped it: the pid is still its own). None where the kernel has none (the reader then sees
+    its end at its next pass)."""
+    if isinstance(process, ForkedProcess) and process.ended:
+        return None
+    try:
+        return os.pidfd_open(process.pid)
+    except OSError:
+        return None
