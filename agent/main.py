@@ -155,7 +155,7 @@ class Agent:
         self._uploads_waiting: list[WorkerEvent] = []
         self._isolation = PoisonIsolation(MAX_EVENTS_PER_REPORT)
         self._report_failures = _FailureLog("reporting to the portal")
-        self.liveness = LivenessFile.from_environ()  # BUNGEE_LIVENESS_FILE, for an exec probe
+        self.liveness = LivenessFile(config.liveness_file)
 
     def run(self) -> ExitCode:
         try:
@@ -400,8 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report_now.set()
 
     def start_drain() -> None:
-        # How long before its end Slurm signals the job: the pool's script says (its --signal).
-        lead = float(os.environ.get("BUNGEE_SLURM_SIGNAL_S") or config.drain_deadline_s)
+        lead = config.slurm_signal_s if config.slurm_signal_s is not None else config.drain_deadline_s
         drain.ask(term_cause(os.environ, lead), config.drain_deadline_s)
         report_now.set()
 

@@ -1,8 +1,8 @@
 """The agent's configuration: its settings (AgentSettings, one field per flag of `python -m agent`,
 each with its type, default, bounds, environment variable and help), the command line built from
 them (typer: one option per field, named after it), and the configuration the agent runs with
-(AgentConfig: the settings resolved against the token file, the Slurm allocation and the data
-directory), from which the worker supervisor's own configuration is made (supervisor_config).
+(AgentConfig: the settings resolved against the token file and the Slurm allocation), from
+which the worker supervisor's own configuration is made (supervisor_config).
 
 A value given as a flag wins over the field's variable. A bad value, a missing token or a Slurm
 job the agent cannot serve exits 2 (a usage error), quoting the flag or the variable and the
@@ -186,11 +186,17 @@ class AgentSettings(EnvironSettings):
         description="the most disk the cached environments may take, in GiB; the least recently used ones not "
         "in use go first",
     )
+    data_dir: Path = Field(
+        PROJECT_ROOT / "var",
+        validation_alias="BUNGEE_DATA_DIR",
+        description="the data directory (the portal's, where they share a machine): the state directory is "
+        "DATA_DIR/agent/NAME unless --state-dir says otherwise",
+    )
     state_dir: Path | None = Field(
         None,
         validation_alias="BUNGEE_AGENT_STATE_DIR",
         description="where the workers' output and records live, so that a restarted agent takes its workers "
-        "back (default: BUNGEE_DATA_DIR/agent/NAME, or var/agent/NAME in the project)",
+        "back (default: DATA_DIR/agent/NAME)",
     )
     slurm: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -198,8 +204,22 @@ class AgentSettings(EnvironSettings):
         description="run as a Slurm batch job, the node being the allocation (named NODE-jobID, its GPUs or a "
         "count of slots, see agent.slurm): on (--slurm alone), off, or auto (when SLURM_JOB_ID is set)",
     )
+    slurm_signal: float | None = Field(
+        None,
+        ge=0,
+        validation_alias="BUNGEE_SLURM_SIGNAL_S",
+        description="in a Slurm job: how many seconds before its time limit Slurm sends it SIGTERM (its "
+        "--signal=B:TERM@N; the pool's batch script sets it), which tells a time limit's SIGTERM from a "
+        "preemption's (default: --drain-deadline)",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", validation_alias="BUNGEE_LOG_LEVEL", description="logging level"
+    )
+    liveness_file: Path | None = Field(
+        None,
+        validation_alias="BUNGEE_LIVENESS_FILE",
+        description="a file touched at every turn of the registration and report loops, for an exec probe "
+        "(python -m elastic.liveness FILE --max-age S); unset: none is written",
     )
 
     @field_validator("backend")
@@ -223,9 +243,7 @@ class AgentSettings(EnvironSettings):
         """The command-line flag of field `name`."""
         return "--" + name.replace("_", "-")
 
-    def agent_config(
-        self, environ: Mapping[str, str], allocation: slurm_job.SlurmAllocation | None
-    ) -> AgentConfig:
+    def agent_config(self, allocation: slurm_job.SlurmAllocation | None) -> AgentConfig:
         """The configuration the agent runs with, inside `allocation` if it is a Slurm job's.
         Raises ValueError, quoting the value, for a token it cannot read or a bad node name."""
         token = self.token
@@ -268,12 +286,14 @@ class AgentSettings(EnvironSettings):
             prepared_standbys=self.prepared_standbys,
             standby_start=self.standby_start,
             gpus=slurm_job.gpu_selection(allocation, backend),
-            state_dir=self.state_dir.resolve() if self.state_dir else default_state_dir(environ, name),
+            state_dir=(self.state_dir or self.data_dir / "agent" / name).resolve(),
             env_dir=self.env_dir.resolve() if self.env_dir else None,
             env_find_links=tuple(self.env_find_links.split()),
             env_build_deadline_s=self.env_build_deadline,
             env_cache_bytes=int(self.env_cache_gb * 1024**3),
             env_index_options=self.env_index_options,
+            slurm_signal_s=self.slurm_signal,
+            liveness_file=self.liveness_file,
         )
 
 
@@ -318,6 +338,10 @@ class AgentConfig:
     env_cache_bytes: int = DEFAULT_MAX_BYTES
     env_index_options: bool = False
     """Jobs' requirements may name where packages come from (as the portal's setting of the same name)."""
+    slurm_signal_s: float | None = None
+    """In a Slurm job: how long before its time limit Slurm signals it; None: drain_deadline_s."""
+    liveness_file: Path | None = None
+    """The file the agent's loops touch for an exec probe (elastic.liveness); None: none."""
 
     def supervisor_config(self) -> SupervisorConfig:
         """The worker supervisor's configuration on this node."""
@@ -331,13 +355,6 @@ class AgentConfig:
             prepared_per_job=self.prepared_standbys,
             fork_standbys=self.standby_start == "fork",
         )
-
-
-def default_state_dir(environ: Mapping[str, str], node_name: str) -> Path:
-    """The agent's state directory when none is given: agent/<node> under BUNGEE_DATA_DIR, or
-    under the project's var/ (the portal's default data directory)."""
-    data_dir = environ.get("BUNGEE_DATA_DIR") or str(PROJECT_ROOT / "var")
-    return Path(data_dir).resolve() / "agent" / node_name
 
 
 # --- the command line --------------------------------------------------------------------------
@@ -453,6 +470,6 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
         if allocation is not None:
             environ = slurm_job.agent_environ(environ, allocation, socket.gethostname())
             settings = read_settings(flags, environ)
-        return settings.agent_config(environ, allocation)
+        return settings.agent_config(allocation)
     except ValueError as err:  # SlurmEnvironmentError is one
         _usage_error(str(err))

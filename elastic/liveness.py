@@ -4,23 +4,22 @@ Kubernetes' exec probe) says the process is stuck when the file is older than th
 and stdlib-only, since the agent and the portal's Celery processes both use it and the probe
 starts a new interpreter at every check.
 
-The file's path is BUNGEE_LIVENESS_FILE; unset (a laptop, the tests, docker-compose), nothing is
-written. A failure to write is logged once and never stops the process: a stale file makes the
-probe fail, which is the supervisor's business, not a reason to stop training."""
+The file's path is the process's BUNGEE_LIVENESS_FILE, a setting of the portal's Celery processes
+(portal.config.PortalSettings) and of the agent (agent.settings.AgentSettings, `--liveness-file`);
+unset (a laptop, the tests, docker-compose), nothing is written. A failure to write is logged once
+and never stops the process: a stale file makes the probe fail, which is the supervisor's
+business, not a reason to stop training."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-
-ENV = "BUNGEE_LIVENESS_FILE"
 
 
 class LivenessFile:
@@ -29,14 +28,6 @@ class LivenessFile:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._failing = False
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LivenessFile:
-        """The file BUNGEE_LIVENESS_FILE names, or one that writes nothing if it is unset or empty."""
-        # A file touched at every turn of the main loop, for a probe (python -m elastic.liveness
-        # FILE --max-age S); unset: none is written.
-        raw = (os.environ if environ is None else environ).get(ENV, "")
-        return cls(Path(raw) if raw else None)
 
     def start(self) -> None:
         """Removes a file an earlier run of the process left (in a volume that outlived it), so

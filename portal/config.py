@@ -13,6 +13,7 @@ further when the pool is on.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -115,6 +116,21 @@ class PortalSettings(EnvironSettings):
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", validation_alias="LOG_LEVEL", description="The portal's logging level."
+    )
+
+    # --- the processes: the server (portal.serve), the Celery worker and beat (portal.liveness) -----
+    forwarded_allow_ips: CommaList = Field(
+        [],
+        validation_alias="BUNGEE_FORWARDED_ALLOW_IPS",
+        description="`python -m portal.serve`: the reverse proxies in front of the portal, as addresses or "
+        'networks, comma-separated ("*": any): only their X-Forwarded-For and X-Forwarded-Proto are believed. '
+        "Empty: nobody's.",
+    )
+    liveness_file: Path | None = Field(
+        None,
+        validation_alias="BUNGEE_LIVENESS_FILE",
+        description="The Celery worker and beat: a file touched at every turn of the main loop, for a probe "
+        "(python -m elastic.liveness FILE --max-age S); unset: none is written.",
     )
 
     # --- the scheduler and the agents ------------------------------------------------------------
@@ -341,11 +357,26 @@ class PortalSettings(EnvironSettings):
         description="The lines an old job's log is cut to (0: deleted).",
     )
 
-    @field_validator("allowed_hosts", "csrf_trusted_origins", mode="before")
+    @field_validator("allowed_hosts", "csrf_trusted_origins", "forwarded_allow_ips", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("forwarded_allow_ips", mode="after")
+    @classmethod
+    def _addresses_or_networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if entry == "*":
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r} is not an IP address or network (give the reverse proxy's addresses, "
+                    "comma-separated, or '*' for any)"
+                ) from None
         return value
 
     @field_validator("data_dir", mode="after")

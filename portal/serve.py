@@ -22,39 +22,18 @@ The options, and why (`uvicorn_arguments`):
   most GRACEFUL_SHUTDOWN_S, then cancels them, so that a stop is bounded (docker's own grace is
   10 s);
 - forwarded headers (`X-Forwarded-For`, `X-Forwarded-Proto`) are believed only from the
-  addresses in BUNGEE_FORWARDED_ALLOW_IPS, the reverse proxy in front of the portal; by default
+  addresses in BUNGEE_FORWARDED_ALLOW_IPS (PortalSettings.forwarded_allow_ips), the reverse proxy in front of the portal; by default
   from none (`--no-proxy-headers`). uvicorn's own default believes them from 127.0.0.1, where any
   local process could claim to be any client."""
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import os
 
-from django.core.exceptions import ImproperlyConfigured
+from portal.config import PortalSettings, load_settings
 
 APPLICATION = "portal.asgi:application"
 GRACEFUL_SHUTDOWN_S = 5
-FORWARDED_ALLOW_IPS_VARIABLE = "BUNGEE_FORWARDED_ALLOW_IPS"
-
-
-def forwarded_allow_ips(raw: str) -> list[str]:
-    """The addresses and networks (comma-separated, e.g. "10.0.0.5,10.1.0.0/16", or "*" for any)
-    whose forwarded headers are believed; [] for an empty value. Raises ImproperlyConfigured,
-    quoting the value, for an entry that is neither an address nor a network."""
-    entries = [entry.strip() for entry in raw.split(",") if entry.strip()]
-    for entry in entries:
-        if entry == "*":
-            continue
-        try:
-            ipaddress.ip_network(entry, strict=False)
-        except ValueError:
-            raise ImproperlyConfigured(
-                f"{FORWARDED_ALLOW_IPS_VARIABLE}={raw!r}: {entry!r} is not an IP address or network "
-                "(give the reverse proxy's addresses, comma-separated, or '*' for any)"
-            ) from None
-    return entries
 
 
 def uvicorn_arguments(host: str, port: int, processes: int, trusted_proxies: list[str]) -> list[str]:
@@ -79,9 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error(f"--processes must be at least 1, not {args.processes}")
-    # The reverse proxies in front of the portal, as addresses or networks, comma-separated ("*": any):
-    # only their X-Forwarded-For and X-Forwarded-Proto are believed. Empty: nobody's.
-    trusted = forwarded_allow_ips(os.environ.get(FORWARDED_ALLOW_IPS_VARIABLE, ""))
+    # Every setting of the portal is checked here, once, before uvicorn starts its processes: a bad
+    # value stops the start with the variable and the value quoted (ImproperlyConfigured).
+    trusted = load_settings(PortalSettings).forwarded_allow_ips
     from uvicorn.main import main as uvicorn_main
 
     uvicorn_main(uvicorn_arguments(args.host, args.port, args.processes, trusted), prog_name="uvicorn")

@@ -50,6 +50,9 @@ def test_the_flags() -> None:
         "--env-build-deadline",
         "--env-cache-gb",
         "--env-index-options",
+        "--data-dir",
+        "--slurm-signal",
+        "--liveness-file",
     }
 
 
@@ -85,6 +88,9 @@ def test_defaults_need_only_a_token() -> None:
 def test_the_state_dir_defaults_to_the_data_dir() -> None:
     config = parse_config(["--token", "t", "--name", "n-1"], {"BUNGEE_DATA_DIR": "/srv/bungee"})
     assert config.state_dir == Path("/srv/bungee/agent/n-1")
+    assert parse_config(["--token", "t", "--name", "n-1", "--data-dir", "/data"], {}).state_dir == Path("/data/agent/n-1")
+    given = parse_config(["--token", "t", "--state-dir", "/state"], {"BUNGEE_DATA_DIR": "/srv/bungee"})
+    assert given.state_dir == Path("/state")
 
 
 ENVIRONMENT = {
@@ -105,6 +111,8 @@ ENVIRONMENT = {
     "BUNGEE_STANDBY_START": "exec",
     "BUNGEE_SIM_PACE": "2.5",
     "BUNGEE_SLURM": "off",
+    "BUNGEE_SLURM_SIGNAL_S": "90",
+    "BUNGEE_LIVENESS_FILE": "/tmp/bungee/alive",
 }
 
 
@@ -126,6 +134,8 @@ def test_every_flag_falls_back_to_its_environment_variable() -> None:
         prepared_standbys=0,
         standby_start="exec",
         sim_pace=2.5,
+        slurm_signal_s=90.0,
+        liveness_file=Path("/tmp/bungee/alive"),
     )
 
 
@@ -159,6 +169,8 @@ def test_standbys_are_on_off_or_a_number(value: str, kept: int) -> None:
         (["--token", "t"], {"BUNGEE_STANDBY_START": "FORK"}, "BUNGEE_STANDBY_START='FORK': Input should be 'fork' or 'exec'"),
         (["--token", "t", "--on-term", "pause"], {}, "--on-term='pause': Input should be 'drain' or 'stop'"),
         (["--token", "t"], {"BUNGEE_ENV_CACHE_GB": "0"}, "BUNGEE_ENV_CACHE_GB='0': Input should be greater than 0"),
+        (["--token", "t"], {"BUNGEE_SLURM_SIGNAL_S": "soon"}, "BUNGEE_SLURM_SIGNAL_S='soon': Input should be a valid number"),
+        (["--token", "t", "--slurm-signal", "-5"], {}, "--slurm-signal='-5': Input should be greater than or equal to 0"),
         (["--token", "t", "--no-such-flag"], {}, "No such option: --no-such-flag"),
     ],
 )

@@ -10,7 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from elastic.liveness import ENV, LivenessFile
+import pytest
+
+from agent.settings import AgentSettings
+from elastic.liveness import LivenessFile
+from portal.config import PortalSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,12 +57,14 @@ def test_start_forgets_the_file_an_earlier_run_left(tmp_path: Path) -> None:
     assert not alive.exists()
 
 
-def test_without_the_variable_nothing_is_written(tmp_path: Path) -> None:
-    unset = LivenessFile.from_environ({})
+@pytest.mark.parametrize("settings", [PortalSettings, AgentSettings])
+def test_without_the_variable_nothing_is_written(tmp_path: Path, settings: type[PortalSettings | AgentSettings]) -> None:
+    """BUNGEE_LIVENESS_FILE, read by the portal's settings (its Celery worker and beat) and the agent's."""
+    unset = LivenessFile(settings.from_environ({}).liveness_file)
     unset.beat()
     unset.start()
     assert unset.path is None
-    named = LivenessFile.from_environ({ENV: str(tmp_path / "alive")})
+    named = LivenessFile(settings.from_environ({"BUNGEE_LIVENESS_FILE": str(tmp_path / "alive")}).liveness_file)
     named.beat()
     assert named.path == tmp_path / "alive" and named.path.is_file()
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
+from portal.config import PortalSettings, load_settings
 from portal.launcher import portal_command
-from portal.serve import forwarded_allow_ips, uvicorn_arguments
 from portal.serve import main as serve_main
+from portal.serve import uvicorn_arguments
 
 COMMON = ["--ws", "websockets-sansio", "--lifespan", "off", "--no-access-log", "--timeout-graceful-shutdown", "5"]
 
@@ -38,14 +39,25 @@ def test_the_launcher_starts_the_server_through_portal_serve() -> None:
     ("*", ["*"]),
 ])
 def test_forwarded_allow_ips_takes_addresses_and_networks(raw: str, trusted: list[str]) -> None:
-    assert forwarded_allow_ips(raw) == trusted
+    assert load_settings(PortalSettings, {"BUNGEE_FORWARDED_ALLOW_IPS": raw}).forwarded_allow_ips == trusted
 
 
 @pytest.mark.parametrize("raw", ["proxy.internal", "10.0.0.300", "10.0.0.5;10.0.0.6", "/run/proxy.sock"])
 def test_a_bad_forwarded_allow_ips_stops_the_start_with_the_value_quoted(raw: str) -> None:
     with pytest.raises(ImproperlyConfigured, match="BUNGEE_FORWARDED_ALLOW_IPS=") as refused:
-        forwarded_allow_ips(raw)
+        load_settings(PortalSettings, {"BUNGEE_FORWARDED_ALLOW_IPS": raw})
     assert repr(raw) in str(refused.value)
+
+
+def test_the_entry_point_refuses_a_bad_value_before_uvicorn_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn.main
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(uvicorn.main, "main", lambda arguments, prog_name: started.append(arguments))
+    monkeypatch.setenv("BUNGEE_FORWARDED_ALLOW_IPS", "proxy.internal")
+    with pytest.raises(ImproperlyConfigured, match="BUNGEE_FORWARDED_ALLOW_IPS='proxy.internal'"):
+        serve_main(["--port", "8123"])
+    assert started == []
 
 
 def test_the_entry_point_reads_the_trusted_proxies_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
