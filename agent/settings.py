@@ -238,11 +238,6 @@ class AgentSettings(EnvironSettings):
             raise ValueError("is not on, off or a number of standbys")
         return value
 
-    @staticmethod
-    def flag(name: str) -> str:
-        """The command-line flag of field `name`."""
-        return "--" + name.replace("_", "-")
-
     def agent_config(self, allocation: slurm_job.SlurmAllocation | None) -> AgentConfig:
         """The configuration the agent runs with, inside `allocation` if it is a Slurm job's.
         Raises ValueError, quoting the value, for a token it cannot read or a bad node name."""

@@ -12,34 +12,44 @@ reads like any other command; on a node with real GPUs the agent logs that it ca
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 import redis
+from pydantic import Field
 
 from agent.commands import COMMAND_FIELD
+from elastic.environ_settings import EnvironSettings
 from elastic.wire import SimulateOwnerCommand, SimulateSlowdownCommand, command_stream
 
 
+class SimulateSettings(EnvironSettings):
+    """The defaults of `python -m agent.simulate`'s --redis-url and --prefix (field `x_y` is flag
+    `--x-y`), read from the variables the node's agent and the portal are given."""
+
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        validation_alias="BUNGEE_AGENT_REDIS_URL",
+        description="the Redis that carries the command streams",
+    )
+    prefix: str = Field("bungee", validation_alias="BUNGEE_REDIS_PREFIX", description="the portal's Redis key prefix")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    settings = SimulateSettings.from_environ()
     parser = argparse.ArgumentParser(prog="python -m agent.simulate")
     actions = parser.add_subparsers(dest="action", required=True)
     owner = actions.add_parser("owner", help="play the owner of a device arriving or leaving")
     slow = actions.add_parser("slow", help="play a slow device (for the workers started on it from now on)")
     for sub in (owner, slow):
-        sub.add_argument(
-            "--redis-url",
-            default=os.environ.get("BUNGEE_AGENT_REDIS_URL") or "redis://127.0.0.1:6379/0",
-            help="the Redis that carries the command streams (env BUNGEE_AGENT_REDIS_URL)",
-        )
+        for name, field in SimulateSettings.model_fields.items():
+            sub.add_argument(
+                SimulateSettings.flag(name),
+                default=getattr(settings, name),
+                help=f"{field.description} (env {SimulateSettings.variable(name)}; default {field.default})",
+            )
         sub.add_argument("--node", required=True, help="the node's name")
         sub.add_argument("--device", required=True, type=int, help="the device index")
-        sub.add_argument(
-            "--prefix",
-            default=os.environ.get("BUNGEE_REDIS_PREFIX") or "bungee",
-            help="the portal's Redis key prefix (env BUNGEE_REDIS_PREFIX; default bungee)",
-        )
     presence = owner.add_mutually_exclusive_group(required=True)
     presence.add_argument("--present", dest="present", action="store_true", help="the owner arrives")
     presence.add_argument("--absent", dest="present", action="store_false", help="the owner leaves")

@@ -92,6 +92,12 @@ class EnvironSettings(BaseSettings):
         except ValidationError as err:
             raise SettingsError(refusal(cls, err), err) from None
 
+    @staticmethod
+    def flag(name: str) -> str:
+        """The command-line flag of field `name`, where a command line is built from the settings
+        (the agent's, `python -m agent.simulate`'s)."""
+        return "--" + name.replace("_", "-")
+
     @classmethod
     def variable(cls, name: str) -> str:
         """The environment variable of field `name`."""

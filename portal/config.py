@@ -8,7 +8,7 @@ tests change one with Django's settings fixture,
 `settings.BUNGEE = settings.BUNGEE.model_copy(update={"node_timeout_s": 5.0})`. The defaults
 make a laptop run work with no configuration at all. The Slurm pool's settings are a class of
 their own (SlurmPoolSettings, `settings.BUNGEE_SLURM`), whose values portal.slurm.config checks
-further when the pool is on.
+further when the pool is on, and so are `make demo`'s (DemoSettings).
 """
 
 from __future__ import annotations
@@ -522,6 +522,21 @@ class SlurmPoolSettings(EnvironSettings):
         30.0,
         validation_alias="BUNGEE_SLURM_COMMAND_TIMEOUT_S",
         description="The longest a Slurm command may take.",
+    )
+
+
+class DemoSettings(EnvironSettings):
+    """`make demo` (portal.demo): the platform on one machine. It reads PortalSettings too (the
+    data directory, the Celery queue, whether SECRET_KEY and REDIS_URL are set)."""
+
+    port: int = Field(
+        8000, ge=1, le=65535, validation_alias="PORT", description="`make demo`: the portal's port (--port)."
+    )
+    devices: int = Field(
+        4,
+        ge=1,
+        validation_alias="BUNGEE_SIM_DEVICES",
+        description="`make demo`: simulated devices on the demo node (--devices).",
     )
 
 

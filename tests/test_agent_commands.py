@@ -194,6 +194,22 @@ def test_simulate_owner_puts_the_command_on_the_nodes_stream(client: redis.Redis
     ]
 
 
+def test_simulate_takes_its_redis_and_prefix_from_the_environment(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """agent.simulate.SimulateSettings: --redis-url and --prefix default to BUNGEE_AGENT_REDIS_URL and
+    BUNGEE_REDIS_PREFIX."""
+    node, prefix = f"agent-test-{uuid.uuid4().hex[:8]}", f"simulate-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("BUNGEE_AGENT_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("BUNGEE_REDIS_PREFIX", prefix)
+    try:
+        assert simulate_main(["slow", "--node", node, "--device", "2", "--factor", "3"]) == 0
+        [(_, fields)] = entries(client, command_stream(node, prefix))
+        assert parse_command(fields[COMMAND_FIELD]) == SimulateSlowdownCommand(device_index=2, factor=3.0)
+    finally:
+        client.delete(command_stream(node, prefix))
+
+
 def test_simulate_owner_as_a_process(client: redis.Redis, stream: str) -> None:
     node = stream.split(":")[2]
     result = subprocess.run(
