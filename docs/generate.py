@@ -1,27 +1,23 @@
 """Writes the reference pages under docs/reference/ from the code they describe, so that they
 cannot drift from it: the job spec from its pydantic model (elastic.spec.JobSpec), the
-configuration from each component's settings class (portal.config.PortalSettings,
-agent.settings.AgentSettings, elastic.worker.settings.WorkerSettings: every field's variable,
+configuration from each component's settings classes, and nothing else (portal.config:
+PortalSettings, SlurmPoolSettings, DemoSettings; agent.settings.AgentSettings;
+elastic.worker.settings.WorkerSettings; agent.simulate.SimulateSettings: every field's variable,
 default, bounds and description), and /metrics from the portal's Prometheus registry.
 
 Run `make docs` (`python -m docs.generate`) after changing any of them and commit the pages;
 `python -m docs.generate --check` says which page is stale, and tests/test_reference_docs.py
 fails while one is. The metrics page reads the collectors' families from an empty database made
 in memory (only the families' names, help and labels are written, never a value).
-
-The few variables read outside those classes (the Slurm pool's, the server's, the liveness
-file's, `make demo`'s) are found in their modules' source.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
-import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -147,114 +143,12 @@ class Setting:
     bounds: str = ""
 
 
-def _constants(tree: ast.Module) -> dict[str, str]:
-    """The module's top-level string constants (NAME = "TEXT")."""
-    found = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    found[target.id] = node.value.value
-    return found
-
-
-def _comment_above(lines: list[str], line: int) -> str:
-    """The comment that introduces the code at 1-based `line`: the block of `#` lines right
-    above it or, for an entry of a dict, above the run of entries it belongs to (entries that
-    share one comment). A section banner's dashes are dropped."""
-    index = line - 2
-    if lines[line - 1].lstrip().startswith('"'):
-        while index >= 0 and lines[index].lstrip().startswith('"'):
-            index -= 1
-    block: list[str] = []
-    while index >= 0 and lines[index].lstrip().startswith("#"):
-        text = lines[index].lstrip()[1:].strip()
-        if not text.startswith("---"):
-            block.insert(0, text)
-        index -= 1
-    return " ".join(block)
-
-
-def _default_text(node: ast.expr | None, source: str) -> str:
-    """A default as written: its value when it is a constant expression, else its code."""
-    if node is None:
-        return ""
-    if not any(isinstance(n, ast.Name) for n in ast.walk(node)):
-        return _amount(eval(compile(ast.Expression(node), "<default>", "eval"), {"__builtins__": {}}))
-    text = ast.get_source_segment(source, node) or ""
-    return _code(re.sub(r"^str\((.*)\)$", r"\1", text))
-
-
-def _variable_read(node: ast.AST, constants: dict[str, str]) -> str | None:
-    """The variable that `node` reads, if it is `....get(NAME, ...)` with NAME in capitals, a
-    literal or a module constant."""
-    if not isinstance(node, ast.Call) or not node.args:
-        return None
-    if not (isinstance(node.func, ast.Attribute) and node.func.attr == "get"):
-        return None
-    first = node.args[0]
-    if isinstance(first, ast.Constant) and isinstance(first.value, str):
-        name = first.value
-    elif isinstance(first, ast.Name) and first.id in constants:
-        name = constants[first.id]
-    else:
-        return None
-    return name if re.fullmatch(r"[A-Z][A-Z0-9_]*", name) else None
-
-
-def _meaning(node: ast.AST, parents: dict[ast.AST, ast.AST], lines: list[str]) -> str:
-    """What the variable read at `node` means: the comment above its line, else the help of the
-    command-line flag whose default it gives, else the docstring of the function reading it."""
-    comment = _comment_above(lines, getattr(node, "lineno", 1))
-    if comment:
-        return comment
-    parent = parents.get(node)
-    while parent is not None:
-        if isinstance(parent, ast.Call):
-            for keyword in parent.keywords:
-                if keyword.arg == "help" and isinstance(keyword.value, ast.Constant):
-                    return str(keyword.value.value)
-        if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return (ast.get_docstring(parent) or "").split("\n\n")[0]
-        parent = parents.get(parent)
-    return ""
-
-
-def environment_reads(path: Path, prefix: str = "") -> list[Setting]:
-    """The environment variables a module reads, in the order written, each with its default as
-    written and its meaning (see `_meaning`), after `prefix`."""
-    source = path.read_text()
-    tree = ast.parse(source)
-    lines = source.splitlines()
-    constants = _constants(tree)
-    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
-    found = []
-    for node in ast.walk(tree):
-        name = _variable_read(node, constants)
-        if name is None:
-            continue
-        assert isinstance(node, ast.Call)
-        default = _default_text(node.args[1] if len(node.args) > 1 else None, source)
-        meaning = _meaning(node, parents, lines)
-        if prefix and meaning and not meaning[1:2].isupper():
-            meaning = meaning[0].lower() + meaning[1:]
-        found.append((node.lineno, node.col_offset, Setting(name, default, prefix + meaning if meaning else "")))
-    return [setting for *_, setting in sorted(found, key=lambda row: row[:2])]
-
-
-def _first_of_each(settings: Iterator[Setting]) -> list[Setting]:
-    """Settings in order, each name once (the first read, which has the comment that says what it is)."""
-    seen: dict[str, Setting] = {}
-    for setting in settings:
-        if setting.name not in seen or (not seen[setting.name].meaning and setting.meaning):
-            seen[setting.name] = setting
-    return list(seen.values())
-
-
 def _field_default(value: Any) -> str:
     """A settings field's default as the page shows it: a path in the checkout from BASE_DIR."""
     if value is None:
         return "unset"
+    if value == []:
+        return "empty"
     if isinstance(value, Path) and value.is_relative_to(ROOT):
         return _code("BASE_DIR" if value == ROOT else f'BASE_DIR / "{value.relative_to(ROOT)}"')
     return _amount(str(value) if isinstance(value, Path) else value)
@@ -285,24 +179,12 @@ def settings_rows(cls: type[EnvironSettings], flag: Callable[[str], str] | None 
     return rows
 
 
-PORTAL_MODULES = (
-    ("portal/serve.py", "`python -m portal.serve`: "),
-    ("elastic/liveness.py", "the Celery worker and beat (and the agent): "),
-    ("portal/demo.py", "`make demo`: "),
-)
-"""Where the portal's processes read variables outside its settings classes: the server, the
-liveness file, and `make demo`."""
-
-
 def portal_settings() -> list[Setting]:
-    """The environment variables of the portal's processes (portal, Celery worker and beat):
-    PortalSettings, SlurmPoolSettings, then the few read elsewhere."""
-    from portal.config import PortalSettings, SlurmPoolSettings
+    """The environment variables of the portal's processes (the server, the Celery worker and
+    beat, `make demo`): PortalSettings, SlurmPoolSettings, DemoSettings."""
+    from portal.config import DemoSettings, PortalSettings, SlurmPoolSettings
 
-    settings = settings_rows(PortalSettings) + settings_rows(SlurmPoolSettings)
-    typed = {setting.name for setting in settings}
-    reads = (s for module, prefix in PORTAL_MODULES for s in environment_reads(ROOT / module, prefix))
-    return settings + _first_of_each(s for s in reads if s.name not in typed)
+    return settings_rows(PortalSettings) + settings_rows(SlurmPoolSettings) + settings_rows(DemoSettings)
 
 
 def agent_flags() -> list[Setting]:
@@ -310,6 +192,13 @@ def agent_flags() -> list[Setting]:
     from agent.settings import AgentSettings
 
     return settings_rows(AgentSettings, AgentSettings.flag)
+
+
+def simulate_flags() -> list[Setting]:
+    """`python -m agent.simulate`'s flags that have a variable (SimulateSettings)."""
+    from agent.simulate import SimulateSettings
+
+    return settings_rows(SimulateSettings, SimulateSettings.flag)
 
 
 def worker_settings() -> list[Setting]:
@@ -322,9 +211,9 @@ def worker_settings() -> list[Setting]:
 CONFIGURATION: tuple[tuple[str, str, Callable[[], list[Setting]]], ...] = (
     (
         "The portal",
-        "The portal, its Celery worker and beat read these at start (`portal/config.py`: "
-        "PortalSettings, then the Slurm pool's SlurmPoolSettings; the server, the liveness file and "
-        "`make demo` read the last few). `BASE_DIR` is the checkout, `DATA_DIR` is `BUNGEE_DATA_DIR`.",
+        "The portal, its server, its Celery worker and beat read these at start (`portal/config.py`: "
+        "PortalSettings, then the Slurm pool's SlurmPoolSettings and `make demo`'s DemoSettings). "
+        "`BASE_DIR` is the checkout, `DATA_DIR` is `BUNGEE_DATA_DIR`.",
         portal_settings,
     ),
     (
@@ -339,6 +228,13 @@ CONFIGURATION: tuple[tuple[str, str, Callable[[], list[Setting]]], ...] = (
         "Each worker reads these from the environment it inherits from its agent "
         "(`elastic/worker/settings.py`); set them in the agent's environment.",
         worker_settings,
+    ),
+    (
+        "Playing a device's owner",
+        "`python -m agent.simulate` (`agent/simulate.py`, SimulateSettings) sends a simulated node's "
+        "agent an owner's arrival or a slowdown; these flags default to the variables the agent and "
+        "the portal are given.",
+        simulate_flags,
     ),
 )
 
