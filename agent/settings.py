@@ -12,6 +12,7 @@ value.
 from __future__ import annotations
 
 import inspect
+import re
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -204,6 +205,12 @@ class AgentSettings(EnvironSettings):
         description="run as a Slurm batch job, the node being the allocation (named NODE-jobID, its GPUs or a "
         "count of slots, see agent.slurm): on (--slurm alone), off, or auto (when SLURM_JOB_ID is set)",
     )
+    slurm_pool: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_POOL",
+        description="in a Slurm job: the portal's Slurm pool the agent job belongs to (the pool's batch script "
+        "sets it); the node is then named POOL-NODE-jobID, the names the pool's token may register",
+    )
     slurm_signal: float | None = Field(
         None,
         ge=0,
@@ -227,6 +234,15 @@ class AgentSettings(EnvironSettings):
     def _known_backend(cls, value: str) -> str:
         if value not in backend_names():
             raise ValueError(f"is not one of {', '.join(backend_names())}")
+        return value
+
+    @field_validator("slurm_pool", mode="before")
+    @classmethod
+    def _pool_name(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.strip()
+            if value and not re.fullmatch(slurm_job.POOL_NAME_PATTERN, value):
+                raise ValueError("is not a pool's name (letters, digits, _ and .)")
         return value
 
     @field_validator("standbys", mode="before")
@@ -461,7 +477,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Agen
     flags = parse_flags(argv)
     settings = read_settings(flags, environ)
     try:
-        allocation = slurm_job.detect(settings.slurm, environ)
+        allocation = slurm_job.detect(settings.slurm, environ, settings.slurm_pool)
         if allocation is not None:
             environ = slurm_job.agent_environ(environ, allocation, socket.gethostname())
             settings = read_settings(flags, environ)

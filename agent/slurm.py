@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from agent.devices.api import GpuSelection
 from elastic.wire import NODE_NAME_PATTERN, slurm_node_name
 
+POOL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.]*"
+"""What a pool's name may be, as far as the node's name goes (the portal's pools are stricter)."""
+
 MODES = ("auto", "on", "off")
 """--slurm: inside a Slurm job if SLURM_JOB_ID is set (auto), always (on), or never (off)."""
 
@@ -79,9 +82,10 @@ def gpus_of(environ: Mapping[str, str]) -> GpuSelection | None:
     return GpuSelection(minors=_numbers("CUDA_VISIBLE_DEVICES", visible))
 
 
-def detect(mode: str, environ: Mapping[str, str]) -> SlurmAllocation | None:
+def detect(mode: str, environ: Mapping[str, str], pool: str = "") -> SlurmAllocation | None:
     """The allocation the agent serves under `mode` (one of MODES), or None when it is not a
-    Slurm job's agent. Raises SlurmEnvironmentError when `mode` is "on" outside a Slurm job, or
+    Slurm job's agent; `pool` is the portal's Slurm pool the job belongs to, if any (the pool's
+    batch script sets BUNGEE_SLURM_POOL, which AgentSettings reads). Raises SlurmEnvironmentError when `mode` is "on" outside a Slurm job, or
     when the job's variables are missing or unreadable."""
     if mode not in MODES:
         raise SlurmEnvironmentError(f"--slurm {mode!r} is not one of {', '.join(MODES)}")
@@ -98,9 +102,6 @@ def detect(mode: str, environ: Mapping[str, str]) -> SlurmAllocation | None:
     if not re.fullmatch(NODE_NAME_PATTERN, slurm_node):
         raise SlurmEnvironmentError(f"SLURMD_NODENAME={slurm_node!r} cannot be part of a node name ({NODE_NAME_PATTERN})")
     cpus = environ.get("SLURM_CPUS_ON_NODE", "").strip()
-    pool = environ.get("BUNGEE_SLURM_POOL", "").strip()
-    if pool and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.]*", pool):
-        raise SlurmEnvironmentError(f"BUNGEE_SLURM_POOL={pool!r} is not a pool's name (letters, digits, _ and .)")
     return SlurmAllocation(
         job_id=job_id, slurm_node=slurm_node, gpus=gpus_of(environ), cpus=int(cpus) if cpus.isdigit() else None,
         pool=pool,

@@ -51,6 +51,7 @@ def test_the_flags() -> None:
         "--env-cache-gb",
         "--env-index-options",
         "--data-dir",
+        "--slurm-pool",
         "--slurm-signal",
         "--liveness-file",
     }

@@ -43,12 +43,14 @@ def test_inside_a_job_the_node_is_the_allocation() -> None:
     assert config.state_dir.name == "gpu-07-job4211"
 
 
-def test_an_agent_of_a_pool_is_named_behind_the_pool() -> None:
+def test_an_agent_of_a_pool_is_named_behind_the_pool(capsys: pytest.CaptureFixture[str]) -> None:
     """The pool's batch script sets BUNGEE_SLURM_POOL: the node is then POOL-NODE-jobID, the only
     names the pool's token may register."""
     assert parse_config(["--token", "t"], JOB | {"BUNGEE_SLURM_POOL": "slurm"}).node_name == "slurm-gpu-07-job4211"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as refused:
         parse_config(["--token", "t"], JOB | {"BUNGEE_SLURM_POOL": "a-b"})
+    assert refused.value.code == 2
+    assert "BUNGEE_SLURM_POOL='a-b': is not a pool's name (letters, digits, _ and .)" in capsys.readouterr().err
 
 
 def test_two_jobs_on_one_machine_are_two_nodes() -> None:
