@@ -104,7 +104,8 @@ server (elastic.worker.forkserver) rather than started as a new interpreter."""
 
 
 class LocalJob:
-    """One job's workers on CPU on this machine; slots play the devices of one node."""
+    """One job's workers on CPU on this machine; slots play the devices of one node. Raises
+    WorkerSettingsError, before any worker starts, if `env` holds a value a worker cannot use."""
 
     def __init__(
         self,
@@ -136,7 +137,7 @@ class LocalJob:
         """The job's own code, (directory, module:ClassName); None: the spec's workload."""
         """"cpu", or "cuda": slot i is then GPU i, or GPU 0 for every slot where the env sets
         BUNGEE_SHARED_GPU=1 (see WorkerSettings.shared_gpu)."""
-        self._shared_gpu = self.env.get(WorkerSettings.variable("shared_gpu")) == "1"
+        self._shared_gpu = WorkerSettings.from_env(self.env).shared_gpu
         self.key = board_key or f"bungee-local-{uuid.uuid4().hex[:10]}:job:{job_id}"
         self.board = RedisBoard.connect(redis_url, self.key)
         self.outputs: list[WorkerOutput] = []
