@@ -32,7 +32,9 @@ class SimulateSettings(EnvironSettings):
         validation_alias="BUNGEE_AGENT_REDIS_URL",
         description="the Redis that carries the command streams",
     )
-    prefix: str = Field("bungee", validation_alias="BUNGEE_REDIS_PREFIX", description="the portal's Redis key prefix")
+    prefix: str = Field(
+        "bungee", validation_alias="BUNGEE_REDIS_PREFIX", description="the portal's Redis key prefix"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,15 +28,23 @@ def test_the_defaults_and_the_variables() -> None:
         ({"PORT": "eighty"}, "PORT='eighty': Input should be a valid integer"),
         ({"PORT": "70000"}, "PORT='70000': Input should be less than or equal to 65535"),
         ({"BUNGEE_SIM_DEVICES": "0"}, "BUNGEE_SIM_DEVICES='0': Input should be greater than or equal to 1"),
-        ({"BUNGEE_SCHEDULE_TICK_S": "often"}, "BUNGEE_SCHEDULE_TICK_S='often': Input should be a valid number"),
+        (
+            {"BUNGEE_SCHEDULE_TICK_S": "often"},
+            "BUNGEE_SCHEDULE_TICK_S='often': Input should be a valid number",
+        ),
     ],
 )
-def test_a_bad_value_stops_the_demo_before_it_starts(environ: dict[str, str], message: str, tmp_path: Path) -> None:
+def test_a_bad_value_stops_the_demo_before_it_starts(
+    environ: dict[str, str], message: str, tmp_path: Path
+) -> None:
     """The portal's settings are checked too: the demo reads its data directory and queue there."""
     done = subprocess.run(
         [sys.executable, "-m", "portal.demo", "--no-jobs"],
-        cwd=ROOT, env={**os.environ, "BUNGEE_DATA_DIR": str(tmp_path), **environ},
-        capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "BUNGEE_DATA_DIR": str(tmp_path), **environ},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
