@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.devices import WorkerPlacement
+from elastic.transitions import InvalidMove, check_move
 from elastic.worker.forkserver import ForkedProcess, ForkServer, ForkServerError
 from elastic.worker.standby import PREPARATION_FAILED_LINE, PREPARED_LINE, READY_LINE, Assignment, Preparation
 
@@ -152,17 +153,13 @@ STANDBY_TRANSITIONS: dict[StandbyState, frozenset[StandbyState]] = {
 }
 
 
-class InvalidStandbyTransition(Exception):  # noqa: N818 - named for what it is, like InvalidTransition
-    def __init__(self, source: str, target: str) -> None:
-        super().__init__(f"a standby cannot go from {str(source)!r} to {str(target)!r}")
-        self.source = source
-        self.target = target
+class InvalidStandbyTransition(InvalidMove):
+    what = "a standby"
 
 
 def check_standby_transition(source: str, target: str) -> None:
     """Raises InvalidStandbyTransition unless a standby may go from `source` to `target`."""
-    if StandbyState(target) not in STANDBY_TRANSITIONS[StandbyState(source)]:
-        raise InvalidStandbyTransition(source, target)
+    check_move(STANDBY_TRANSITIONS, StandbyState, source, target, InvalidStandbyTransition)
 
 
 @dataclass

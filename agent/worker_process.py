@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.records import WorkerRecord
+from elastic.transitions import InvalidMove, check_move
 from elastic.wire import ExitReason, RunningWorker, WorkerEvent
 from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 from elastic.worker.forkserver import ForkedProcess
@@ -101,17 +102,13 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 }
 
 
-class InvalidWorkerTransition(Exception):  # noqa: N818 - named for what it is, like InvalidTransition
-    def __init__(self, source: str, target: str) -> None:
-        super().__init__(f"a worker cannot go from {str(source)!r} to {str(target)!r}")
-        self.source = source
-        self.target = target
+class InvalidWorkerTransition(InvalidMove):
+    what = "a worker"
 
 
 def check_worker_transition(source: str, target: str) -> None:
     """Raises InvalidWorkerTransition unless a worker may go from `source` to `target`."""
-    if WorkerState(target) not in WORKER_TRANSITIONS[WorkerState(source)]:
-        raise InvalidWorkerTransition(source, target)
+    check_move(WORKER_TRANSITIONS, WorkerState, source, target, InvalidWorkerTransition)
 
 
 def exit_reason(exit_code: int, stop_requested: bool = False, joined: bool = True) -> ExitReason:

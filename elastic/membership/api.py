@@ -36,6 +36,7 @@ from __future__ import annotations
 import abc
 import enum
 
+from elastic.transitions import InvalidMove, check_move
 from elastic.wire import Member, Membership
 
 __all__ = [
@@ -89,17 +90,13 @@ PHASE_TRANSITIONS: dict[GenerationPhase, frozenset[GenerationPhase]] = {
 }
 
 
-class InvalidPhaseTransition(Exception):  # noqa: N818 - named for what it is, like InvalidTransition
-    def __init__(self, source: str, target: str) -> None:
-        super().__init__(f"a generation cannot go from {str(source)!r} to {str(target)!r}")
-        self.source = source
-        self.target = target
+class InvalidPhaseTransition(InvalidMove):
+    what = "a generation"
 
 
 def check_phase_transition(source: str, target: str) -> None:
     """Raises InvalidPhaseTransition unless a generation may go from `source` to `target`."""
-    if GenerationPhase(target) not in PHASE_TRANSITIONS[GenerationPhase(source)]:
-        raise InvalidPhaseTransition(source, target)
+    check_move(PHASE_TRANSITIONS, GenerationPhase, source, target, InvalidPhaseTransition)
 
 
 class BoardUnavailable(RuntimeError):  # noqa: N818 - the name the Board docstrings use

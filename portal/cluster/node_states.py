@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from elastic.transitions import InvalidMove, check_move
+
 
 class NodeState(models.TextChoices):
     ONLINE = "online"
@@ -47,14 +49,10 @@ SILENT_STATES = frozenset({_N.UNREACHABLE, _N.LOST})
 """A node in these states comes back online with its agent's next report."""
 
 
-class InvalidNodeTransition(Exception):  # noqa: N818 - named for what it is, like InvalidTransition
-    def __init__(self, source: str, target: str) -> None:
-        super().__init__(f"a node cannot go from {str(source)!r} to {str(target)!r}")
-        self.source = source
-        self.target = target
+class InvalidNodeTransition(InvalidMove):
+    what = "a node"
 
 
 def check_node_transition(source: str, target: str) -> None:
     """Raises InvalidNodeTransition unless a node may go from `source` to `target`."""
-    if NodeState(target) not in NODE_TRANSITIONS[NodeState(source)]:
-        raise InvalidNodeTransition(source, target)
+    check_move(NODE_TRANSITIONS, NodeState, source, target, InvalidNodeTransition)

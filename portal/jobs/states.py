@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from elastic.transitions import InvalidMove, check_move
+
 
 class JobState(models.TextChoices):
     QUEUED = "queued"
@@ -52,14 +54,10 @@ ACTIVE_STATES = frozenset({JobState.QUEUED, JobState.RUNNING, JobState.RESIZING}
 FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 
-class InvalidTransition(Exception):  # noqa: N818 - named for what it is, like Django's PermissionDenied
-    def __init__(self, source: str, target: str) -> None:
-        super().__init__(f"a job cannot go from {str(source)!r} to {str(target)!r}")
-        self.source = source
-        self.target = target
+class InvalidTransition(InvalidMove):
+    what = "a job"
 
 
 def check_transition(source: str, target: str) -> None:
     """Raises InvalidTransition unless the state machine allows source -> target."""
-    if JobState(target) not in TRANSITIONS[JobState(source)]:
-        raise InvalidTransition(source, target)
+    check_move(TRANSITIONS, JobState, source, target, InvalidTransition)
