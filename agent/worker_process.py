@@ -365,6 +365,22 @@ class WorkerProcess:
         with self._lock:
             self._move(WorkerState.EXITED, only_from=WorkerState.STARTING)
 
+    def heard(self, event: WorkerEvent) -> WorkerEvent | None:
+        """Takes in an event its output printed: "exiting" says the code it exits with (kept for
+        its "exited" event, and not reported: None is returned), "progress" its step, "joined" its
+        new generation and rank (`said_joined`; the event reported carries its pid and device).
+        Returns the event to report."""
+        if event.kind == "exiting":
+            self.announced_exit = event.exit_code
+            return None
+        if event.kind == "progress" and event.step is not None:
+            self.last_step = event.step
+            self.total_steps = event.total_steps or self.total_steps
+        elif event.kind == "joined":
+            self.said_joined(event.generation, event.rank)
+            return event.model_copy(update={"pid": self.pid, "device_index": self.device_index})
+        return event
+
     def said_joined(self, generation: int, rank: int) -> None:
         """It joined `generation` as `rank` (adopted or warming -> joined)."""
         with self._lock:
