@@ -4,9 +4,10 @@ the timers that end it when it outstays a stop or a leave, and how its exit is s
 
 The supervisor (agent.supervisor) decides what happens to a worker: it is started, kept, left
 out, stopped. The worker makes it happen and refuses a move its state does not allow
-(InvalidWorkerTransition): the one place its state changes is `WorkerProcess._move`. The output
-reader (agent.output) sees the process end and reads its last lines; `ended` and `settle` are
-its calls.
+(InvalidWorkerTransition): the one place its state changes is `WorkerProcess._move`. What its
+output lines say of it (its step, a generation joined, the code it exits with) it takes in itself
+(`heard`). The output reader (agent.output) sees the process end and reads its last lines; `ended`
+and `settle` are its calls.
 
 A worker is the agent's child (started cold), the fork server's (forked, or a forked standby that
 took the launch), or nobody's the agent knows of (re-adopted after an agent restart: its
