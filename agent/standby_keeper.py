@@ -60,7 +60,8 @@ class StandbyKeeper:
         if self._workers.closed():
             self._spawner.close_standbys()
             return
-        growing: dict[int, Launch] = {}
+        launches: dict[int, Launch] = {}
+        """The jobs growing as the pool asked, with the launch their prepared standbys follow."""
 
         def placements() -> dict[int, WorkerPlacement]:
             busy = self._workers.busy_devices()
@@ -74,25 +75,25 @@ class StandbyKeeper:
             return placements
 
         def jobs_growing() -> list[int]:
-            growing.update(self._growing())
-            return list(growing)
+            launches.update(self.growing())
+            return list(launches)
 
         def prepared_env(job_id: int, device_index: int, placement: WorkerPlacement) -> dict[str, str]:
-            return self._prepared_env(growing[job_id], device_index, placement)
+            return self._prepared_env(launches[job_id], device_index, placement)
 
-        self._spawner.keep_standbys(placements, jobs_growing, prepared_env, self._quiet)
+        self._spawner.keep_standbys(placements, jobs_growing, prepared_env, self.quiet)
 
     def pids(self) -> dict[int, int]:
         """pid -> device index of the standbys waiting: processes of ours, not an owner's."""
         return self._spawner.standby_pids()
 
-    def _quiet(self) -> bool:
+    def quiet(self) -> bool:
         """Whether no resize is under way on this node: every worker here has joined its
         generation, the last of them at least RESIZE_QUIET_S ago (its first step is done)."""
         since = self._workers.settled_since()
         return since is not None and time.monotonic() - since >= RESIZE_QUIET_S
 
-    def _growing(self) -> dict[int, Launch]:
+    def growing(self) -> dict[int, Launch]:
         """The jobs a standby may be prepared for, with their newest launch here."""
         return {
             job_id: launch
