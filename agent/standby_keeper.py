@@ -60,8 +60,8 @@ class StandbyKeeper:
         if self._workers.closed():
             self._spawner.close_standbys()
             return
+        # The jobs growing when the pool asked, with the launch their prepared standbys follow.
         launches: dict[int, Launch] = {}
-        """The jobs growing as the pool asked, with the launch their prepared standbys follow."""
 
         def placements() -> dict[int, WorkerPlacement]:
             busy = self._workers.busy_devices()
