@@ -16,7 +16,7 @@ import re
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NoReturn
 
@@ -29,7 +29,6 @@ from agent import slurm as slurm_job
 from agent.devices import GpuSelection, backend_names
 from agent.devices.simulated import MAX_PACE
 from agent.environments import DEFAULT_BUILD_DEADLINE_S, DEFAULT_MAX_BYTES
-from agent.supervisor import SupervisorConfig
 from elastic.environ_settings import EnvironSettings, SettingsError, refusal
 from elastic.wire import NodeRegistration
 
@@ -306,6 +305,52 @@ class AgentSettings(EnvironSettings):
             slurm_signal_s=self.slurm_signal,
             liveness_file=self.liveness_file,
         )
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """The worker supervisor's configuration (agent.supervisor); the agent makes it from its own
+    (AgentConfig.supervisor_config)."""
+
+    worker_module: str = "elastic.worker"
+    """The module run as `python -m <worker_module>`; tests put a stand-in here."""
+    python: str = sys.executable
+    stop_grace_s: float = 30.0
+    """How long a worker has, after SIGTERM, to finish its step and save before SIGKILL."""
+    warming_stop_grace_s: float = 3.0
+    """The same for a worker that never joined a group: it holds no state, so it has nothing to
+    save (it exits at once on SIGTERM); one that hangs while warming up is killed this soon."""
+    leave_grace_s: float = 120.0
+    """How long a leaver may go on after the launch that left it out: the switch waits for the
+    joiners to warm up, so this is generous. A leaver still there afterwards is killed."""
+    node_name: str = field(default_factory=socket.gethostname)
+    """This node's name, as the portal knows it: workers are named by it in membership records."""
+    node_address: str = "127.0.0.1"
+    """Where workers on other nodes reach this node's (the agent's --address): the workers'
+    collectives listen on the interface that holds it (socket_interface_env)."""
+    event_capacity: int = 10_000
+    """Events held between two drains; see EventBuffer for what is dropped first."""
+    state_dir: Path | None = None
+    """Where the workers' output files and records live (agent.records): a supervisor started
+    on the directory an earlier one used re-adopts the workers it left. None: a temporary
+    directory of this supervisor's own, so nothing outlives it."""
+    standbys: int = 0
+    """Keep a warm standby worker on each free device (agent.standby), up to this many (0:
+    none); agent.standby_keeper says which devices are free. The agent keeps up to 8 unless told
+    otherwise (--standbys)."""
+    prepared_per_job: int = 0
+    """Prepare up to this many of those standbys for each job that may grow on this node (its
+    model built before a worker is asked for: agent.standby); 0: none. The agent prepares up to
+    2 unless told otherwise (--prepared-standbys)."""
+    fork_standbys: bool = False
+    """Fork the standbys of CPU slots from the node's fork server (elastic.worker.forkserver)
+    rather than start each as a new interpreter. The agent does unless told otherwise
+    (--standby-start)."""
+
+    def grace_s(self, joined: bool) -> float:
+        """How long a worker has between SIGTERM and SIGKILL: the stop grace, or the short one if
+        it never `joined` a group (it has nothing to save)."""
+        return self.stop_grace_s if joined else min(self.warming_stop_grace_s, self.stop_grace_s)
 
 
 @dataclass(frozen=True)

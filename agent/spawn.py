@@ -33,7 +33,7 @@ from elastic.worker import WORKER_CONFIG_ENV
 from elastic.worker.forkserver import ForkedProcess
 
 if TYPE_CHECKING:
-    from agent.supervisor import SupervisorConfig
+    from agent.settings import SupervisorConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,6 @@ class Spawned:
     process: Process
     start_time: int | None
     pidfd: int | None
-    how: str
-    """" (a warm standby)", " (forked)" or "" (a new interpreter): for the log."""
 
 
 class SpawnError(Exception):
@@ -174,8 +172,8 @@ class WorkerSpawner:
         return f"job{command.job_id}-gen{command.generation}-rank{assignment.rank}-{uuid.uuid4().hex[:8]}"
 
     def spawn(self, launch: Launch, assignment: WorkerAssignment, stem: str) -> Spawned:
-        """Starts `launch`'s worker `assignment`, its output appended to the file of `stem`.
-        Raises SpawnError."""
+        """Starts `launch`'s worker `assignment`, its output appended to the file of `stem`, and
+        logs how. Raises SpawnError."""
         try:
             placement = launch.backend.placement(assignment.device_index)
         except DeviceError as err:
@@ -223,7 +221,16 @@ class WorkerSpawner:
                 log.warning(
                     "could not pin pid %d to cores %s: %s", process.pid, sorted(placement.cpu_affinity), err
                 )
-        return Spawned(process, process_start_time(process.pid), _pidfd(process), how)
+        log.info(
+            "started job %d generation %d rank %d on device %d: pid %d%s",
+            launch.command.job_id,
+            launch.command.generation,
+            assignment.rank,
+            assignment.device_index,
+            process.pid,
+            how,
+        )
+        return Spawned(process, process_start_time(process.pid), _pidfd(process))
 
     # --- standbys ----------------------------------------------------------------------------
 

@@ -10,18 +10,20 @@ worker in its own session, writing to its own output file, that outlives the age
 fork server imports (once, at the agent's start), no CPU standby starts; if it dies, or refuses a
 standby, standbys start as processes of their own again (logged).
 
-The pool is the supervisor's (one owner): it starts a standby on each device the agent calls free
-that has none, kills the standby of a device that is not free any more (its owner came back, or
-a worker started there cold), and hands a standby to a launch on its device. A standby is taken
-only if it was started with the placement the device has now (a played slowdown changes the
-environment a worker must start with); otherwise it is killed and the worker starts cold.
+The pool is the spawner's (agent.spawn, one owner; agent.standby_keeper tells it, from the
+supervisor's ledger, which devices are free and which jobs may grow): it starts a standby on each
+device the agent calls free that has none, kills the standby of a device that is not free any
+more (its owner came back, or a worker started there cold), and hands a standby to a launch on
+its device. A standby is taken only if it was started with the placement the device has now (a
+played slowdown changes the environment a worker must start with); otherwise it is killed and the
+worker starts cold.
 
 A standby runs at SCHED_IDLE until it is handed a worker: its seconds of importing use only
 CPU that nothing else wants, so training on the node (CPU slots share the cores) does not slow
 down while a standby warms up. Handing it a worker gives its threads the normal policy back; where
 the agent may not do that (no CAP_SYS_NICE), the standby is killed and the worker starts cold.
 
-A standby may also be prepared for a job (elastic.worker.build): the supervisor names the jobs
+A standby may also be prepared for a job (elastic.worker.build): the keeper names the jobs
 that may grow on this node, and the pool sends the warm, unprepared standbys of the lowest free
 devices (where the scheduler grows a job first) the environment of a worker of theirs, up to
 `prepared_per_job` a job, one preparation at a time. The standby builds that job's model at idle
@@ -197,7 +199,7 @@ class Standby:
 
 
 class StandbyPool:
-    """The node's standbys. Not thread-safe: its owner (the supervisor) calls it under its lock."""
+    """The node's standbys. Not thread-safe: its owner (the spawner) calls it under its pool lock."""
 
     def __init__(
         self, directory: Path, python: str, worker_module: str, limit: int, prepared_per_job: int = 0, fork: bool = False

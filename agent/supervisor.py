@@ -1,21 +1,21 @@
 """Starts, watches and stops this node's elastic workers, and takes them back after the agent
 itself died and started again. This module keeps the per-job generation ledger and decides what
-happens to each worker; the rest lives beside it:
+happens to each worker; the mechanisms live beside it:
 
 - agent.worker_process: one worker's life (WorkerState, its transition table), its pid, pidfd and
-  timers, and how its exit is settled;
+  timers, what its output lines say of it, and how its exit is settled;
 - agent.spawn: how a worker is started (a warm standby, the fork server, or cold), with what
   environment, and the standby pool;
-- agent.output: the one thread that reads every worker's output and sees it end.
+- agent.output: the one thread that reads every worker's output and sees it end;
+- agent.worker_events: the events on their way to the portal, and the workers' records on disk;
+- agent.standby_keeper: which warm standbys the node keeps, read from this ledger;
+- agent.settings: SupervisorConfig.
 
 Each worker is `python -m elastic.worker` in its own session, told what to do by a WorkerConfig
-in its environment. Its stdout and stderr are appended to a file in the agent's state directory,
-never to a pipe, so that a worker trains on when its agent dies (nothing the agent holds can kill
-it: no pipe to break, no shared process group, no parent-death signal). The output reader decodes
-each line with elastic.membership.codec: a line that starts with WORKER_EVENT_PREFIX is a
-structured event, any other line becomes a log event. The supervisor adds the lifecycle events
-itself: "started" right after the spawn, "exited" once the process and its output are gone, with
-the reason its exit code gives.
+in its environment, its stdout and stderr appended to a file (never a pipe: nothing the agent
+holds can kill it, so it trains on when its agent dies). Each line becomes an event
+(elastic.membership.codec: a structured one, or a log line); the supervisor adds "started" right
+after the spawn and "exited" once the process and its output are gone.
 
 Commands are versioned by the job's generation. Per job the supervisor remembers the highest
 generation it launched and the generation below which it was told to stop; a launch that is
@@ -28,25 +28,20 @@ A resize happens in place (elastic.worker.membership): a newer launch starts onl
 lists and leaves every running worker alone. Survivors switch generation by themselves and say
 so with a "joined" event, after which the supervisor reports them under their new generation and
 rank, with the same pid. Workers of the job on devices the launch does not keep are leavers:
-they read the membership record and exit with LEFT_EXIT_CODE at the switch; one still running
-`leave_grace_s` later is killed. A stop (cancel, finish, agent shutdown) is SIGTERM, SIGKILL
-after the grace period.
+they exit with LEFT_EXIT_CODE at the switch; one still running `leave_grace_s` later is killed.
+A stop (cancel, finish, agent shutdown) is SIGTERM, SIGKILL after the grace period.
 
-Re-adoption (agent.records): every worker has a record on disk: its key, pid and process start
-time, its output file and how far the portal has its events, and its job's generations. A new
-supervisor on the same state directory `adopt()`s the workers whose process still runs: it reads
-their output from where the portal's knowledge ends and watches their exit through a pidfd, as it
-is not their parent. Their exit status is then the code of the "exiting" event they write last;
-one that vanished without it failed, with an unknown code. Records of workers that ended while no
-agent ran are reported as exited once. A record goes when the "exited" event of its worker has
-reached the portal (`events_delivered`).
+Re-adoption (agent.records): a new supervisor on the state directory of an earlier one `adopt()`s
+the workers whose process still runs (their record names it by pid and start time): it reads their
+output on from where the portal's knowledge ends and watches their exit through a pidfd, as it is
+not their parent, so their exit code is the one their "exiting" event announced (unknown if none).
+Workers that ended while no agent ran are reported as exited once.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import sys
+import math
 import tempfile
 import threading
 import time
@@ -54,68 +49,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.devices import DeviceBackend, DeviceError, WorkerPlacement
-from agent.events import EventBuffer
+from agent.devices import DeviceBackend
 from agent.output import OutputReader
 from agent.records import RecordStore, open_process
+from agent.settings import SupervisorConfig
 from agent.spawn import Launch, SpawnError, WorkerSpawner
+from agent.standby_keeper import StandbyKeeper
+from agent.worker_events import WorkerEvents
 from agent.worker_process import WorkerProcess
 from elastic.membership.codec import decode
-from elastic.wire import (
-    ExitReason,
-    LaunchCommand,
-    RunningWorker,
-    StopCommand,
-    WorkerAssignment,
-    WorkerEvent,
-)
+from elastic.wire import ExitReason, LaunchCommand, RunningWorker, StopCommand, WorkerAssignment, WorkerEvent
 
 log = logging.getLogger(__name__)
 
 _REAP_AFTER_KILL_S = 10.0
-
-
-@dataclass(frozen=True)
-class SupervisorConfig:
-    worker_module: str = "elastic.worker"
-    """The module run as `python -m <worker_module>`; tests put a stand-in here."""
-    python: str = sys.executable
-    stop_grace_s: float = 30.0
-    """How long a worker has, after SIGTERM, to finish its step and save before SIGKILL."""
-    warming_stop_grace_s: float = 3.0
-    """The same for a worker that never joined a group: it holds no state, so it has nothing to
-    save (it exits at once on SIGTERM); one that hangs while warming up is killed this soon."""
-    leave_grace_s: float = 120.0
-    """How long a leaver may go on after the launch that left it out: the switch waits for the
-    joiners to warm up, so this is generous. A leaver still there afterwards is killed."""
-    node_name: str = field(default_factory=socket.gethostname)
-    """This node's name, as the portal knows it: workers are named by it in membership records."""
-    node_address: str = "127.0.0.1"
-    """Where workers on other nodes reach this node's (the agent's --address): the workers'
-    collectives listen on the interface that holds it (socket_interface_env)."""
-    event_capacity: int = 10_000
-    """Events held between two drains; see EventBuffer for what is dropped first."""
-    state_dir: Path | None = None
-    """Where the workers' output files and records live (agent.records): a supervisor started
-    on the directory an earlier one used re-adopts the workers it left. None: a temporary
-    directory of this supervisor's own, so nothing outlives it."""
-    standbys: int = 0
-    """Keep a warm standby worker on each free device (agent.standby), up to this many (0:
-    none); `keep_standbys` says which devices are free. The agent keeps up to 8 unless told
-    otherwise (--standbys)."""
-    prepared_per_job: int = 0
-    """Prepare up to this many of those standbys for each job that may grow on this node (its
-    model built before a worker is asked for: agent.standby); 0: none. The agent prepares up to
-    2 unless told otherwise (--prepared-standbys)."""
-    fork_standbys: bool = False
-    """Fork the standbys of CPU slots from the node's fork server (elastic.worker.forkserver)
-    rather than start each as a new interpreter. The agent does unless told otherwise
-    (--standby-start)."""
-
-
-RESIZE_QUIET_S = 2.0
-"""Standbys are prepared only this long after a worker here joined a generation (and never while
-one has not yet): the resize's transfer and first step have the node's memory to themselves."""
 
 
 @dataclass
@@ -147,26 +94,21 @@ class WorkerSupervisor:
             state_dir = Path(self._scratch.name)
         self.state_dir = state_dir
         """Where the agent keeps what outlives it: worker records, jobs' code."""
-        self._records = RecordStore(state_dir / "workers")
-        self._spawner = WorkerSpawner(self.config, self._records, state_dir)
+        records = RecordStore(state_dir / "workers")
+        self._spawner = WorkerSpawner(self.config, records, state_dir)
+        self._standbys = StandbyKeeper(self._spawner, self)
         self._jobs: dict[int, _Job] = {}
-        self._last_join = -RESIZE_QUIET_S
+        self._last_join = -math.inf
         """When a worker here last said "joined" (time.monotonic)."""
         self._workers: list[WorkerProcess] = []
         """Those whose "exited" event is not out yet, starting ones included."""
-        self._events = EventBuffer(self.config.event_capacity)
+        self._events = WorkerEvents(records, self.config.event_capacity, self._generations)
+        """Used under `_lock` only."""
         self._closed = False
         self._lock = threading.RLock()
         self._launching = threading.Lock()
         """Held by a launch (and a deferred joiner's start) for its whole spawn, not `_lock`."""
-        self._ended: list[WorkerProcess] = []
-        """Workers whose "exited" event is in the buffer."""
-        self._drained: dict[str, tuple[WorkerProcess, int]] = {}
-        """Since the last events_delivered: per worker, how far its output was read at the latest
-        drain."""
-        self._drained_ended: list[WorkerProcess] = []
-        """Since the last events_delivered: workers whose "exited" event was drained."""
-        self._reader = OutputReader(self._records.output_path, self._take_line, self._report_exit)
+        self._reader = OutputReader(records.output_path, self._take_line, self._report_exit)
 
     # --- commands ----------------------------------------------------------------------------
 
@@ -180,10 +122,9 @@ class WorkerSupervisor:
         python: str | None = None,
     ) -> bool:
         """Starts the joiners of `command.generation` here (their membership board is at
-        `redis_url`; a job with code of its own runs it from `code_dir`, with the interpreter of
-        its own environment `python` if it has one; one that starts from
-        another job's model finds it at `initial_model`) and sets leavers a
-        deadline; survivors go on untouched. Returns False, and does nothing, if that generation
+        `redis_url`; a job with code of its own runs it from `code_dir`, with its own
+        environment's interpreter `python` if it has one; one that starts from another job's
+        model finds it at `initial_model`) and sets leavers a deadline; survivors go on. Returns False, and does nothing, if that generation
         was already launched or passed, or the supervisor is shut down."""
         launch = Launch(command, backend, redis_url, code_dir, initial_model, python)
         with self._launching:
@@ -211,7 +152,7 @@ class WorkerSupervisor:
                 job.launched_generation = command.generation
                 job.launch = launch
                 job.deferred = {}
-                mine = [w for w in self._workers if w.job_id == command.job_id and not w.done.is_set()]
+                mine = [worker for worker in self._live() if worker.job_id == command.job_id]
                 leave = (
                     f"did not leave within {self.config.leave_grace_s:g} s of generation {command.generation}"
                 )
@@ -242,24 +183,15 @@ class WorkerSupervisor:
     def launch_failed(self, command: LaunchCommand, message: str, reason: ExitReason = "failed") -> None:
         """Reports that none of the workers `command` would start here could start (`reason`
         "user_error": through the job's fault, so that it fails at once)."""
-        for assignment in command.workers:
-            self._start_failed(command, assignment, message, reason)
+        with self._lock:
+            for assignment in command.workers:
+                self._events.start_failed(command, assignment, message, reason)
 
     def job_log(self, command: LaunchCommand, line: str) -> None:
         """Adds `line` to the log of `command`'s job, as its first worker here (what the agent
         does for the job before a worker runs: building its environment)."""
-        if command.workers:
-            with self._lock:
-                self._events.add(
-                    WorkerEvent(
-                        job_id=command.job_id,
-                        generation=command.generation,
-                        rank=command.workers[0].rank,
-                        kind="log",
-                        at=time.time(),
-                        message=line,
-                    )
-                )
+        with self._lock:
+            self._events.job_log(command, line)
 
     def stop(self, command: StopCommand) -> int:
         """Asks the job's workers here whose generation is below `command.before_generation`
@@ -279,7 +211,7 @@ class WorkerSupervisor:
                 and (command.devices is None or worker.device_index in command.devices)
             ]
         for worker in targets:
-            self._terminate(worker, f"stop ({command.reason})", self._grace(worker))
+            self._terminate(worker, f"stop ({command.reason})", self.config.grace_s(worker.joined))
         return len(targets)
 
     # --- state -------------------------------------------------------------------------------
@@ -288,109 +220,67 @@ class WorkerSupervisor:
         """Returns the workers whose exit has not been reported yet (and that have a process:
         one still being spawned is listed once it runs)."""
         with self._lock:
-            listed = [worker.running_worker() for worker in self._workers if not worker.done.is_set()]
+            listed = [worker.running_worker() for worker in self._live()]
         return [worker for worker in listed if worker is not None]
+
+    def _live(self) -> list[WorkerProcess]:
+        """The workers whose exit is not out yet (call under the lock)."""
+        return [worker for worker in self._workers if not worker.done.is_set()]
 
     def idle(self) -> bool:
         """Whether no worker is here: none running, none being spawned, every exit reported."""
         with self._lock:
             return not self._workers
 
-    def keep_standbys(self, backend: DeviceBackend, taken: set[int]) -> None:
-        """Keeps a warm standby on each device of `backend` that runs no worker of ours and is
-        not in `taken` (its owner is there), and none on any other. Does nothing unless
-        standbys are on."""
+    # --- what the standby keeper reads (agent.standby_keeper.NodeWorkers) ---------------------
+
+    def closed(self) -> bool:
         with self._lock:
-            closed = self._closed
-        if closed:
-            self._spawner.close_standbys()
-            return
+            return self._closed
 
-        def placements() -> dict[int, WorkerPlacement]:
-            with self._lock:
-                busy = {worker.device_index for worker in self._workers if not worker.done.is_set()}
-            placements = {}
-            for device in backend.devices():
-                if device.index not in busy | taken:
-                    try:
-                        placements[device.index] = backend.placement(device.index)
-                    except DeviceError as err:
-                        log.warning("no standby on device %d: %s", device.index, err)
-            return placements
-
-        self._spawner.keep_standbys(placements, self._growing, self._prepared_env, self._quiet)
-
-    def _quiet(self) -> bool:
-        """Whether no resize is under way on this node: every worker here has joined its
-        generation, the last of them at least RESIZE_QUIET_S ago (its first step is done)."""
+    def busy_devices(self) -> set[int]:
         with self._lock:
-            live = [worker for worker in self._workers if not worker.done.is_set()]
-            return (
-                all(worker.joined for worker in live) and time.monotonic() - self._last_join >= RESIZE_QUIET_S
-            )
+            return {worker.device_index for worker in self._live()}
 
-    def _growing(self) -> list[int]:
-        """The jobs a standby may be prepared for, by id: those with a worker here whose newest
-        generation launched here has fewer workers than the job's most."""
+    def newest_launches(self) -> dict[int, Launch]:
         with self._lock:
-            live = {worker.job_id for worker in self._workers if not worker.done.is_set()}
-            return [
-                job_id
+            live = {worker.job_id for worker in self._live()}
+            return {
+                job_id: job.launch
                 for job_id, job in sorted(self._jobs.items())
-                if job_id in live
-                and job.launch is not None
-                and job.launch.python is None  # a standby runs the node's environment, not the job's
-                and job.launch.command.world_size < int(job.launch.command.spec.get("max_workers", 0))
-            ]
+                if job_id in live and job.launch is not None
+            }
 
-    def _prepared_env(self, job_id: int, device_index: int, placement: WorkerPlacement) -> dict[str, str]:
-        """The environment of the worker job `job_id` would start on `device_index` if it grew
-        by one: its newest launch here, one rank more (provisional: a worker takes its rank and
-        generation when it enters one)."""
+    def settled_since(self) -> float | None:
         with self._lock:
-            launch = self._jobs[job_id].launch
-        assert launch is not None
-        command = launch.command
-        config = self._spawner.worker_config(
-            launch,
-            WorkerAssignment(rank=command.world_size, device_index=device_index),
-            placement,
-            generation=command.generation + 1,
-            world_size=command.world_size + 1,
-        )
-        return self._spawner.env_of(config, placement)
+            return self._last_join if all(worker.joined for worker in self._live()) else None
+
+    # --- standbys ----------------------------------------------------------------------------
+
+    def keep_standbys(self, backend: DeviceBackend, taken: set[int]) -> None:
+        """Keeps a warm standby on each free device of `backend` not in `taken` (agent.standby_keeper)."""
+        self._standbys.keep(backend, taken)
 
     def standby_pids(self) -> dict[int, int]:
         """pid -> device index of the standbys waiting: processes of ours, not an owner's."""
-        return self._spawner.standby_pids()
+        return self._standbys.pids()
 
     def drain_events(self) -> list[WorkerEvent]:
         """Removes and returns the events since the last drain, oldest first."""
         with self._lock:
-            events = self._events.take()
-            for worker in self._workers:
-                self._drained[worker.stem] = (worker, worker.read_offset)
-            self._drained_ended += self._ended
-            self._ended = []
-        return events
+            return self._events.drain(self._workers)
 
     def events_delivered(self) -> None:
         """Says that every event drained so far reached the portal (or was given up on): a
         supervisor that re-adopts the workers reads their output on from there, and the records
         of workers whose "exited" event was among them are removed."""
         with self._lock:
-            drained, self._drained = self._drained, {}
-            ended, self._drained_ended = self._drained_ended, []
-            for worker, offset in drained.values():
-                if offset > worker.delivered_offset and worker not in ended:
-                    worker.delivered_offset = offset
-                    self._persist(worker)
-            for worker in ended:
-                self._records.remove(worker.stem)
+            self._events.delivered()
 
     @property
     def dropped_events(self) -> int:
-        return self._events.dropped
+        with self._lock:
+            return self._events.dropped
 
     def adopt(self) -> list[RunningWorker]:
         """Takes over the workers an earlier supervisor on the same state directory left (see
@@ -399,7 +289,7 @@ class WorkerSupervisor:
         exited. Returns the workers now running. Call it once, before the first launch."""
         adopted: list[WorkerProcess] = []
         with self._lock:
-            for stem, record in self._records.load().items():
+            for stem, record in self._events.records.load().items():
                 job = self._jobs.setdefault(record.job_id, _Job())
                 job.launched_generation = max(job.launched_generation, record.launched_generation)
                 job.stop_before_generation = max(job.stop_before_generation, record.stop_before_generation)
@@ -431,7 +321,17 @@ class WorkerSupervisor:
             # A launch lists its workers, as starting, only while not closed: this is all of them.
             workers = list(self._workers)
         self._spawner.close_standbys()
-        self._stop_and_wait(workers, "agent shutting down", grace_s)
+        graces = {
+            id(worker): self.config.grace_s(worker.joined) if grace_s is None else grace_s
+            for worker in workers
+        }
+        for worker in workers:
+            self._terminate(worker, "agent shutting down", graces[id(worker)])
+        # A worker already asked to stop keeps its own, earlier deadline; this one is a bound.
+        deadline = time.monotonic() + max(graces.values(), default=0.0) + _REAP_AFTER_KILL_S
+        for worker in workers:
+            if not worker.done.wait(timeout=max(0.0, deadline - time.monotonic())):
+                log.error("pid %s did not go away even after SIGKILL", worker.pid)
         self._spawner.close_forkserver()
         self._reader.close(_REAP_AFTER_KILL_S)
 
@@ -455,50 +355,18 @@ class WorkerSupervisor:
             worker.spawn_failed()
             with self._lock:
                 self._workers.remove(worker)
-                self._start_failed(launch.command, assignment, str(err))
+                self._events.start_failed(launch.command, assignment, str(err), "failed")
             worker.done.set()
             return
         stop = worker.spawned(spawned.process, spawned.start_time, spawned.pidfd)
         self._persist(worker)
-        log.info(
-            "started job %d generation %d rank %d on device %d: pid %d%s",
-            worker.job_id,
-            worker.generation,
-            worker.rank,
-            worker.device_index,
-            spawned.process.pid,
-            spawned.how,
-        )
         with self._lock:
             self._events.add(
                 worker.event("started", pid=spawned.process.pid, device_index=worker.device_index)
             )
         self._reader.watch(worker)
         if stop is not None:
-            self._terminate(worker, stop, self._grace(worker))
-
-    def _start_failed(
-        self,
-        command: LaunchCommand,
-        assignment: WorkerAssignment,
-        message: str,
-        reason: ExitReason = "failed",
-    ) -> None:
-        log.error(
-            "job %d generation %d rank %d: %s", command.job_id, command.generation, assignment.rank, message
-        )
-        self._events.add(
-            WorkerEvent(
-                job_id=command.job_id,
-                generation=command.generation,
-                rank=assignment.rank,
-                kind="exited",
-                at=time.time(),
-                device_index=assignment.device_index,
-                reason=reason,
-                message=message,
-            )
-        )
+            self._terminate(worker, stop, self.config.grace_s(worker.joined))
 
     def _start_deferred(self, launch: Launch, assignment: WorkerAssignment) -> None:
         """Starts the joiner a launch left to a worker that exited instead of joining (see
@@ -526,44 +394,29 @@ class WorkerSupervisor:
     def _persist(self, worker: WorkerProcess) -> None:
         """Writes the worker's record as it stands."""
         with self._lock:
-            job = self._jobs.get(worker.job_id, _Job())
-            record = worker.record(
-                str(self._records.output_path(worker.stem)),
-                job.launched_generation,
-                job.stop_before_generation,
-            )
-            try:
-                self._records.save(worker.stem, record)
-            except OSError as err:
-                log.error(
-                    "could not save the record of pid %d (it cannot be re-adopted): %s", record.pid, err
-                )
+            self._events.save(worker)
+
+    def _generations(self, job_id: int) -> tuple[int, int]:
+        """The job's launched and stop-below generations (a worker's record keeps them)."""
+        job = self._jobs.get(job_id, _Job())
+        return job.launched_generation, job.stop_before_generation
 
     # --- what the output reader sees -----------------------------------------------------------
 
     def _take_line(self, worker: WorkerProcess, raw: bytes, offset: int) -> None:
         """Turns one output line, which ends at `offset` in the file, into an event."""
         line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-        changed = False
         with self._lock:
             worker.read_offset = offset
             if not line.strip():
                 return
             event = decode(worker.key, line)
-            if event.kind == "exiting":
-                worker.announced_exit = event.exit_code
-                changed = True
-            elif event.kind == "progress" and event.step is not None:
-                worker.last_step = event.step
-                worker.total_steps = event.total_steps or worker.total_steps
-            elif event.kind == "joined":
-                worker.said_joined(event.generation, event.rank)
+            report = worker.heard(event)
+            if report is not None:
+                self._events.add(report)
+            if event.kind == "joined":
                 self._last_join = time.monotonic()
-                event = event.model_copy(update={"pid": worker.pid, "device_index": worker.device_index})
-                changed = True
-            if event.kind != "exiting":
-                self._events.add(event)
-        if changed:
+        if event.kind in ("exiting", "joined"):  # what its record keeps changed
             self._persist(worker)
 
     def _report_exit(self, worker: WorkerProcess) -> None:
@@ -571,19 +424,8 @@ class WorkerSupervisor:
             outcome = worker.settle()
             # Kept until the event reaches the portal: an agent that dies first reports it again.
             self._persist(worker)
-            self._events.add(
-                worker.event(
-                    "exited",
-                    pid=worker.pid,
-                    device_index=worker.device_index,
-                    exit_code=outcome.exit_code,
-                    reason=outcome.reason,
-                    step=worker.last_step,
-                    message=outcome.message,
-                )
-            )
+            self._events.exited(worker, outcome)
             self._workers.remove(worker)
-            self._ended.append(worker)
             deferred = self._deferred_joiner(worker)
         worker.done.set()
         if deferred is not None:
@@ -614,22 +456,3 @@ class WorkerSupervisor:
     def _terminate(self, worker: WorkerProcess, why: str, grace_s: float) -> None:
         if worker.terminate(why, grace_s):
             self._persist(worker)
-
-    def _grace(self, worker: WorkerProcess) -> float:
-        """How long `worker` has between SIGTERM and SIGKILL: the stop grace, or the short one
-        if it never joined a group (it has nothing to save)."""
-        if worker.joined:
-            return self.config.stop_grace_s
-        return min(self.config.warming_stop_grace_s, self.config.stop_grace_s)
-
-    def _stop_and_wait(self, workers: list[WorkerProcess], why: str, grace_s: float | None = None) -> None:
-        """Stops `workers` (SIGTERM, then SIGKILL after `grace_s`, by default each one's own
-        grace) and waits until they have exited."""
-        graces = {id(worker): self._grace(worker) if grace_s is None else grace_s for worker in workers}
-        for worker in workers:
-            self._terminate(worker, why, graces[id(worker)])
-        # A worker already asked to stop keeps its own, earlier deadline; this one is a bound.
-        deadline = time.monotonic() + max(graces.values(), default=0.0) + _REAP_AFTER_KILL_S
-        for worker in workers:
-            if not worker.done.wait(timeout=max(0.0, deadline - time.monotonic())):
-                log.error("pid %s did not go away even after SIGKILL", worker.pid)

@@ -4,9 +4,10 @@ the timers that end it when it outstays a stop or a leave, and how its exit is s
 
 The supervisor (agent.supervisor) decides what happens to a worker: it is started, kept, left
 out, stopped. The worker makes it happen and refuses a move its state does not allow
-(InvalidWorkerTransition): the one place its state changes is `WorkerProcess._move`. The output
-reader (agent.output) sees the process end and reads its last lines; `ended` and `settle` are
-its calls.
+(InvalidWorkerTransition): the one place its state changes is `WorkerProcess._move`. What its
+output lines say of it (its step, a generation joined, the code it exits with) it takes in itself
+(`heard`). The output reader (agent.output) sees the process end and reads its last lines; `ended`
+and `settle` are its calls.
 
 A worker is the agent's child (started cold), the fork server's (forked, or a forked standby that
 took the launch), or nobody's the agent knows of (re-adopted after an agent restart: its
@@ -361,6 +362,22 @@ class WorkerProcess:
         """starting -> exited: it never ran."""
         with self._lock:
             self._move(WorkerState.EXITED, only_from=WorkerState.STARTING)
+
+    def heard(self, event: WorkerEvent) -> WorkerEvent | None:
+        """Takes in an event its output printed: "exiting" says the code it exits with (kept for
+        its "exited" event, and not reported: None is returned), "progress" its step, "joined" its
+        new generation and rank (`said_joined`; the event reported carries its pid and device).
+        Returns the event to report."""
+        if event.kind == "exiting":
+            self.announced_exit = event.exit_code
+            return None
+        if event.kind == "progress" and event.step is not None:
+            self.last_step = event.step
+            self.total_steps = event.total_steps or self.total_steps
+        elif event.kind == "joined":
+            self.said_joined(event.generation, event.rank)
+            return event.model_copy(update={"pid": self.pid, "device_index": self.device_index})
+        return event
 
     def said_joined(self, generation: int, rank: int) -> None:
         """It joined `generation` as `rank` (adopted or warming -> joined)."""
