@@ -381,8 +381,9 @@ class Trainer:
                     buckets.disarm()
                 self._restore_model_buffers(saved_buffers)
                 raise
-            if buckets is None:
-                buffer[: self._gradient_size].mul_(count / self.batch_size)
+            share = count / self.batch_size
+            if buckets is None and share != 1.0:  # x * 1.0 is x, bit for bit: one pass over the gradients saved
+                buffer[: self._gradient_size].mul_(share)
             buffer[_LOSS_SUM] = loss.detach() * count
             buffer[_NONFINITE_VOTES] = (~torch.isfinite(loss.detach())).to(buffer.dtype)
             names = self.metric_names()
