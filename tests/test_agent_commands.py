@@ -31,6 +31,7 @@ from agent.devices.api import DeviceError
 from agent.devices.simulated import SimulatedBackend
 from agent.environments import Environment, EnvironmentSettings
 from agent.environments import Environments as Environments_
+from agent.simulate import SimulateSettings
 from agent.simulate import main as simulate_main
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
 from elastic.wire import (
@@ -57,7 +58,9 @@ def client() -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def stream(client: redis.Redis) -> Iterator[str]:
-    name = command_stream(f"agent-test-{uuid.uuid4().hex[:8]}")
+    """A fresh node's command stream, under the prefix `agent.simulate` writes with here (the
+    environment's BUNGEE_REDIS_PREFIX, as the portal's)."""
+    name = command_stream(f"agent-test-{uuid.uuid4().hex[:8]}", SimulateSettings.from_environ().prefix)
     yield name
     client.delete(name)
 
