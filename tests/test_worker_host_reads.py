@@ -25,8 +25,8 @@ STEPS = 4
 VIRTUAL_WORKERS = 2
 """Strict mode's virtual workers here. With 3 to 8 the fixed point is int32 with a margin of one
 bit for predicted scales, and this small noisy model's gradients move more than that most steps
-(predictions rejected in 13 of 15 steps on an AVX-512 CPU, far fewer on an AVX2 one: the float
-rounding decides); with 2 the margin is two bits and a step whose prediction holds is the rule,
+(predictions rejected in 13 of 15 steps on an Intel AVX-512 VM, where the test then failed; it
+had passed on an AMD one: the float rounding decides); with 2 the margin is two bits and a step whose prediction holds is the rule,
 which the read counts below need to see on any CPU."""
 
 
