@@ -111,6 +111,12 @@ steps that tried them (half) sums in int64 from its next step on (see the module
 _VOTES = 3  # per segment: terms over the predicted range, terms within its low end, nonzero terms
 
 
+def _starts_wide(virtual_workers: int) -> bool:
+    """Whether a job of `virtual_workers` sums in int64 from its first step: int32 would keep
+    fewer than MIN_SPARE_BITS below a tensor's largest term (more than 32 virtual workers)."""
+    return spare_bits(virtual_workers, 31) < MIN_SPARE_BITS
+
+
 def virtual_worker_seed(seed: int, step: int, virtual_worker: int) -> int:
     """The seed of every random generator of virtual worker `virtual_worker` at step `step`."""
     return derive_seed(seed, step, virtual_worker, 0x5717)
@@ -172,7 +178,7 @@ class StrictTrainer(Trainer):
         """Whether each of the last WIDEN_WINDOW steps that tried predicted scales rejected them
         (committed steps only, agreed by every worker: state, as the scales)."""
         self._votes_at = ends[-1] + _STATS
-        self._set_fixed_point(wide=spare_bits(virtual_workers, 31) < MIN_SPARE_BITS)
+        self._set_fixed_point(wide=_starts_wide(virtual_workers))
         self._result: torch.Tensor | None = None
         """The step's exact sum, as floats, for a worker that hosts no vw (else the first row of
         the terms holds it: see _result_row)."""
@@ -268,18 +274,18 @@ class StrictTrainer(Trainer):
         }
 
     def load_small_state(self, state: dict[str, Any]) -> None:
+        if state.get("virtual_workers", self.virtual_workers) != self.virtual_workers:  # refused before any change
+            raise ValueError(
+                f"the state is of {state['virtual_workers']} virtual workers, this job has {self.virtual_workers}"
+            )
         super().load_small_state(state)
         carried = state.get("predicted_scales")
         self.predicted_scales = None if carried is None else [float(scale) for scale in carried]
         # A state from before int64 could be chosen on the way: the job's first fixed point.
-        wide = bool(state.get("wide_fixed_point", spare_bits(self.virtual_workers, 31) < MIN_SPARE_BITS))
+        wide = bool(state.get("wide_fixed_point", _starts_wide(self.virtual_workers)))
         if wide != self.wide_fixed_point:
             self._set_fixed_point(wide)
         self.recent_rejections = [bool(rejected) for rejected in state.get("recent_rejections", [])]
-        if state.get("virtual_workers", self.virtual_workers) != self.virtual_workers:
-            raise ValueError(
-                f"the state is of {state['virtual_workers']} virtual workers, this job has {self.virtual_workers}"
-            )
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -457,16 +463,18 @@ class StrictTrainer(Trainer):
         rejections among the last WIDEN_WINDOW make the fixed point int64 from the next step on
         (which takes the MAX all-reduce for int64's scales). Every worker counts the same
         agreed votes, so the switch happens at the same step on every placement."""
+        if self.wide_fixed_point:  # never int32 again: nothing left to count
+            return
         self.recent_rejections = [*self.recent_rejections, rejected][-WIDEN_WINDOW:]
-        if not self.wide_fixed_point and sum(self.recent_rejections) >= WIDEN_AFTER_REJECTIONS:
+        if sum(self.recent_rejections) >= WIDEN_AFTER_REJECTIONS:
             self._set_fixed_point(wide=True)
             self.predicted_scales = None
             self.recent_rejections = []
 
     def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's buffers, kept between steps so that a step faults in no memory: one row of
-        gradients and loss per hosted vw (zeroed: backward accumulates), and the int64 buffer of
-        the SUM all-reduce (fixed-point sums, then the step's votes, then every vw's context).
+        gradients and loss per hosted vw (zeroed: backward accumulates), and the fixed-point buffer
+        (fixed_dtype) of the SUM all-reduce (fixed-point sums, then the step's votes, then every vw's context).
         The rows are the first of the most this worker ever hosted: a resize that leaves it
         fewer vws allocates nothing (the first step after it would fault in hundreds of MB)."""
         rows, width = len(self.hosted), self._row_width
