@@ -1,22 +1,16 @@
 """A device's identifiers, mapped in one place. Inside the portal a device is its `Device` row,
 named by its id (allocations, worker rows, the scheduler's plans); outside it, on the wire to
 agents and workers and in membership records, it is its member key "node/index"
-(elastic.wire.member_key). Whoever turns one into the other calls this module: `wire_key` for a
-row, `device_id` for what an agent reported, and `ClusterDevices` for a scheduling cycle, which
-reads every device once and then maps both ways from memory."""
+(elastic.wire.member_key, which `str(device)` gives). Whoever turns one into the other calls this
+module: `device_id` for what an agent reported, and `ClusterDevices` for a scheduling cycle, which
+reads every device once and then names them from memory."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastic.wire import member_key
 from portal.cluster.models import Device, Node
-
-
-def wire_key(device: Device) -> str:
-    """The device's member key, "node/index" (its node is read if not loaded yet)."""
-    return member_key(device.node.name, device.index)
 
 
 def node_of(key: str) -> str:
@@ -34,21 +28,19 @@ def device_id(node: Node, index: int | None) -> int | None:
 
 @dataclass(frozen=True)
 class ClusterDevices:
-    """Every device with its node, read once: by id, and by member key."""
+    """Every device with its node, read once, by id."""
 
     by_id: Mapping[int, Device]
-    by_key: Mapping[str, int]
 
     @classmethod
     def read(cls) -> ClusterDevices:
         """Reads the Device table (one query, nodes joined)."""
-        devices = {d.pk: d for d in Device.objects.select_related("node")}
-        return cls(by_id=devices, by_key={wire_key(d): pk for pk, d in devices.items()})
+        return cls(by_id={d.pk: d for d in Device.objects.select_related("node")})
 
     def key(self, device: int) -> str:
         """The member key of device id `device`; the id itself for a device not read."""
         known = self.by_id.get(device)
-        return wire_key(known) if known is not None else str(device)
+        return str(known) if known is not None else str(device)
 
     def keys(self, devices: tuple[int, ...] | list[int]) -> list[str]:
         return [self.key(d) for d in devices]

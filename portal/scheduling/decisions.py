@@ -43,7 +43,7 @@ def explain(job: JobView, plan: Plan, snapshot: ClusterSnapshot, held: Collectio
     lent = {d.id for d in snapshot.devices if d.lent}
     parts: list[str] = []
     for reason in reasons_of(job, plan, snapshot):
-        if reason in (Reason.PINNED, Reason.PIN_UNMET) and job.pinned_workers is not None:  # a pinned job's
+        if reason in (Reason.PINNED, Reason.PIN_UNMET) and job.pinned_workers is not None:  # only a pinned job has them
             pinned = f"pinned to {counted(job.pinned_workers, 'worker')}"
             parts.append(f"{pinned} by a manual resize" if reason == Reason.PINNED else f"{pinned}, which cannot be met now")
         elif reason == Reason.MINIMUM:
