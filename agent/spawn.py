@@ -185,6 +185,7 @@ class WorkerSpawner:
         # new interpreter of it (docs/operator/environments.md: what a grow costs).
         pool = self.standbys if launch.python is None else None
         how = ""
+        from_standby = False  # a warm standby placed itself (its cores included) when it warmed
         try:
             # A file, not a pipe: the worker must outlive the agent. Its own session keeps it out
             # of the agent's process group and away from the agent's terminal.
@@ -196,7 +197,7 @@ class WorkerSpawner:
                             assignment.device_index, placement, output_path, env, launch.command.job_id
                         )
                         if standby is not None:
-                            process, how = standby.process, " (a warm standby)"
+                            process, how, from_standby = standby.process, " (a warm standby)", True
                         else:
                             process = pool.fork_worker(
                                 self.config.worker_module, placement, output.fileno(), env
@@ -214,7 +215,7 @@ class WorkerSpawner:
         except OSError as err:
             self._records.remove(stem)
             raise SpawnError(f"cannot start {' '.join(argv)}: {err}") from err
-        if placement.cpu_affinity and how != " (a warm standby)":
+        if placement.cpu_affinity and not from_standby:
             try:
                 os.sched_setaffinity(process.pid, placement.cpu_affinity)
             except OSError as err:

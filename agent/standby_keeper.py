@@ -83,10 +83,6 @@ class StandbyKeeper:
 
         self._spawner.keep_standbys(placements, jobs_growing, prepared_env, self.quiet)
 
-    def pids(self) -> dict[int, int]:
-        """pid -> device index of the standbys waiting: processes of ours, not an owner's."""
-        return self._spawner.standby_pids()
-
     def quiet(self) -> bool:
         """Whether no resize is under way on this node: every worker here has joined its
         generation, the last of them at least RESIZE_QUIET_S ago (its first step is done)."""

@@ -263,7 +263,7 @@ class WorkerSupervisor:
 
     def standby_pids(self) -> dict[int, int]:
         """pid -> device index of the standbys waiting: processes of ours, not an owner's."""
-        return self._standbys.pids()
+        return self._spawner.standby_pids()
 
     def drain_events(self) -> list[WorkerEvent]:
         """Removes and returns the events since the last drain, oldest first."""
