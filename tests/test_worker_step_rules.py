@@ -117,6 +117,23 @@ def test_a_nan_loss_is_skipped_when_the_job_says_so(mode: str, group_of_one: Non
     assert all(torch.isfinite(v).all() for v in trainer.problem.model.state_dict().values() if v.is_floating_point())
 
 
+def test_a_skipped_step_gives_back_a_buffer_the_model_assigns_anew(group_of_one: None) -> None:
+    """The buffers a step saves are listed once and kept while the modules hold them: a model
+    that assigns a buffer a new tensor in its forward (rather than changing it in place) has the
+    new one restored when the step is skipped, not the one listed before."""
+    trainer = _trainer("hybrid", _task(nan_at_call=3), skip=True)
+    model = trainer.problem.model
+    model.register_buffer("calls", torch.zeros(()))
+    model.register_forward_pre_hook(lambda module, args: setattr(module, "calls", module.calls + 1))
+    for step in range(2):
+        trainer.step(step, stop_requested=False)
+    assert model.calls.item() == 2
+    assert trainer.step(2, stop_requested=False).skipped
+    assert model.calls.item() == 2, "the skipped step's forward is undone in the tensor the model holds now"
+    trainer.step(3, stop_requested=False)
+    assert model.calls.item() == 3
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_the_scheduler_steps_per_applied_step_and_travels_in_the_small_state(mode: str, group_of_one: None) -> None:
     trainer = _trainer(mode, _task(lr_decay_every=3))

@@ -13,7 +13,7 @@ import torch
 
 from elastic.tasks.runtime import bind_task
 from elastic.worker.data import SampleStream
-from elastic.worker.trainer import StepOutcome, Trainer
+from elastic.worker.trainer import StepOutcome, Trainer, all_reduce_sum
 from elastic.workloads import CATALOGUE
 
 SEED = 5
@@ -77,3 +77,34 @@ def test_ranks_agree_with_a_single_worker(world_size: int, batch_size: int) -> N
         mine = trainer.problem.model.state_dict()
         for name, tensor in single.problem.model.state_dict().items():
             assert torch.allclose(mine[name], tensor, rtol=1e-5, atol=1e-6), name
+
+
+def _with_unused_parameter(trainer: Trainer) -> Trainer:
+    """`trainer`'s model with a parameter no batch uses, and an optimiser that moves it anyway
+    when its gradient is zero (weight decay, momentum)."""
+    model = trainer.problem.model
+    model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    return Trainer(
+        trainer.problem, trainer.optimizer, trainer.stream, trainer.batch_size, SEED, 0, 1, reduce=trainer.reduce
+    )
+
+
+def test_a_worker_alone_keeps_backwards_gradients_and_trains_as_through_the_buffer(group_of_one: None) -> None:
+    """A rank alone with the default all-reduce (which sums nothing) lets backward make the
+    gradients, as a user's loop does, and holds no all-reduce buffer; it trains bit for bit as a
+    rank that sends them through the buffer, a parameter the batch does not use included (a
+    zero gradient there, not none: weight decay and momentum move it as at any world size)."""
+    torch.set_num_threads(1)
+    solo = _with_unused_parameter(_trainer(8, rank=0, world_size=1, reduce=all_reduce_sum))
+    buffered = _with_unused_parameter(_trainer(8, rank=0, world_size=1, reduce=lambda buffer: None))
+    for step in range(STEPS):
+        a, b = solo.step(step, stop_requested=False), buffered.step(step, stop_requested=False)
+        assert a == b and solo.metrics == buffered.metrics, step
+        assert solo._buffer is None and buffered._buffer is not None
+        ours, theirs = solo._parameters[-1].grad, buffered._parameters[-1].grad
+        assert ours is not None and theirs is not None and ours.data_ptr() != theirs.data_ptr()
+    mine, other = solo.problem.model.state_dict(), buffered.problem.model.state_dict()
+    assert all(torch.equal(mine[name], other[name]) for name in other)
+    assert not torch.equal(mine["unused"], torch.ones(3)), "weight decay moved the unused parameter"
+    assert solo.host_reads == STEPS, "one read a step"
