@@ -238,7 +238,7 @@ class StrictTrainer(Trainer):
             start, stop = share_bounds(self.batch_size, self.virtual_workers, vw)
             indices = self.stream.positions(first + start, first + stop)
             seed = virtual_worker_seed(self.seed, step + 1, vw)
-            ahead.append(Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start), seed, True))
+            ahead.append(Share(tuple(indices.tolist()), self.item_seeds(first + start, stop - start), seed, True))
         return ahead
 
     # --- contexts ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ device computes, the next step's items are read ahead (elastic.worker.readahead)
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -53,6 +54,9 @@ whose metrics differ cannot make the collectives' sizes disagree."""
 _METRIC_NAMES, _NONFINITE_VOTES, _LOSS_SUM, _COUNT, _STOP_VOTES, _SWITCH_TO = -6, -5, -4, -3, -2, -1
 _STATS = 6 + METRIC_SLOTS
 _ITEM_SALT = 0xDA7A
+_SEED_RANGES = 128
+"""Item seed ranges a trainer remembers: a step's and the next one's, per hosted virtual worker
+(a rank that hosts more than 64 derives some twice, as before there was a memory)."""
 
 
 class NonFiniteLossError(UserCodeError):
@@ -303,6 +307,7 @@ class Trainer:
         """Device-to-host reads the steps made (each a sync on a GPU): a step makes one, the
         read of its agreed statistics, but for a strict step (see StrictTrainer.step)."""
         self.readahead = ReadAhead(problem)
+        self._derived_seeds = functools.lru_cache(maxsize=_SEED_RANGES)(self._derive_seeds)
         self.read_ahead_here = self._device.type != "cpu"
         """Whether items read in this process (no data_workers) are read a step ahead, on the
         main thread while the device computes (elastic.worker.readahead); on a CPU that only
@@ -354,12 +359,8 @@ class Trainer:
         first = self.next_batch_start(step)
         start, stop = share_bounds(self.batch_size, self.world_size, self.rank)
         indices = self.stream.positions(first + start, first + stop)
-        return [Share(tuple(indices.tolist()), self._seeds_tuple(first + start, stop - start),
+        return [Share(tuple(indices.tolist()), self.item_seeds(first + start, stop - start),
                       step_seed(self.seed, step + 1, self.rank))]
-
-    def _seeds_tuple(self, position: int, count: int) -> tuple[int, ...] | None:
-        seeds = self.item_seeds(position, count)
-        return None if seeds is None else tuple(seeds)
 
     def start_reading_ahead(self, step: int) -> None:
         """Hands step `step` + 1's items to the readers (or, reading here, notes them)."""
@@ -464,13 +465,18 @@ class Trainer:
             )
         return True
 
-    def item_seeds(self, position: int, count: int) -> list[int] | None:
+    def item_seeds(self, position: int, count: int) -> tuple[int, ...] | None:
         """The seeds of the `count` items from stream position `position` on, when the task
         reads its items in reader processes (None otherwise: they are read here, after the
-        step's own seeding). An item's seed depends only on the job's seed and its position."""
+        step's own seeding). An item's seed depends only on the job's seed and its position.
+        A range is derived once: the read-ahead asks for the next step's, which then asks again
+        (5 us an item: 1.3 ms of host time a step for 128 items, asked twice)."""
         if not self.problem.data_workers:
             return None
-        return [derive_seed(self.seed, at, _ITEM_SALT) for at in range(position, position + count)]
+        return self._derived_seeds(position, count)
+
+    def _derive_seeds(self, position: int, count: int) -> tuple[int, ...]:
+        return tuple(derive_seed(self.seed, at, _ITEM_SALT) for at in range(position, position + count))
 
     def advance_schedule(self) -> None:
         """Notes the rate the step trained at, then steps the task's learning-rate scheduler
