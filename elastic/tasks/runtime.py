@@ -18,7 +18,7 @@ from torch.utils.data import default_collate
 from elastic.tasks.api import Job, TaskDefinitionError, UserCodeError
 from elastic.tasks.hyperparameters import hyperparameter, validate_hyperparameters
 from elastic.tasks.loader import construct_task, load_task_class
-from elastic.tasks.readers import ItemReaders
+from elastic.tasks.readers import ItemReaders, Stacked
 
 
 @contextmanager
@@ -169,27 +169,28 @@ class BoundTask:
         listed = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
         if seeds is None or not self.data_workers:
             return self._collated(self.dataset, listed)
-        return self._collate_items(self._read_elsewhere(listed, seeds))
+        return to_device(self.start_reading(listed, seeds)(), self.device)
 
-    def _read_elsewhere(self, indices: list[int], seeds: Sequence[int]) -> list[Any]:
-        return self.start_reading(indices, seeds)()
-
-    def start_reading(self, indices: Sequence[int], seeds: Sequence[int]) -> Callable[[], list[Any]]:
+    def start_reading(self, indices: Sequence[int], seeds: Sequence[int]) -> Callable[[], Any]:
         """Hands the items `indices` (item i seeded with `seeds[i]`) to the reader processes at
-        once and returns the call that waits for them, in order (the task must have
+        once and returns the call that waits for them and gives their batch, collated, on the
+        CPU (in pinned memory where the readers stacked it for a GPU) (the task must have
         data_workers). Dropping the call without calling it cancels what is not read yet.
         The call raises UserCodeError for the task's error, RuntimeError if a reader died."""
         if self._readers is None:
             assert self._source is not None
-            self._readers = ItemReaders(self.data_workers, *self._source, self._given_hyperparameters, self.job)
+            self._readers = ItemReaders(
+                self.data_workers, *self._source, self._given_hyperparameters, self.job,
+                stack=self._collate is default_collate,
+            )  # fmt: skip
         try:
-            pending = self._readers.start(list(indices), list(seeds))
+            pending = self._readers.start(list(indices), list(seeds), pin=self.device.type == "cuda")
         except BrokenProcessPool as err:  # a reader was killed: the node's trouble, not the code's
             raise RuntimeError(f"a data reader process died: {err}") from err
 
-        def collect() -> list[Any]:
+        def collect() -> Any:
             try:
-                return list(pending)
+                read = pending.result()
             except BrokenProcessPool as err:
                 raise RuntimeError(f"a data reader process died: {err}") from err
             except Exception as err:
@@ -197,6 +198,7 @@ class BoundTask:
                 raise UserCodeError(
                     f"reading the data set (in a data reader) raised {type(err).__name__}: {err}", str(remote)
                 ) from err
+            return read.batch if isinstance(read, Stacked) else self.collate(read)
 
         return collect
 

@@ -13,8 +13,10 @@ the trainer asks for them a step early:
   put back as they were. Never in a thread: a reader thread would race the main thread's
   generator (dropout on the CPU).
 
-Then (`prepare`) the batch is collated and, on CUDA, put in pinned memory and copied with
-non_blocking on a side stream; the step that takes it makes its own stream wait for the copy.
+Then (`prepare`) the batch is collated (the readers stack a task's items that torch's
+default_collate would collate: elastic.tasks.readers) and, on CUDA, put in pinned memory (where
+the readers' stacks are joined) and copied with non_blocking on a side stream; the step that
+takes it makes its own stream wait for the copy.
 
 What was read ahead is only ever a cache: `batch` hands it over only when it is of the very
 items, item seeds and step seed asked for, and when the generators are where that step's
@@ -52,8 +54,8 @@ class Share:
 @dataclass
 class _Ahead:
     share: Share
-    collect: Callable[[], list[Any]] | None = None
-    """The reader processes' items, pending."""
+    collect: Callable[[], Any] | None = None
+    """The reader processes' batch, pending (collated on the CPU when called)."""
     batch: Any = None
     error: BaseException | None = None
     before: tuple[Any, Any] | None = None
@@ -65,6 +67,11 @@ class _Ahead:
     ready: bool = False
     copied_on: Any = None
     """The CUDA side stream the batch was copied on, if any."""
+
+
+def _unpinned(value: Any) -> bool:
+    """Whether `value` is a CPU tensor outside pinned memory (the readers join theirs there)."""
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_pinned()
 
 
 def _states() -> tuple[Any, Any]:
@@ -119,12 +126,12 @@ class ReadAhead:
             ahead.ready = True
             try:
                 if ahead.collect is not None:
-                    items = ahead.collect()
+                    batch = ahead.collect()
                 elif ahead.share.item_seeds is None and ahead.share.rng_seed is not None:
-                    items = self._read_here(ahead)
+                    batch = self.problem.collate(self._read_here(ahead))
                 else:
                     continue  # nothing known to read it exactly as the step would
-                ahead.batch = self._to_device(ahead, self.problem.collate(items))
+                ahead.batch = self._to_device(ahead, batch)
             except Exception as err:  # the task's error (or a dead reader): the step raises it
                 ahead.error = err
 
@@ -155,7 +162,7 @@ class ReadAhead:
         ahead.copied_on = self._side
         # Fresh pinned memory and fresh device memory from the side stream's pool: the copy
         # waits for nothing of the step's; the step that takes the batch waits for the copy.
-        pinned = tree_map(lambda value: value.pin_memory() if isinstance(value, torch.Tensor) else value, batch)
+        pinned = tree_map(lambda value: value.pin_memory() if _unpinned(value) else value, batch)
         with torch.cuda.stream(self._side):
             return tree_map(
                 lambda value: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value,

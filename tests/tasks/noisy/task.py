@@ -76,3 +76,24 @@ class NoisyMetrics(NoisyHere):
             "confidence": probabilities.amax(dim=1).mean(),
             "spread": logits.std(),
         }
+
+
+class NoisyMixed(Noisy):
+    """Items whose label is an int below index 60 and a float from there: readers whose shares
+    hold one kind each stack them differently, so the batch is collated from the items."""
+
+    def train_data(self) -> Dataset:
+        points = NoisyPoints(self.hp.broken)
+
+        class Mixed(Dataset):
+            def __len__(self) -> int:
+                return len(points)
+
+            def __getitem__(self, index: int) -> dict:
+                point, label = points[index]
+                return {"point": point, "label": int(label) if index < 60 else float(label)}
+
+        return Mixed()
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return functional.cross_entropy(model(batch["point"]), batch["label"].long())
