@@ -6,7 +6,9 @@ yields on every rank the gradient of the mean loss over the global batch. The gr
 buckets sent while backward computes the rest (GradientBuckets, as DDP's); the step's last
 all-reduce, a few values long, carries the step's loss sum, sample count, stop flag and the
 generation to switch to (only rank 0 sets it, see elastic.membership.redis), so these decisions
-cost nothing extra and all ranks reach them after the same step.
+cost nothing extra and all ranks reach them after the same step. A rank alone in its generation
+sums nothing: its gradients stay where backward puts them (Trainer._solo) and its statistics sit
+in a tensor of their own.
 
 The optimiser steps only after the all-reduce succeeded: when a peer dies mid-step the step
 raises CollectiveError and every survivor still holds the state of the last completed step.
