@@ -303,7 +303,7 @@ class Trainer:
         self._stats: torch.Tensor | None = None
         self._buckets: GradientBuckets | None = None
         self._saved_buffers: list[torch.Tensor] = []
-        self._listed_buffers: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
+        self._listed_buffers: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] | None = None
         self._buffer_list: list[torch.Tensor] = []
         self.host_reads = 0
         """Device-to-host reads the steps made (each a sync on a GPU): a step makes one, the
@@ -330,7 +330,7 @@ class Trainer:
         its gradients stay where backward puts them, as in a user's loop that zeroes them with
         `set_to_none`, rather than in the all-reduce's buffer, which costs a zeroing pass and an
         accumulation kernel per parameter a step (1.1 ms of a 47 ms step of the digits MLP on a
-        CPU core; on a GPU a memset and a kernel per parameter)."""
+        CPU core, by cProfile; on a GPU a memset and a kernel per parameter)."""
         return self.world_size == 1 and self.reduce is all_reduce_sum
 
     def rebind(self, rank: int, world_size: int) -> None:
@@ -515,8 +515,8 @@ class Trainer:
         example's 60 buffers. A module that assigns a buffer anew makes it list them again (one
         that registers a new buffer after the first step is not seen)."""
         listed = self._listed_buffers
-        if listed and all(owner.get(name) is tensor for owner, name, tensor in listed):
-            return self._buffer_list
+        if listed is not None and all(owner.get(name) is tensor for owner, name, tensor in listed):
+            return self._buffer_list  # a model without buffers is listed once too
         seen: set[int] = set()
         listed = []
         for module in self.problem.model.modules():
