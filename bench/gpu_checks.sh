@@ -10,13 +10,14 @@
 # Parts: step (bench/step.py on examples/resnet: DataLoader loop, floor, deterministic loop,
 # plain, strict), sync (the sync-count test on CUDA), bitwise (strict mode's bit-for-bit tests
 # with the workers on the GPU), readers (the step bench with 6 reader processes), bf16, digits
-# (the step bench on the 1.6M digits MLP).
+# (the step bench on the 1.6M digits MLP), readerbatch (a batch read by 6 readers item by item
+# against stacked by the readers, into pinned memory: bench/reader_batch.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results/gpu-run}
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(step sync bitwise readers bf16 digits)
+[ ${#parts[@]} -eq 0 ] && parts=(step sync bitwise readers bf16 digits readerbatch)
 
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -52,6 +53,7 @@ for part in "${parts[@]}"; do
     bf16) run step-resnet-bf16 100 "${step[@]}" --loader-workers 6 --precision bf16 --rounds 5 ;;
     digits) run step-digits 90 "${step[@]}" --rounds 5 --task examples/digits --entrypoint task:DigitsMLP \
       --hyperparameters '{"batch_size": 256, "hidden": 512, "layers": 7, "dropout": 0}' ;;
+    readerbatch) run reader-batch 90 python3 bench/reader_batch.py --readers 6 --pin --rounds 6 ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done

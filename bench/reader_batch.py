@@ -8,6 +8,7 @@ side over the same readers, interleaved in rounds:
 
     python bench/reader_batch.py                              # ResNet example, batch 128, 2 readers
     python bench/reader_batch.py --batch 256 --readers 4 --rounds 10
+    python bench/reader_batch.py --readers 6 --pin     # on a GPU machine: both arms end in pinned memory
 
 The figure that matters on a GPU is the worker process's CPU time a batch (time.process_time: its
 main thread and the pool's thread that receives the readers' bytes), since that is host time the
@@ -29,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
 from bench.conditions import ROOT, machine, show, spread  # noqa: E402
@@ -45,6 +47,11 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _pinned(batch: Any, pin: bool) -> Any:
+    """`batch` with its tensors in pinned memory if `pin` (what the read-ahead does on a GPU)."""
+    return tree_map(lambda value: value.pin_memory() if isinstance(value, torch.Tensor) else value, batch) if pin else batch
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", type=Path, default=ROOT / "examples" / "resnet")
@@ -54,6 +61,9 @@ def main() -> int:
     parser.add_argument("--readers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--batches", type=int, default=10, help="batches per arm and round")
+    parser.add_argument("--pin", action="store_true",
+                        help="end in pinned memory, as for a GPU (needs CUDA): the items' batch pinned after "
+                        "collating, the stacks joined there")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     conditions = machine()
@@ -61,8 +71,8 @@ def main() -> int:
     readers = ItemReaders(args.readers, args.task.resolve(), args.entrypoint, json.loads(args.hyperparameters), None,
                           stack=True)  # fmt: skip
     arms = {
-        "items": lambda indices, seeds: default_collate(readers.read(indices, seeds)),
-        "stacked": lambda indices, seeds: readers.start(indices, seeds).result(),
+        "items": lambda indices, seeds: _pinned(default_collate(readers.read(indices, seeds)), args.pin),
+        "stacked": lambda indices, seeds: readers.start(indices, seeds, pin=args.pin).result(),
     }
     cpu: dict[str, list[float]] = {arm: [] for arm in arms}
     wall: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -92,14 +102,14 @@ def main() -> int:
         readers.close()
     conditions["load_average_after_1m"] = machine()["load_average_1m"]
     print(f"{args.task.name}/{args.entrypoint} {args.hyperparameters}, batch {args.batch}, {args.readers} readers, "
-          f"{args.rounds} rounds of {args.batches} batches per arm")  # fmt: skip
+          f"{args.rounds} rounds of {args.batches} batches per arm{', into pinned memory' if args.pin else ''}")  # fmt: skip
     for arm in arms:
         print(f"  {arm:>7}: worker process CPU {show(cpu[arm], 'ms a batch', 2)}; wall {show(wall[arm], 'ms', 2)}")
     ratio = statistics.median(cpu["stacked"]) / statistics.median(cpu["items"])
     print(f"  stacked / items, worker process CPU: {ratio:.3f}; load average after {conditions['load_average_after_1m']}")
     print(json.dumps({
         "bench": "reader_batch", "task": f"{args.task.name}/{args.entrypoint}", "batch": args.batch,
-        "readers": args.readers, "rounds": args.rounds, "batches": args.batches,
+        "readers": args.readers, "rounds": args.rounds, "batches": args.batches, "pin": args.pin,
         "cpu_ms": {arm: spread(values) for arm, values in cpu.items()},
         "wall_ms": {arm: spread(values) for arm, values in wall.items()},
         "stacked_vs_items_cpu": ratio, "conditions": conditions,
