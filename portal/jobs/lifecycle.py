@@ -35,7 +35,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet
 from django.utils import timezone
 
 from elastic.membership import GenerationPhase, check_phase_transition
@@ -103,11 +103,11 @@ def current(job: Job) -> Generation | None:
 
 
 def newest_generations(job_ids: Iterable[int]) -> dict[int, Generation]:
-    """Per job of `job_ids` that has been planned, its newest generation."""
-    found: dict[int, Generation] = {}
-    for row in Generation.objects.filter(job_id__in=list(job_ids)).order_by("number"):
-        found[row.job_id] = row
-    return found
+    """Per job of `job_ids` that has been planned, its newest generation. Reads one row per
+    job, the one numbered as the job's `generation` (plan writes both in one transaction), not
+    the job's earlier generations."""
+    rows = Generation.objects.filter(job_id__in=list(job_ids), number=F("job__generation"))
+    return {row.job_id: row for row in rows.order_by("job_id")}
 
 
 def needs_replan(generation: Generation | None) -> bool:
