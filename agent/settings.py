@@ -30,7 +30,7 @@ from agent.devices import GpuSelection, backend_names
 from agent.devices.simulated import MAX_PACE
 from agent.environments import DEFAULT_BUILD_DEADLINE_S, DEFAULT_MAX_BYTES
 from elastic.environ_settings import EnvironSettings, SettingsError, refusal
-from elastic.wire import NodeRegistration
+from elastic.wire import POOL_NAME_PATTERN, NodeRegistration
 
 PROGRAM = "python -m agent"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -240,8 +240,8 @@ class AgentSettings(EnvironSettings):
     def _pool_name(cls, value: object) -> object:
         if isinstance(value, str):
             value = value.strip()
-            if value and not re.fullmatch(slurm_job.POOL_NAME_PATTERN, value):
-                raise ValueError("is not a pool's name (letters, digits, _ and .)")
+            if value and not re.fullmatch(POOL_NAME_PATTERN, value):
+                raise ValueError("is not a pool's name (1 to 40 letters, digits, _ or ., no -)")
         return value
 
     @field_validator("standbys", mode="before")

@@ -26,9 +26,6 @@ from dataclasses import dataclass
 from agent.devices.api import GpuSelection
 from elastic.wire import NODE_NAME_PATTERN, slurm_node_name
 
-POOL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.]*"
-"""What a pool's name may be, as far as the node's name goes (the portal's pools are stricter)."""
-
 MODES = ("auto", "on", "off")
 """--slurm: inside a Slurm job if SLURM_JOB_ID is set (auto), always (on), or never (off)."""
 

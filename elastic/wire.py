@@ -87,6 +87,13 @@ class RunningWorker(WorkerKey):
 
 NODE_NAME_PATTERN = r"^[A-Za-z0-9_.\-]+$"
 
+POOL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.]{0,39}"
+"""A pool's name (for re.fullmatch): 1 to 40 letters, digits, "_" or ".", starting with a letter
+or digit. No "-", so that the prefix `<pool>-` of one pool's nodes (slurm_node_name) is never the
+start of another pool's prefix (a pool "slurm" cannot name nodes that look like pool
+"slurm-gpu"'s). The portal checks it on pool tokens (portal.accounts.models) and on its Slurm
+pool's setting (portal.slurm.config); the agent on BUNGEE_SLURM_POOL (agent.settings)."""
+
 
 def slurm_node_name(slurm_node: str, job_id: int | str, pool: str = "") -> str:
     """The node of an agent that runs as a Slurm batch job: the Slurm node and the job

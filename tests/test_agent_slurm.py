@@ -45,12 +45,15 @@ def test_inside_a_job_the_node_is_the_allocation() -> None:
 
 def test_an_agent_of_a_pool_is_named_behind_the_pool(capsys: pytest.CaptureFixture[str]) -> None:
     """The pool's batch script sets BUNGEE_SLURM_POOL: the node is then POOL-NODE-jobID, the only
-    names the pool's token may register."""
+    names the pool's token may register. A name no pool token can have (elastic.wire.
+    POOL_NAME_PATTERN, which the portal checks too) is refused."""
     assert parse_config(["--token", "t"], JOB | {"BUNGEE_SLURM_POOL": "slurm"}).node_name == "slurm-gpu-07-job4211"
-    with pytest.raises(SystemExit) as refused:
-        parse_config(["--token", "t"], JOB | {"BUNGEE_SLURM_POOL": "a-b"})
-    assert refused.value.code == 2
-    assert "BUNGEE_SLURM_POOL='a-b': is not a pool's name (letters, digits, _ and .)" in capsys.readouterr().err
+    for pool in ("a-b", "x" * 41):
+        with pytest.raises(SystemExit) as refused:
+            parse_config(["--token", "t"], JOB | {"BUNGEE_SLURM_POOL": pool})
+        assert refused.value.code == 2
+        assert (f"BUNGEE_SLURM_POOL={pool!r}: is not a pool's name (1 to 40 letters, digits, _ or ., no -)"
+                in capsys.readouterr().err)
 
 
 def test_two_jobs_on_one_machine_are_two_nodes() -> None:

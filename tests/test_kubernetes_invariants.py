@@ -17,8 +17,8 @@ import yaml
 from django.urls import Resolver404, resolve
 from pydantic import ValidationError
 
-from elastic.wire import NodeRegistration
-from portal.accounts.models import POOL_NAME_PATTERN, ApiToken
+from elastic.wire import POOL_NAME_PATTERN, NodeRegistration
+from portal.accounts.models import ApiToken
 from tests.kubernetes_support import (
     BUNGEE_COMPONENTS,
     DOCS,

@@ -16,7 +16,7 @@ from elastic.wire import AgentReport, WorkerEvent, parse_command
 from portal.dispatch import board, stream_for
 from portal.jobs import lifecycle
 from portal.jobs.agents import ingest_report
-from portal.jobs.models import Generation, Job, JobLog, ResizeEvent, Worker
+from portal.jobs.models import Allocation, Generation, Job, JobLog, ResizeEvent, Worker
 from portal.scheduling.cycle import run_cycle
 from tests.conftest import VALID_SPEC
 
@@ -308,6 +308,44 @@ def test_a_generation_whose_joiners_are_ready_but_never_forms_expires(
     run_cycle()
     job.refresh_from_db()
     assert job.generation == 2 and lifecycle.current(job).phase == "published"
+
+
+@pytest.mark.parametrize("disagreement", ["record-lists-more-members", "no-record-on-the-board"])
+def test_a_generation_whose_joiners_cannot_be_told_is_never_taken_for_ready(
+    api: dict, cluster: Any, redis_client: Any, disagreement: str
+) -> None:
+    """The board's record of a published generation lists its members in the rank order of the
+    generation's allocations. When the two disagree in number (or the record is gone), which
+    members are joiners cannot be told: the generation is not ready (an empty set of joiners
+    would be), keeps its WARMUP deadline and expires at it; a mismatch is said once."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    generation = lifecycle.current(job)
+    assert generation is not None and generation.phase == "published"
+    warmup_deadline = generation.deadline_at
+    if disagreement == "record-lists-more-members":
+        Allocation.objects.filter(job=job, rank=1).delete()
+    else:
+        redis_client.delete(board(job.pk)._record_key(job.generation))
+    board(job.pk).mark_ready(job.generation, "node-a/0")
+    lines = JobLog.objects.filter(job=job).count()
+    for _ in range(2):
+        assert lifecycle.expire_overdue() == [], "not past its deadline yet"
+    generation.refresh_from_db()
+    assert (generation.ready_at, generation.deadline_at) == (None, warmup_deadline), "not ready: no FORM deadline"
+    said = list(JobLog.objects.filter(job=job).values_list("line", flat=True))[lines:]
+    if disagreement == "record-lists-more-members":
+        assert said == ["generation 1: its membership record lists 2 members but it holds 1 device; "
+                        "its joiners cannot be told ready"], "said once, with both counts"
+    else:
+        assert said == [], "publish writes the record just after the phase: nothing to say yet"
+    Generation.objects.filter(pk=generation.pk).update(deadline_at=timezone.now())
+    assert lifecycle.expire_overdue() == [job.pk]
+    generation.refresh_from_db()
+    assert (generation.phase, generation.end_reason) == ("expired", "its joiners could not be told")
+    assert generation.excluded_devices == [], "no joiner is known late: nobody is left out"
+    assert "its joiners could not be told ready within" in JobLog.objects.filter(job=job).last().line
 
 
 def test_a_member_that_cannot_form_expires_its_generation_at_once(

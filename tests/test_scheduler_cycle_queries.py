@@ -11,12 +11,16 @@ from typing import Any
 
 import pytest
 from django.db import connection
+from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from elastic.membership import GenerationPhase
 from portal.cluster.models import Node
+from portal.jobs import lifecycle
 from portal.jobs.models import Allocation, Generation, Job
 from portal.scheduling.cycle import CycleResult, run_cycle
+from tests.conftest import VALID_SPEC
 from tests.test_scheduler_cycle import form, submit
 
 pytestmark = pytest.mark.django_db
@@ -95,3 +99,39 @@ def test_a_cycle_that_finds_a_node_lost_reads_the_devices_once(
     )
     assert result.changed_jobs == [job.pk] and Job.objects.get(pk=job.pk).state == "queued"
     assert len(device_reads(queries)) == 1, device_reads(queries)
+
+
+def test_the_newest_generation_of_each_job_is_read_alone(users: dict[str, Any]) -> None:
+    """Each cycle's snapshot asks for the newest generation of every active job
+    (lifecycle.newest_generations). A job planned many times keeps every generation's row; one
+    query reads the newest of each job, and only those rows."""
+    planned_times = {"planned-many-times": 40, "planned-once": 1, "never-planned": 0}
+    jobs = {}
+    for name, generations in planned_times.items():
+        job = Job.objects.create(
+            owner=users["alice"], name=name, workload="digits-mlp", spec=VALID_SPEC, min_workers=1,
+            max_workers=2, priority="guaranteed", consistency="strict", total_steps=50, generation=generations,
+        )
+        Generation.objects.bulk_create(
+            Generation(job=job, number=number, reason="test",
+                       phase=GenerationPhase.SETTLED if number == generations else GenerationPhase.SUPERSEDED)
+            for number in range(1, generations + 1)
+        )
+        jobs[name] = job
+    built: list[Generation] = []
+
+    def count(sender: type[Generation], instance: Generation, **_: Any) -> None:
+        built.append(instance)
+
+    post_init.connect(count, sender=Generation)
+    try:
+        with CaptureQueriesContext(connection) as captured:
+            newest = lifecycle.newest_generations(job.pk for job in jobs.values())
+    finally:
+        post_init.disconnect(count, sender=Generation)
+    assert {job_id: (row.number, row.phase) for job_id, row in newest.items()} == {
+        jobs["planned-many-times"].pk: (40, "settled"),
+        jobs["planned-once"].pk: (1, "settled"),
+    }
+    assert len(captured.captured_queries) == 1, captured.captured_queries
+    assert len(built) == len(newest), f"{len(built)} generation rows read for {len(newest)} jobs"

@@ -16,10 +16,7 @@ import secrets
 from django.conf import settings
 from django.db import models
 
-POOL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.]{0,39}"
-"""A pool's name: no "-", so that the prefix `<pool>-` of one pool's nodes is never the start of
-another pool's prefix (a pool "slurm" cannot name nodes that look like pool "slurm-gpu"'s)."""
-
+from elastic.wire import POOL_NAME_PATTERN
 
 LABEL_CHARS = 100
 

@@ -12,7 +12,10 @@ elastic.membership.GenerationPhase. The deadlines, from the settings:
     WARMUP_TIMEOUT_S   published, a joiner not ready yet: its start-up (import torch, build the
                        model) must end; doubled for each generation of the job in a row that
                        expired for it, up to WARMUP_BACKOFF_MAX times (a machine too loaded to
-                       start a worker in time would otherwise expire every try alike)
+                       start a worker in time would otherwise expire every try alike); also
+                       the bound of a generation whose joiners the portal cannot tell (no
+                       record on the board, or one whose members are not as many as the
+                       generation's allocations), which is never taken for ready
     FORM_TIMEOUT_S     published, every joiner ready (or none): the group must form
     SETTLE_TIMEOUT_S   formed -> settled: the leavers must be gone and rank 0 must report
 
@@ -32,7 +35,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet
 from django.utils import timezone
 
 from elastic.membership import GenerationPhase, check_phase_transition
@@ -100,11 +103,11 @@ def current(job: Job) -> Generation | None:
 
 
 def newest_generations(job_ids: Iterable[int]) -> dict[int, Generation]:
-    """Per job of `job_ids` that has been planned, its newest generation."""
-    found: dict[int, Generation] = {}
-    for row in Generation.objects.filter(job_id__in=list(job_ids)).order_by("number"):
-        found[row.job_id] = row
-    return found
+    """Per job of `job_ids` that has been planned, its newest generation. Reads one row per
+    job, the one numbered as the job's `generation` (plan writes both in one transaction), not
+    the job's earlier generations."""
+    rows = Generation.objects.filter(job_id__in=list(job_ids), number=F("job__generation"))
+    return {row.job_id: row for row in rows.order_by("job_id")}
 
 
 def needs_replan(generation: Generation | None) -> bool:
@@ -831,24 +834,52 @@ def node_registered(node: Node, adopted: list[RunningWorker]) -> None:
 # --- deadlines -----------------------------------------------------------------------------------
 
 
-def _joiner_devices(job: Job, record: Membership | None) -> dict[str, int]:
-    """The joiners of the job's newest generation: member key -> device id. The record lists
-    its members in the rank order of the generation's allocations (publish)."""
+@dataclass(frozen=True)
+class _Joiners:
+    """The joiners of a job's published generation as the portal can tell them: member key ->
+    device id, or, when they cannot be told, why (`unknown`; then `devices` is empty)."""
+
+    devices: dict[str, int]
+    unknown: str = ""
+
+    def all_ready(self, ready: Collection[str]) -> bool:
+        """Whether every joiner is among `ready` (true of a generation without joiners); never
+        while the joiners cannot be told."""
+        return not self.unknown and all(key in ready for key in self.devices)
+
+
+def _joiners(job: Job, generation: Generation, record: Membership | None) -> _Joiners:
+    """The joiners of the job's published generation `generation`, from its record on the board
+    (`record`), which lists the members in the rank order of the generation's allocations
+    (publish). They cannot be told while the board holds no record (publish writes it just after
+    the phase; Redis may have lost it), nor when the record's members are not as many as the
+    allocations: that mismatch is said in the log, the job's log and the generation's note once
+    for each pair of counts."""
     if record is None:
-        return {}
-    allocated = job.allocations.filter(generation=record.generation).order_by("rank")
+        return _Joiners({}, "its membership record is not on the board")
+    allocated = job.allocations.filter(generation=generation.number).order_by("rank")
     ranked = list(allocated.values_list("device_id", flat=True))
     if len(ranked) != len(record.members):
-        return {}
-    return {
-        member.key: device for member, device in zip(record.members, ranked, strict=True) if member.joiner
-    }
+        unknown = (
+            f"its membership record lists {counted(len(record.members), 'member')} "
+            f"but it holds {counted(len(ranked), 'device')}"
+        )
+        note = f"generation {generation.number}: {unknown}; its joiners cannot be told ready"
+        said = Generation.objects.filter(pk=generation.pk, phase=Phase.PUBLISHED).exclude(note=note)
+        if said.update(note=note):
+            log.warning("job %s: %s", job.pk, note)
+            _log(job, generation.number, note)
+        return _Joiners({}, unknown)
+    return _Joiners(
+        {member.key: device for member, device in zip(record.members, ranked, strict=True) if member.joiner}
+    )
 
 
 def expire_overdue() -> list[int]:
     """Ends every open generation whose phase is past its deadline (see the module docstring).
-    A published one whose joiners all became ready gets the FORM deadline from then. Returns
-    the ids of the jobs concerned."""
+    A published one whose joiners all became ready gets the FORM deadline from then; one whose
+    joiners cannot be told (see `_joiners`) is never taken for ready and expires at its WARMUP
+    deadline. Returns the ids of the jobs concerned."""
     now = timezone.now()
     touched = []
     open_generations = Generation.objects.filter(
@@ -861,17 +892,16 @@ def expire_overdue() -> list[int]:
             continue
         if generation.phase == Phase.PUBLISHED:
             board = dispatch.board(job.pk)
-            joiners = _joiner_devices(job, board.record(generation.number))
+            joiners = _joiners(job, generation, board.record(generation.number))
             ready = board.ready(generation.number)
-            if generation.ready_at is None and set(joiners) <= ready:
+            if generation.ready_at is None and joiners.all_ready(ready):
                 Generation.objects.filter(pk=generation.pk).update(
                     ready_at=now, deadline_at=min(deadline_at, _deadline(settings.BUNGEE.form_timeout_s))
                 )
                 continue
             if deadline_at > now:
                 continue
-            late = {key: device for key, device in joiners.items() if key not in ready}
-            _expire_published(job, generation, late)
+            _expire_published(job, generation, joiners, ready)
         elif deadline_at <= now:
             if generation.phase == Phase.PLANNED:
                 _end_generation(
@@ -890,10 +920,14 @@ def expire_overdue() -> list[int]:
     return touched
 
 
-def _expire_published(job: Job, generation: Generation, late: dict[str, int]) -> None:
+def _expire_published(job: Job, generation: Generation, joiners: _Joiners, ready: Collection[str]) -> None:
+    late = {key: device for key, device in joiners.devices.items() if key not in ready}
     if late:
         what = f"{len(late)} joiner(s) ({', '.join(sorted(late))}) not ready within {warmup_timeout_s(job):.0f} s"
         end_reason = NEVER_READY
+    elif joiners.unknown and generation.ready_at is None:
+        what = f"its joiners could not be told ready within {warmup_timeout_s(job):.0f} s ({joiners.unknown})"
+        end_reason = "its joiners could not be told"
     else:
         what = (
             f"the group did not form within {settings.BUNGEE.form_timeout_s:.0f} s of its joiners being ready"

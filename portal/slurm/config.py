@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.accounts.models import POOL_NAME_PATTERN
+from elastic.wire import POOL_NAME_PATTERN
 from portal.config import SlurmPoolSettings
 
 GRES_PATTERN = re.compile(r"^(?P<name>[A-Za-z0-9_]+)(:[A-Za-z0-9_.\-]+)?:(?P<count>[1-9][0-9]*)$")
