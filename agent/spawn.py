@@ -3,8 +3,10 @@ ways it is started (a warm standby of its device takes it, the node's fork serve
 new interpreter starts it cold), in its own session, its output appended to a file.
 
 The spawner owns the standby pool (agent.standby), which is not thread-safe: every use of the pool
-holds the spawner's pool lock, and nothing else. The supervisor calls `spawn` outside its own
-lock, so that a slow start holds up no report.
+holds the spawner's pool lock, and nothing else. Once `close_standbys` has run, no standby (and no
+fork server) starts again: it marks them closed under the pool lock, and a keep reads the mark
+under that lock, so that a keep that raced the agent's shutdown starts nothing to outlive it. The supervisor calls `spawn`
+outside its own lock, so that a slow start holds up no report.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class WorkerSpawner:
             else None
         )
         self._pool_lock = threading.Lock()
+        self._standbys_closed = False
+        """Set by close_standbys; read and written under the pool lock only."""
 
     def worker_env(self) -> dict[str, str]:
         """The environment every worker of this node starts with, before its device's and its
@@ -244,11 +248,13 @@ class WorkerSpawner:
     ) -> None:
         """Keeps a standby on each device of `placements()` (the free devices, asked once the pool
         is free) and prepares them for the jobs `growing()` (agent.standby). Skipped, as the next
-        call does it, while a spawn is using the pool: the report loop never waits for a spawn."""
+        call does it, while a spawn is using the pool: the report loop never waits for a spawn.
+        Does nothing once close_standbys has run."""
         if self.standbys is None or not self._pool_lock.acquire(blocking=False):
             return
         try:
-            self.standbys.keep(placements(), self.worker_env(), growing(), prepared_env, quiet())
+            if not self._standbys_closed:
+                self.standbys.keep(placements(), self.worker_env(), growing(), prepared_env, quiet())
         finally:
             self._pool_lock.release()
 
@@ -260,8 +266,10 @@ class WorkerSpawner:
             return self.standbys.pids()
 
     def close_standbys(self) -> None:
+        """Kills the standbys, for good: keep_standbys starts none after this."""
         if self.standbys is not None:
             with self._pool_lock:
+                self._standbys_closed = True
                 self.standbys.close()
 
     def close_forkserver(self) -> None:
