@@ -4,9 +4,12 @@ A worker writes to a file in the agent's state directory, never to a pipe (it mu
 agent: see agent.supervisor), and a regular file is always "readable" to select(), so the reader
 cannot wait on the files themselves. It waits instead on the workers' pidfds (readable once a
 process has exited, whoever its parent is), and reads every file that grew at least every
-TAIL_EVERY_S: a line shows up that late at most, an exit at once. A re-adopted worker whose
-process was already gone has no pidfd and is seen to have ended at the first pass; a forked one's
-end is the fork server's word (WorkerProcess.has_ended), checked at each pass.
+TAIL_EVERY_S: a line shows up that late at most, an exit at once. Whether a worker ended is
+WorkerProcess.has_ended's word, asked at each pass of a worker without a pidfd (a re-adopted one
+whose process was already gone is seen to have ended at the first pass) and of one whose pidfd
+said its process exited; never of one whose pidfd is quiet (its process runs). A forked worker's
+end is the fork server's word, which comes after its pidfd's (and has no descriptor to wait on):
+from its pidfd's word to the server's, it is asked at each pass.
 
 Per worker, whole lines go to `on_line` with the offset where they end, in file order; once the
 process has ended, its leftover process group is killed (WorkerProcess.ended), the rest of the
@@ -44,6 +47,7 @@ class _Tail:
     output: BinaryIO | None
     """None if the file could not be opened: only the worker's end is watched."""
     waiting_on_pidfd: bool = False
+    """Its worker's pidfd is in the selector: its process had not exited at the last select."""
 
 
 class OutputReader:
@@ -140,7 +144,9 @@ class OutputReader:
         more = False
         for tail in list(self._tails):
             try:
-                if tail.worker.has_ended():  # before reading: a read after it gets everything
+                # A quiet pidfd: the process runs (the select below hears its exit). Asked before
+                # reading: a read after it gets everything.
+                if not tail.waiting_on_pidfd and tail.worker.has_ended():
                     self._end(tail)
                 else:
                     more |= self._read(tail, complete=False)

@@ -3,8 +3,12 @@ ways it is started (a warm standby of its device takes it, the node's fork serve
 new interpreter starts it cold), in its own session, its output appended to a file.
 
 The spawner owns the standby pool (agent.standby), which is not thread-safe: every use of the pool
-holds the spawner's pool lock, and nothing else. The supervisor calls `spawn` outside its own
-lock, so that a slow start holds up no report.
+holds the spawner's pool lock, and nothing else. Once `close_standbys` has run, no standby (and no
+fork server) starts again: it marks them closed under the pool lock, and a keep reads the mark
+under that lock, so that a keep that raced the agent's shutdown starts nothing to outlive it. Each
+use of the pool ends by publishing its standbys' pids under a small lock of their own: who asks for
+them (each report) never waits for a spawn, which may hold the pool lock for long (a fork under
+load). The supervisor calls `spawn` outside its own lock, so that a slow start holds up no report.
 """
 
 from __future__ import annotations
@@ -122,6 +126,11 @@ class WorkerSpawner:
             else None
         )
         self._pool_lock = threading.Lock()
+        self._standbys_closed = False
+        """Set by close_standbys; read and written under the pool lock only."""
+        self._pids_lock = threading.Lock()
+        self._standby_pids: dict[int, int] = {}
+        """pid -> device index of the pool's standbys as its last use left them (under `_pids_lock`)."""
 
     def worker_env(self) -> dict[str, str]:
         """The environment every worker of this node starts with, before its device's and its
@@ -193,9 +202,12 @@ class WorkerSpawner:
                 process: Process | None = None
                 if pool is not None:
                     with self._pool_lock:
-                        standby = pool.take(
-                            assignment.device_index, placement, output_path, env, launch.command.job_id
-                        )
+                        try:
+                            standby = pool.take(
+                                assignment.device_index, placement, output_path, env, launch.command.job_id
+                            )
+                        finally:
+                            self._publish_standby_pids()
                         if standby is not None:
                             process, how, from_standby = standby.process, " (a warm standby)", True
                         else:
@@ -244,25 +256,41 @@ class WorkerSpawner:
     ) -> None:
         """Keeps a standby on each device of `placements()` (the free devices, asked once the pool
         is free) and prepares them for the jobs `growing()` (agent.standby). Skipped, as the next
-        call does it, while a spawn is using the pool: the report loop never waits for a spawn."""
+        call does it, while a spawn is using the pool: the report loop never waits for a spawn.
+        Does nothing once close_standbys has run."""
         if self.standbys is None or not self._pool_lock.acquire(blocking=False):
             return
         try:
-            self.standbys.keep(placements(), self.worker_env(), growing(), prepared_env, quiet())
+            if not self._standbys_closed:
+                self.standbys.keep(placements(), self.worker_env(), growing(), prepared_env, quiet())
         finally:
+            self._publish_standby_pids()
             self._pool_lock.release()
 
     def standby_pids(self) -> dict[int, int]:
-        """pid -> device index of the standbys waiting."""
-        if self.standbys is None:
-            return {}
-        with self._pool_lock:
-            return self.standbys.pids()
+        """pid -> device index of the standbys waiting, as the pool's last use left them. Never
+        waits for a spawn using the pool (the standby it takes is listed until the take is done:
+        ours either way)."""
+        with self._pids_lock:
+            return dict(self._standby_pids)
+
+    def _publish_standby_pids(self) -> None:
+        """Publishes the pool's standbys for standby_pids. Call under the pool lock, after each use
+        of the pool that may start, take, kill or forget a standby."""
+        assert self.standbys is not None
+        pids = self.standbys.pids()
+        with self._pids_lock:
+            self._standby_pids = pids
 
     def close_standbys(self) -> None:
+        """Kills the standbys, for good: keep_standbys starts none after this."""
         if self.standbys is not None:
             with self._pool_lock:
-                self.standbys.close()
+                self._standbys_closed = True
+                try:
+                    self.standbys.close()
+                finally:
+                    self._publish_standby_pids()
 
     def close_forkserver(self) -> None:
         if self.standbys is not None:

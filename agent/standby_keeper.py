@@ -60,6 +60,9 @@ class StandbyKeeper:
         if self._workers.closed():
             self._spawner.close_standbys()
             return
+        # A shutdown after this check is harmless: its close_standbys and the keep below hold the
+        # spawner's pool lock, and a keep after the close starts nothing.
+
         # The jobs growing when the pool asked, with the launch their prepared standbys follow.
         launches: dict[int, Launch] = {}
 

@@ -101,7 +101,8 @@ class WorkerSupervisor:
         self._last_join = -math.inf
         """When a worker here last said "joined" (time.monotonic)."""
         self._workers: list[WorkerProcess] = []
-        """Those whose "exited" event is not out yet, starting ones included."""
+        """Those whose "exited" event is not out yet, starting ones included. A worker leaves it,
+        under the lock, before its `done` is set (and never comes back): none listed is done."""
         self._events = WorkerEvents(records, self.config.event_capacity, self._generations)
         """Used under `_lock` only."""
         self._closed = False
@@ -152,7 +153,7 @@ class WorkerSupervisor:
                 job.launched_generation = command.generation
                 job.launch = launch
                 job.deferred = {}
-                mine = [worker for worker in self._live() if worker.job_id == command.job_id]
+                mine = [worker for worker in self._workers if worker.job_id == command.job_id]
                 leave = (
                     f"did not leave within {self.config.leave_grace_s:g} s of generation {command.generation}"
                 )
@@ -220,12 +221,8 @@ class WorkerSupervisor:
         """Returns the workers whose exit has not been reported yet (and that have a process:
         one still being spawned is listed once it runs)."""
         with self._lock:
-            listed = [worker.running_worker() for worker in self._live()]
+            listed = [worker.running_worker() for worker in self._workers]
         return [worker for worker in listed if worker is not None]
-
-    def _live(self) -> list[WorkerProcess]:
-        """The workers whose exit is not out yet (call under the lock)."""
-        return [worker for worker in self._workers if not worker.done.is_set()]
 
     def idle(self) -> bool:
         """Whether no worker is here: none running, none being spawned, every exit reported."""
@@ -240,11 +237,11 @@ class WorkerSupervisor:
 
     def busy_devices(self) -> set[int]:
         with self._lock:
-            return {worker.device_index for worker in self._live()}
+            return {worker.device_index for worker in self._workers}
 
     def newest_launches(self) -> dict[int, Launch]:
         with self._lock:
-            live = {worker.job_id for worker in self._live()}
+            live = {worker.job_id for worker in self._workers}
             return {
                 job_id: job.launch
                 for job_id, job in sorted(self._jobs.items())
@@ -253,7 +250,7 @@ class WorkerSupervisor:
 
     def settled_since(self) -> float | None:
         with self._lock:
-            return self._last_join if all(worker.joined for worker in self._live()) else None
+            return self._last_join if all(worker.joined for worker in self._workers) else None
 
     # --- standbys ----------------------------------------------------------------------------
 

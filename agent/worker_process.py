@@ -232,7 +232,8 @@ class WorkerProcess:
         self.delivered_offset = 0
         """Bytes of its output whose events reached the portal."""
         self.done = threading.Event()
-        """Set once its "exited" event is out (by the supervisor, after `settle`)."""
+        """Set by the supervisor once the worker is off its list: its "exited" event is out (after
+        `settle`), or its spawn failed."""
         self._lock = threading.Lock()
         self._kill_timer: threading.Timer | None = None
         self._leave_timer: threading.Timer | None = None

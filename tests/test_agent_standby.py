@@ -1,19 +1,24 @@
 """Warm standby workers (agent.standby, elastic.worker.standby) with real processes: a standby on
 each free device, a launch that takes it (same pid, the worker's output, environment and CPU
 core), a standby that serves one worker only, none on a device whose owner is back, none used
-when the device's placement changed, and none left after the agent's shutdown or death."""
+when the device's placement changed, none left after the agent's shutdown or death, and their
+pids told while a spawn holds the pool."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
 from agent.devices.nvml import GpuProcess, classify_processes
 from agent.devices.simulated import SimulatedBackend
+from agent.records import RecordStore
+from agent.spawn import WorkerSpawner
 from agent.standby import Standby, StandbyPool, StandbyState
 from agent.supervisor import SupervisorConfig, WorkerSupervisor
 from elastic.wire import StopCommand
@@ -397,3 +402,31 @@ def test_a_preparation_past_its_deadline_is_killed_and_its_job_not_prepared_agai
         assert calls == [] and fresh.job is None
     finally:
         pool.close()
+
+
+def test_the_standby_pids_are_told_while_a_spawn_holds_the_pool(
+    tmp_path: Path, backend: SimulatedBackend
+) -> None:
+    """Each report asks for the standby pids, and a spawn holds the pool for as long as its take or
+    fork lasts (long, under load): the answer does not wait for the spawn, and is the pool's."""
+    spawner = WorkerSpawner(
+        SupervisorConfig(worker_module=FAKE_WORKER, standbys=1), RecordStore(tmp_path / "workers"), tmp_path
+    )
+    try:
+        spawner.keep_standbys(lambda: {0: backend.placement(0)}, lambda: [], lambda *_: {}, lambda: False)
+        [(pid, index)] = spawner.standby_pids().items()
+        assert index == 0
+        told: list[dict[int, int]] = []
+        reader = threading.Thread(target=lambda: told.append(spawner.standby_pids()))
+        with spawner._pool_lock:  # as a spawn in flight holds it
+            reader.start()
+            reader.join(timeout=30)
+            answered = not reader.is_alive()
+        reader.join(timeout=30)
+        assert answered, "standby_pids waited for the pool"
+        assert told == [{pid: 0}]
+        spawner.close_standbys()
+        assert spawner.standby_pids() == {}
+        wait_until("the standby to die", lambda: gone(pid), 10)
+    finally:
+        spawner.close_standbys()

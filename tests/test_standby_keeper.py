@@ -1,6 +1,7 @@
 """The standby keeper's decisions (agent.standby_keeper), from what the supervisor's ledger says
-through NodeWorkers: which jobs a standby may be prepared for, and whether the node is quiet
-enough to prepare one; and the supervisor's side of that view, with a real (fake) worker."""
+through NodeWorkers: which jobs a standby may be prepared for, whether the node is quiet enough to
+prepare one, and no standby started by a keep that a shutdown overtook; and the supervisor's side
+of that view, with a real (fake) worker."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ class Ledger:
         return self.since
 
 
+@dataclass
+class ShutDownAfterTheCheck(Ledger):
+    """A supervisor that says it is not shut down, and shuts down (closes the spawner's standbys,
+    as WorkerSupervisor.shutdown does) before the keeper that asked goes on."""
+
+    spawner: WorkerSpawner | None = None
+
+    def closed(self) -> bool:
+        assert self.spawner is not None
+        self.spawner.close_standbys()
+        return False
+
+
 def keeper(tmp_path: Path, ledger: Ledger) -> StandbyKeeper:
     spawner = WorkerSpawner(SupervisorConfig(), RecordStore(tmp_path / "workers"), tmp_path)
     return StandbyKeeper(spawner, ledger)
@@ -77,6 +91,21 @@ def test_the_node_is_quiet_only_once_every_worker_joined_a_while_ago(
 ) -> None:
     since = None if joined_ago_s is None else time.monotonic() - joined_ago_s
     assert keeper(tmp_path, Ledger(since=since)).quiet() is quiet
+
+
+def test_a_keep_overtaken_by_a_shutdown_starts_no_standby(tmp_path: Path) -> None:
+    """A standby started after the shutdown closed the pool would be an orphan: nothing kills it."""
+    spawner = WorkerSpawner(
+        SupervisorConfig(worker_module=FAKE_WORKER, standbys=1), RecordStore(tmp_path / "workers"), tmp_path
+    )
+    ledger = ShutDownAfterTheCheck(spawner=spawner)
+    try:
+        StandbyKeeper(spawner, ledger).keep(SimulatedBackend(slots=1), set())
+        assert spawner.standby_pids() == {}
+        assert spawner.standbys is not None and spawner.standbys.standbys() == []
+    finally:
+        assert spawner.standbys is not None
+        spawner.standbys.close()  # what the old keep started, if anything
 
 
 def test_the_supervisor_shows_its_workers_devices_launches_and_joins(monkeypatch: pytest.MonkeyPatch) -> None:
