@@ -12,7 +12,7 @@ from elastic.tasks import readers
 
 
 def _round_trip(item: object) -> object:
-    return readers._received(pickle.dumps(readers._outbound(item), protocol=pickle.HIGHEST_PROTOCOL))
+    return readers._inbound(pickle.loads(pickle.dumps(readers._outbound(item), protocol=pickle.HIGHEST_PROTOCOL)))
 
 
 def test_an_items_tensors_come_back_the_same_whatever_their_kind() -> None:
