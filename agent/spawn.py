@@ -21,6 +21,7 @@ import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -253,16 +254,21 @@ class WorkerSpawner:
         growing: Callable[[], list[int]],
         prepared_env: Callable[[int, int, WorkerPlacement], dict[str, str]],
         quiet: Callable[[], bool],
+        starting: Callable[[], AbstractSet[int]],
     ) -> None:
         """Keeps a standby on each device of `placements()` (the free devices, asked once the pool
-        is free) and prepares them for the jobs `growing()` (agent.standby). Skipped, as the next
-        call does it, while a spawn is using the pool: the report loop never waits for a spawn.
-        Does nothing once close_standbys has run."""
+        is free) and prepares them for the jobs `growing()` (agent.standby), leaving alone the
+        devices `starting()` (a worker listed there has yet to take the pool: its standby waits
+        for it). Skipped, as the next call does it, while a spawn is using the pool: the report
+        loop never waits for a spawn. Does nothing once close_standbys has run."""
         if self.standbys is None or not self._pool_lock.acquire(blocking=False):
             return
         try:
             if not self._standbys_closed:
-                self.standbys.keep(placements(), self.worker_env(), growing(), prepared_env, quiet())
+                free = placements()
+                # Asked after the free devices: a worker listed in between is in `starting`, and
+                # the standby its spawn will take stays.
+                self.standbys.keep(free, self.worker_env(), growing(), prepared_env, quiet(), starting())
         finally:
             self._publish_standby_pids()
             self._pool_lock.release()

@@ -54,6 +54,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,6 +229,7 @@ class StandbyPool:
         growing: Sequence[int] = (),
         prepare_env: Callable[[int, int, WorkerPlacement], dict[str, str]] | None = None,
         quiet: bool = True,
+        starting: AbstractSet[int] = frozenset(),
     ) -> None:
         """Makes the standbys match `free`, the free devices and their placements: a standby on
         each, lowest index first, up to `limit` (started with its placement and the environment
@@ -240,10 +242,15 @@ class StandbyPool:
         having the environment `prepare_env(J, D, placement)`, and kills those prepared for a
         job not in it. Unless the node is `quiet` (no resize under way here), nothing is
         prepared: a build, even at idle priority, competes for memory bandwidth with the resize's
-        transfer and first step. Also reaps the standbys that were killed."""
+        transfer and first step. A device in `starting` (a worker is being started there, and
+        its spawn has yet to take the pool) is left as it is: its standby, which the spawn takes,
+        is neither killed nor prepared, and none is started there. Also reaps the standbys that
+        were killed."""
         now = time.monotonic()
         self._observe()
         for index, standby in list(self._standbys.items()):
+            if index in starting:
+                continue
             if index not in free:
                 self._kill(index, "its device is not free")
             elif standby.job is not None and standby.job not in growing:
@@ -260,7 +267,7 @@ class StandbyPool:
         importing = self._forkserver is not None and not self._forkserver_lost() and not self._forkserver.ready
         if not warming and len(self._standbys) < self.limit:
             startable = [
-                i for i in sorted(free.keys() - self._standbys.keys())
+                i for i in sorted(free.keys() - self._standbys.keys() - starting)
                 if now >= self._backoff_until.get(i, 0.0) and not (importing and free[i].device == "cpu")
             ]
             # Forked, a standby imports nothing: every free device up to the limit gets one now.
@@ -271,7 +278,7 @@ class StandbyPool:
                 if started is None or not isinstance(started.process, ForkedProcess):
                     break
         if quiet and prepare_env is not None:
-            self._prepare(growing, prepare_env)
+            self._prepare(growing, prepare_env, starting)
         self._reap()
 
     def _forkserver_lost(self) -> bool:
@@ -286,8 +293,13 @@ class StandbyPool:
         self.fork = False
         return True
 
-    def _prepare(self, growing: Sequence[int], prepare_env: Callable[[int, int, WorkerPlacement], dict[str, str]]) -> None:
-        """Prepares the warm, unprepared standby of the lowest free device for the job in
+    def _prepare(
+        self,
+        growing: Sequence[int],
+        prepare_env: Callable[[int, int, WorkerPlacement], dict[str, str]],
+        starting: AbstractSet[int],
+    ) -> None:
+        """Prepares the warm, unprepared standby of the lowest free device (not in `starting`) for the job in
         `growing` with the fewest prepared standbys (the first such on a tie), if some job has
         fewer than prepared_per_job and no other standby is preparing."""
         standbys = self._standbys.values()
@@ -295,7 +307,9 @@ class StandbyPool:
             return
         counts = Counter(standby.job for standby in standbys if standby.job is not None)
         wanting = [job for job in growing if counts[job] < self.prepared_per_job and job not in self._unpreparable]
-        candidates = [i for i in sorted(self._standbys) if self._standbys[i].state is StandbyState.WARM]
+        candidates = [
+            i for i in sorted(self._standbys) if self._standbys[i].state is StandbyState.WARM and i not in starting
+        ]
         if not wanting or not candidates:
             return
         job = min(wanting, key=lambda j: (counts[j], growing.index(j)))

@@ -36,6 +36,10 @@ class NodeWorkers(Protocol):
         """The devices where a worker of ours runs or is being started."""
         ...
 
+    def starting_devices(self) -> set[int]:
+        """The devices where a worker of ours is being started (listed, not yet spawned)."""
+        ...
+
     def newest_launches(self) -> dict[int, Launch]:
         """By job id, in id order: the newest launch here of each job with a worker here."""
         ...
@@ -84,7 +88,7 @@ class StandbyKeeper:
         def prepared_env(job_id: int, device_index: int, placement: WorkerPlacement) -> dict[str, str]:
             return self._prepared_env(launches[job_id], device_index, placement)
 
-        self._spawner.keep_standbys(placements, jobs_growing, prepared_env, self.quiet)
+        self._spawner.keep_standbys(placements, jobs_growing, prepared_env, self.quiet, self._workers.starting_devices)
 
     def quiet(self) -> bool:
         """Whether no resize is under way on this node: every worker here has joined its

@@ -56,7 +56,7 @@ from agent.settings import SupervisorConfig
 from agent.spawn import Launch, SpawnError, WorkerSpawner
 from agent.standby_keeper import StandbyKeeper
 from agent.worker_events import WorkerEvents
-from agent.worker_process import WorkerProcess
+from agent.worker_process import WorkerProcess, WorkerState
 from elastic.membership.codec import decode
 from elastic.wire import ExitReason, LaunchCommand, RunningWorker, StopCommand, WorkerAssignment, WorkerEvent
 
@@ -238,6 +238,10 @@ class WorkerSupervisor:
     def busy_devices(self) -> set[int]:
         with self._lock:
             return {worker.device_index for worker in self._workers}
+
+    def starting_devices(self) -> set[int]:
+        with self._lock:
+            return {worker.device_index for worker in self._workers if worker.state is WorkerState.STARTING}
 
     def newest_launches(self) -> dict[int, Launch]:
         with self._lock:

@@ -1,8 +1,8 @@
 """Warm standby workers (agent.standby, elastic.worker.standby) with real processes: a standby on
 each free device, a launch that takes it (same pid, the worker's output, environment and CPU
 core), a standby that serves one worker only, none on a device whose owner is back, none used
-when the device's placement changed, none left after the agent's shutdown or death, and their
-pids told while a spawn holds the pool."""
+when the device's placement changed, none left after the agent's shutdown or death, their
+pids told while a spawn holds the pool, and a standby left to the spawn that is about to take it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -288,20 +289,29 @@ GROWING = {
     "workload": "digits-mlp",
     "min_workers": 1,
     "max_workers": 3,
-    "steps": 1000,
+    "steps": 1_000_000,
     "hyperparameters": {"hidden": 16, "layers": 2, "batch_size": 16},
 }
-"""A real job spec (a standby prepared for it builds it) that the fake worker runs for 20 s."""
+"""A real job spec (a standby prepared for it builds it) that the fake worker runs until it is
+stopped (a million steps of 20 ms): a test's job never ends under it, however slow the machine."""
 
 
-def test_a_standby_prepared_for_a_growing_job_serves_that_job_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(JOINS_ENV, "1")  # no standby is prepared while a worker here is joining
-    backend = SimulatedBackend(slots=3)
+def preparing(
+    monkeypatch: pytest.MonkeyPatch, slots: int, prepared_per_job: int
+) -> tuple[SimulatedBackend, WorkerSupervisor, StandbyPool]:
+    """A supervisor on `slots` devices that prepares standbys for growing jobs, with fake workers
+    that say "joined" after their first step (no standby is prepared while one here is joining)."""
+    monkeypatch.setenv(JOINS_ENV, "1")
     supervisor = WorkerSupervisor(
-        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8, prepared_per_job=1)
+        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8, prepared_per_job=prepared_per_job)
     )
     pool = supervisor._spawner.standbys
     assert pool is not None
+    return SimulatedBackend(slots=slots), supervisor, pool
+
+
+def test_a_standby_prepared_for_a_growing_job_serves_that_job_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, supervisor, pool = preparing(monkeypatch, slots=3, prepared_per_job=1)
 
     def settled(prepared_for: dict[int, int | None]) -> Callable[[], bool]:
         def check() -> bool:
@@ -341,14 +351,42 @@ def test_a_standby_prepared_for_a_growing_job_serves_that_job_only(monkeypatch: 
         supervisor.shutdown(grace_s=1.0)
 
 
+def test_a_keep_between_a_launch_and_its_spawn_leaves_the_standby_to_the_spawn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The report loop keeps the standbys whenever the pool is free, and a launch lists its worker
+    (the device busy, the job at its most) before its spawn takes the pool: a keep in between must
+    not kill the standby the spawn is about to take (it did: the worker then started cold)."""
+    backend, supervisor, pool = preparing(monkeypatch, slots=2, prepared_per_job=1)
+    spec = {**GROWING, "max_workers": 2}
+    try:
+        recorder = Recorder(supervisor)
+        assert supervisor.launch(launch(ranks=1, **spec), backend, REDIS_URL)
+
+        def prepared() -> bool:
+            supervisor.keep_standbys(backend, set())
+            return [(s.device_index, s.job, s.state) for s in pool.standbys()] == [(1, 1, StandbyState.PREPARED)]
+
+        wait_until("device 1's standby prepared for job 1", prepared)
+        [standby] = pool.standbys()
+        spawn = supervisor._spawner.spawn
+
+        def keep_then_spawn(*args: Any) -> Any:
+            assert supervisor.starting_devices() == {1}
+            supervisor.keep_standbys(backend, set())  # the report loop, at the worst moment
+            return spawn(*args)
+
+        monkeypatch.setattr(supervisor._spawner, "spawn", keep_then_spawn)
+        assert supervisor.launch(launch(generation=2, ranks=2, start=[1], **spec), backend, REDIS_URL)
+        recorder.wait_for(lambda events: len(recorder.of("started")) == 2)
+        assert recorder.of("started", generation=2)[0].pid == standby.pid
+        assert supervisor.starting_devices() == set()
+    finally:
+        supervisor.shutdown(grace_s=1.0)
+
+
 def test_a_job_that_stops_growing_here_loses_its_prepared_standbys(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(JOINS_ENV, "1")
-    backend = SimulatedBackend(slots=2)
-    supervisor = WorkerSupervisor(
-        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=8, prepared_per_job=2)
-    )
-    pool = supervisor._spawner.standbys
-    assert pool is not None
+    backend, supervisor, pool = preparing(monkeypatch, slots=2, prepared_per_job=2)
     try:
         recorder = Recorder(supervisor)
         assert supervisor.launch(launch(ranks=1, **GROWING), backend, REDIS_URL)
@@ -413,7 +451,7 @@ def test_the_standby_pids_are_told_while_a_spawn_holds_the_pool(
         SupervisorConfig(worker_module=FAKE_WORKER, standbys=1), RecordStore(tmp_path / "workers"), tmp_path
     )
     try:
-        spawner.keep_standbys(lambda: {0: backend.placement(0)}, lambda: [], lambda *_: {}, lambda: False)
+        spawner.keep_standbys(lambda: {0: backend.placement(0)}, lambda: [], lambda *_: {}, lambda: False, set)
         [(pid, index)] = spawner.standby_pids().items()
         assert index == 0
         told: list[dict[int, int]] = []

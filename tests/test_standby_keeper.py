@@ -36,6 +36,9 @@ class Ledger:
     def busy_devices(self) -> set[int]:
         return set()
 
+    def starting_devices(self) -> set[int]:
+        return set()
+
     def newest_launches(self) -> dict[int, Launch]:
         return self.launches
 
@@ -117,7 +120,7 @@ def test_the_supervisor_shows_its_workers_devices_launches_and_joins(monkeypatch
         command = launch(ranks=1, steps=1000, max_workers=2)
         recorder = Recorder(supervisor)
         assert supervisor.launch(command, backend, REDIS_URL)
-        assert supervisor.busy_devices() == {0}
+        assert supervisor.busy_devices() == {0} and supervisor.starting_devices() == set()  # spawned
         assert [launch.command for launch in supervisor.newest_launches().values()] == [command]
         recorder.wait_for(lambda events: bool(recorder.of("joined")))
         since = supervisor.settled_since()
