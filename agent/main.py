@@ -267,13 +267,16 @@ class Agent:
     def _report(self) -> None:
         """Sends one report. Raises AgentAuthError, and PortalRejectedError if registering
         again is refused."""
+        # Standbys before running workers: a standby a launch takes in between is in one or the
+        # other (the spawner tells it as a standby until the worker is listed), never an unknown
+        # process on its device, which would read as its owner's return.
+        ours: dict[int, tuple[int | None, int]] = {
+            pid: (None, index) for pid, index in self.supervisor.standby_pids().items()
+        }
         # Running workers before events: a worker that exits in between is listed as running
         # and its exit is in the same report, never missing from both.
         running = self.supervisor.running()
         self._sweep({worker.job_id for worker in running})
-        ours: dict[int, tuple[int | None, int]] = {
-            pid: (None, index) for pid, index in self.supervisor.standby_pids().items()
-        }
         ours.update((w.pid, (w.job_id, w.device_index)) for w in running)
         try:
             samples = self.backend.sample(ours)

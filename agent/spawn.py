@@ -132,6 +132,10 @@ class WorkerSpawner:
         self._pids_lock = threading.Lock()
         self._standby_pids: dict[int, int] = {}
         """pid -> device index of the pool's standbys as its last use left them (under `_pids_lock`)."""
+        self._handing_over: dict[int, int] = {}
+        """pid -> device index of the standbys a spawn took whose worker the supervisor does not
+        list as running yet (under `_pids_lock`): told as standbys until then, so that a report
+        never finds the process in neither list (an unknown process on a GPU is its owner's)."""
 
     def worker_env(self) -> dict[str, str]:
         """The environment every worker of this node starts with, before its device's and its
@@ -207,6 +211,9 @@ class WorkerSpawner:
                             standby = pool.take(
                                 assignment.device_index, placement, output_path, env, launch.command.job_id
                             )
+                            if standby is not None:
+                                with self._pids_lock:
+                                    self._handing_over[standby.pid] = assignment.device_index
                         finally:
                             self._publish_standby_pids()
                         if standby is not None:
@@ -274,11 +281,18 @@ class WorkerSpawner:
             self._pool_lock.release()
 
     def standby_pids(self) -> dict[int, int]:
-        """pid -> device index of the standbys waiting, as the pool's last use left them. Never
-        waits for a spawn using the pool (the standby it takes is listed until the take is done:
-        ours either way)."""
+        """pid -> device index of the standbys waiting, as the pool's last use left them, and of
+        those taken whose worker is not listed as running yet. Never waits for a spawn using the
+        pool (the standby it takes is listed until the take is done: ours either way). Ask it
+        before the supervisor's running workers: a standby is then in one answer or the other."""
         with self._pids_lock:
-            return dict(self._standby_pids)
+            return {**self._standby_pids, **self._handing_over}
+
+    def handed_over(self, pid: int) -> None:
+        """The supervisor lists the worker of process `pid` as running now: if that process was a
+        standby, standby_pids stops telling it."""
+        with self._pids_lock:
+            self._handing_over.pop(pid, None)
 
     def _publish_standby_pids(self) -> None:
         """Publishes the pool's standbys for standby_pids. Call under the pool lock, after each use

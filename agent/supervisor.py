@@ -360,6 +360,7 @@ class WorkerSupervisor:
             worker.done.set()
             return
         stop = worker.spawned(spawned.process, spawned.start_time, spawned.pidfd)
+        self._spawner.handed_over(spawned.process.pid)
         self._persist(worker)
         with self._lock:
             self._events.add(

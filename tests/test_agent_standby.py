@@ -2,7 +2,8 @@
 each free device, a launch that takes it (same pid, the worker's output, environment and CPU
 core), a standby that serves one worker only, none on a device whose owner is back, none used
 when the device's placement changed, none left after the agent's shutdown or death, their
-pids told while a spawn holds the pool, and a standby left to the spawn that is about to take it."""
+pids told while a spawn holds the pool and while its worker is handed over, and a standby left to
+the spawn that is about to take it."""
 
 from __future__ import annotations
 
@@ -114,6 +115,28 @@ def test_a_launch_takes_the_devices_standby_which_serves_that_worker_only(
     [(fresh, index)] = [(pid, i) for pid, i in supervisor.standby_pids().items() if i == 0]
     assert fresh != standbys[0]
     assert gone(standbys[0])
+
+
+def test_a_taken_standby_is_ours_in_every_report_until_its_worker_is_listed(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A report asks for the standbys, then for the running workers. Between a spawn's take and
+    the supervisor listing the worker, the process was in neither: on a GPU, an unknown process on
+    the device, read as its owner's return (the device taken back from the job it just joined)."""
+    standbys = warm(supervisor, backend)
+    spawn = supervisor._spawner.spawn
+    told: list[bool] = []
+
+    def spawn_then_report(*args: Any) -> Any:
+        spawned = spawn(*args)  # taken, not listed yet
+        told.append(spawned.process.pid in {**supervisor.standby_pids(), **{w.pid: 0 for w in supervisor.running()}})
+        return spawned
+
+    monkeypatch.setattr(supervisor._spawner, "spawn", spawn_then_report)
+    assert supervisor.launch(launch(ranks=1, steps=1000), backend, REDIS_URL)
+    assert told == [True]
+    [worker] = supervisor.running()
+    assert worker.pid == standbys[0] and worker.pid not in supervisor.standby_pids()
 
 
 def test_a_device_whose_owner_is_back_loses_its_standby(
