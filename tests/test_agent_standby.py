@@ -129,7 +129,8 @@ def test_a_taken_standby_is_ours_in_every_report_until_its_worker_is_listed(
 
     def spawn_then_report(*args: Any) -> Any:
         spawned = spawn(*args)  # taken, not listed yet
-        told.append(spawned.process.pid in {**supervisor.standby_pids(), **{w.pid: 0 for w in supervisor.running()}})
+        pid = spawned.process.pid
+        told.append(pid in supervisor.standby_pids() or pid in {w.pid for w in supervisor.running()})
         return spawned
 
     monkeypatch.setattr(supervisor._spawner, "spawn", spawn_then_report)

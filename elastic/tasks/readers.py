@@ -209,9 +209,9 @@ class PendingRead:
         """The batch (Stacked) or its items, in order. Raises what the task's code raised (with
         the reader's traceback as its cause), or BrokenProcessPool if a reader died."""
         shares = [pickle.loads(future.result()) for future in self._futures]
-        signatures = {signature for signature, _ in shares}
         if not shares:
             return []
+        signatures = {signature for signature, _ in shares}
         if None not in signatures and len(signatures) == 1:
             return Stacked(_joined([_inbound(payload) for _, payload in shares], self._pin))
         if signatures == {None}:
