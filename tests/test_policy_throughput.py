@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from elastic.scheduling import GradientNoise, ThroughputLearner, ThroughputModel
@@ -95,6 +95,8 @@ def test_fit_throughput_fits_a_trace_and_refuses_nothing() -> None:
     base=st.integers(1, 256),
     factor=st.floats(1.0, 512.0),
 )
+# A subnormal variance with no gradient: V / scale underflowed to 0 and the gain was infinite.
+@example(sqr=0.0, var=5e-324, base=1, factor=2.0)
 def test_gain_is_between_one_and_linear(sqr: float, var: float, base: int, factor: float) -> None:
     noise = GradientNoise(base, sqr, var)
     batch = base * factor

@@ -42,7 +42,9 @@ class GradientNoise:
         total = self.grad_var + self.grad_sqr
         if total <= 0:
             return scale
-        return total / (self.grad_var / scale + self.grad_sqr)
+        # Multiplied through by the scale: V / scale underflows to 0 for a subnormal V, and with
+        # |G|^2 = 0 the quotient of the formula as written would be infinite.
+        return total * scale / (self.grad_var + self.grad_sqr * scale)
 
     def efficiency(self, batch_size: np.ndarray | float) -> np.ndarray:
         """Gain per sample relative to the base batch, in (0, 1]."""
