@@ -58,6 +58,11 @@ PROGRESS_EVERY_S = 10.0
 leave its log lines readable."""
 PROGRESS_KEYS = ("steps_done", "total_steps", "last_loss", "samples_per_s", "workers")
 CHUNK = 1 << 16
+ARTIFACTS_WAIT_S = 120.0
+"""How long `download` waits, by default, for an ended job's files to reach the portal: rank 0's
+agent uploads them after the job's last step, and the job may be reported ended before the
+upload is done (seconds for a large model)."""
+ARTIFACTS_EVERY_S = 1.0
 PACK_LIMIT = 1 << 62
 """The CLI packs whatever the directory holds (less its .bungeeignore); the portal's limits apply."""
 TOKEN_PROMPT = "Token: "
@@ -372,6 +377,35 @@ def download_target(job_id: int, name: str, output_dir: Path | None) -> Path:
     return output_dir / name if output_dir is not None else Path(f"job-{job_id}-{name}")
 
 
+def artifacts_listing(
+    portal: Portal, job_id: int, wait_s: float, clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Any:
+    """The job's artifacts as the API lists them. A job that has not ended has none yet: refused at
+    once. An ended job's may still be on their way (its rank 0's agent uploads them once the
+    job's last step is done, and the job can be reported ended first): asked again every
+    ARTIFACTS_EVERY_S for up to `wait_s` seconds, then refused with what to look at."""
+    deadline = clock() + wait_s
+    told = False
+    while True:
+        job = portal.get(f"/api/jobs/{job_id}")
+        if job.get("artifacts"):
+            return portal.get(f"/api/jobs/{job_id}/artifacts")
+        state = job["state"]
+        if state not in FINAL_STATES:
+            raise CliError(f"job {job_id} is {state}: its files come when it ends (`bungee logs -f {job_id}` follows it)")
+        if clock() >= deadline:
+            raise CliError(
+                f"job {job_id} {state}, but its files did not reach the portal within {wait_s:g} s: its rank 0's "
+                "agent uploads them after the last step (its log says why they did not come); a job that "
+                "trained no step, or whose files passed their retention, has none"
+            )
+        if not told:
+            err.print(f"job {job_id} {state}; waiting up to {wait_s:g} s for its files to reach the portal")
+            told = True
+        sleep(ARTIFACTS_EVERY_S)
+
+
 @app.command()
 def download(
     job_id: JobId,
@@ -379,11 +413,14 @@ def download(
         Path | None, typer.Option("--output-dir", "-d", help="where the files go, under their own names "
                                   "(model.pt, checkpoint.pt, manifest.json); default: here, as job-N-NAME")
     ] = None,
+    wait: Annotated[
+        float, typer.Option(help="seconds to wait for an ended job's files still on their way to the portal", min=0)
+    ] = ARTIFACTS_WAIT_S,
     output: OutputOption = Output.TEXT,
 ) -> None:
     """Fetch a finished job's model, checkpoint and manifest; checks each file's sha256."""
     portal = _portal()
-    listed = portal.get(f"/api/jobs/{job_id}/artifacts")
+    listed = artifacts_listing(portal, job_id, wait)
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
     saved = []

@@ -201,3 +201,25 @@ def test_a_failed_job_says_the_step_its_artifacts_hold_everywhere(tokens: dict, 
     shown = get(tokens, "alice", f"/api/jobs/{ran_here.pk}").json()
     listed = next(job for job in get(tokens, "alice", "/api/jobs").json() if job["id"] == ran_here.pk)
     assert (shown["steps_done"], listed["steps_done"], shown["artifacts"]["step"]) == (99, 99, 99)
+
+
+def test_a_job_reported_ended_before_its_artifacts_arrive_says_they_may_be_on_their_way(
+    tokens: dict, ran_here: Job, cluster: Any
+) -> None:
+    # Rank 0's agent uploads the files in a thread of its own once the events before them are
+    # reported; rank 0's exit can reach the portal first, so a succeeded job has none for a moment.
+    def artifacts_error() -> str:
+        reply = get(tokens, "alice", f"/api/jobs/{ran_here.pk}/artifacts")
+        assert reply.status_code == 404, reply.content
+        return str(reply.json()["error"]["message"])
+
+    assert "(it is running: a job has them once it has ended)" in artifacts_error()
+    completed = WorkerEvent(job_id=ran_here.pk, generation=ran_here.generation, rank=0, kind="exited",
+                            at=time.time(), reason="completed", exit_code=0, device_index=0)
+    ingest_report(cluster, AgentReport(node="node-a", events=[completed]))
+    ran_here.refresh_from_db()
+    assert ran_here.state == "succeeded"
+    said = artifacts_error()
+    assert f"the artifacts of job {ran_here.pk} (it succeeded; " in said and "they may be on their way" in said, said
+    assert hand_over(tokens, ran_here.pk, bundle(ran_here.pk)).status_code == 200
+    assert get(tokens, "alice", f"/api/jobs/{ran_here.pk}/artifacts").json()["step"] == 50

@@ -40,7 +40,7 @@ def test_the_commands_and_flags() -> None:
         "resize": ["--output", "-o", "job_id", "workers"],
         "unpin": ["--output", "-o", "job_id"],
         "cancel": ["--output", "-o", "job_id"],
-        "download": ["--output", "--output-dir", "-d", "-o", "job_id"],
+        "download": ["--output", "--output-dir", "--wait", "-d", "-o", "job_id"],
         "node": [],
     }
     node = group.commands["node"]  # type: ignore[attr-defined]

@@ -146,3 +146,54 @@ def test_login_asks_token_with_a_space_and_the_readme_gives_the_flag(tmp_path: P
     assert done.stderr.startswith("Token: ") and "unreachable" in done.stderr, (done.stdout, done.stderr)
     assert done.stdout == ""
     assert "--token" in (ROOT / "README.md").read_text()
+
+
+class EndedJobPortal:
+    """A job in `state` whose artifacts reach the portal at `arrive_at` on the test's clock
+    (None: never)."""
+
+    def __init__(self, clock: list[float], state: str, arrive_at: float | None) -> None:
+        self.clock, self.state, self.arrive_at = clock, state, arrive_at
+        self.asked: list[str] = []
+
+    def arrived(self) -> bool:
+        return self.arrive_at is not None and self.clock[0] >= self.arrive_at
+
+    def get(self, path: str, **params: Any) -> Any:
+        self.asked.append(path)
+        if path.endswith("/artifacts"):
+            assert self.arrived(), "listed before they arrived (the API says 404)"
+            return {"step": 60, "files": []}
+        return {"id": 7, "state": self.state, "artifacts": {"step": 60} if self.arrived() else None}
+
+
+@pytest.mark.parametrize(
+    ("state", "arrive_at", "wait", "said"),
+    [
+        ("succeeded", 3.0, 120.0, None),
+        ("succeeded", 3.0, 0.0, "job 7 succeeded, but its files did not reach the portal within 0 s"),
+        ("cancelled", None, 10.0, "job 7 cancelled, but its files did not reach the portal within 10 s"),
+        ("running", None, 120.0, "job 7 is running: its files come when it ends (`bungee logs -f 7` follows it)"),
+    ],
+)
+def test_download_waits_for_an_ended_jobs_files_on_their_way(
+    capsys: pytest.CaptureFixture[str], state: str, arrive_at: float | None, wait: float, said: str | None
+) -> None:
+    # Rank 0's agent uploads them after the job's last step, and its exit can be reported first.
+    clock = [0.0]
+    portal = EndedJobPortal(clock, state, arrive_at)
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    def listing() -> Any:
+        return cli.artifacts_listing(portal, 7, wait, clock=lambda: clock[0], sleep=sleep)  # type: ignore[arg-type]
+
+    if said is None:
+        assert listing()["step"] == 60 and clock[0] == arrive_at
+        assert "job 7 succeeded; waiting up to 120 s for its files to reach the portal" in capsys.readouterr().err
+        return
+    with pytest.raises(CliError) as refused:
+        listing()
+    assert said in str(refused.value)
+    assert clock[0] == (wait if state != "running" else 0.0)

@@ -26,7 +26,7 @@ from portal.jobs.schemas import (
     SpecCheckOut,
 )
 from portal.jobs.services import cancel_job, dry_run, request_resize, submit_job
-from portal.jobs.states import JobState
+from portal.jobs.states import FINAL_STATES, JobState
 
 router = Router(auth=user_auth, tags=["jobs"])
 
@@ -218,11 +218,17 @@ def logs(request: HttpRequest, job_id: int, after: int = 0) -> Any:
 
 @router.get("/{int:job_id}/artifacts", summary="The job's model, checkpoint and manifest (owner and staff)")
 def get_artifacts(request: HttpRequest, job_id: int) -> dict[str, Any]:
-    """404 until the job has ended and its rank 0's agent has handed them over."""
+    """404 until the job has ended and its rank 0's agent has handed them over (the job may be
+    reported ended before the upload is done)."""
     job = job_for(request.user, job_id)
     described = artifacts.described(job)
+    if described is None and job.state in FINAL_STATES:
+        raise not_found(
+            f"the artifacts of job {job_id} (it {job.state}; its rank 0's agent uploads them after the last step, "
+            "so they may be on their way; a job that trained no step, or whose files passed their retention, has none)"
+        )
     if described is None:
-        raise not_found(f"the artifacts of job {job_id} (a job has them once it has ended)")
+        raise not_found(f"the artifacts of job {job_id} (it is {job.state}: a job has them once it has ended)")
     return {**described, "manifest": job.artifacts.manifest}
 
 
