@@ -10,8 +10,9 @@
 # Parts: step (bench/step.py on examples/resnet: DataLoader loop, floor, deterministic loop,
 # plain, strict), sync (the sync-count test on CUDA), bitwise (strict mode's bit-for-bit tests
 # with the workers on the GPU), readers (the step bench with 6 reader processes), bf16, digits
-# (the step bench on the 1.6M digits MLP), readerbatch (a batch read by 6 readers item by item
-# against stacked by the readers, into pinned memory: bench/reader_batch.py).
+# (the step bench on the 1.6M digits MLP), readerbatch (a batch read by 6 readers: item by item,
+# stacked through the pipe, stacked through shared memory, and torch's DataLoader, into pinned
+# memory: bench/reader_batch.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-bench/results/gpu-run}

@@ -1,9 +1,8 @@
 """A task's items read in reader processes (elastic.tasks.readers, the task's `data_workers`):
 an item is what its own seed makes it, whatever the number of readers, the order of reading or
 the placement of the virtual workers; strict mode trains bit for bit alike with one reader or
-two; the task's error in a reader is the user's error with the reader's traceback. (Whether
-readers die with a SIGKILLed worker is not established: CI saw two outlive it in 2 of 4 runs,
-cause not found; see the session note.)"""
+two; the task's error in a reader is the user's error with the reader's traceback. (That readers
+die with a SIGKILLed worker, also one still starting: tests/test_reader_shared_memory.py.)"""
 
 from __future__ import annotations
 
