@@ -128,6 +128,26 @@ def test_a_stack_of_every_kind_of_tensor_comes_out_of_its_segment_as_it_went_in(
         segment.unlink()
 
 
+def test_a_reader_lets_go_of_the_segments_smaller_than_the_one_it_writes() -> None:
+    """Segments only grow, and the worker removes the smaller ones once they are back: a reader
+    that kept them mapped would keep their memory taken."""
+    small, large = (readers.SharedMemory(create=True, size=size) for size in (4096, 8192))
+    try:
+        tensors = [(0, torch.ones(16))]
+        readers._write(small.name, tensors)
+        readers._write(small.name, tensors)
+        assert small.name in readers._attached
+        readers._write(large.name, tensors)
+        assert small.name not in readers._attached and large.name in readers._attached
+        assert torch.equal(torch.frombuffer(large.buf, dtype=torch.float32, count=16), torch.ones(16))
+    finally:
+        for segment in (small, large):
+            if segment.name in readers._attached:
+                readers._attached.pop(segment.name).close()
+            segment.close()
+            segment.unlink()
+
+
 _KILLED = """
 import sys, time
 from pathlib import Path

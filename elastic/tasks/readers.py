@@ -22,8 +22,9 @@ collated in the worker (the items are functions of their seeds, so the second re
 A reader's stack does not travel through the pool's pipe: the worker lends each share a segment of
 shared memory (_Slots), the reader writes the stack's tensors into it and sends only where they
 lie, and the worker copies them out once, into the batch (pinned, for a GPU). Through the pipe the
-bytes were copied five times in the worker (pickled bytes, the pool's message, numpy's array, the
-join), 2.9-5.6 ms of its host time for 128 ResNet items on a 2-core VM. A share goes through the
+worker copied the bytes four times (the pool's message off the pipe, the pickled bytes in it,
+numpy's array, the join): 1.0 ms of its host time a batch of 128 ResNet items on a 2-core VM,
+against 0.5 ms (bench/reader_batch.py). A share goes through the
 pipe when no segment is lent: the first batch (which tells the segments' size), a stack larger than
 the segment, or no shared memory to be had (a full /dev/shm is found when the segment is made, by
 reserving its pages: never later, as a reader's SIGBUS). The segments are named
@@ -72,7 +73,7 @@ SLOT_PREFIX = "bungee-readers-"
 _ALIGN = 64
 """Each tensor of a stack starts at a multiple of this many bytes of its segment."""
 _ATTACHED_MAX = 32
-"""Segments a reader keeps open from share to share (the least recently written is let go)."""
+"""Segments a reader keeps mapped from share to share (the least recently written is let go)."""
 _dataset: Any = None
 _attached: collections.OrderedDict[str, SharedMemory] = collections.OrderedDict()
 
@@ -217,8 +218,12 @@ def _layout(payload: Any) -> tuple[Any, list[tuple[int, torch.Tensor]], int]:
 
 
 def _write(name: str, tensors: list[tuple[int, torch.Tensor]]) -> None:
-    """Copies `tensors` into the segment `name`, each at its offset (in a reader)."""
+    """Copies `tensors` into the segment `name`, each at its offset (in a reader). Lets go of
+    the segments smaller than it: the worker removes those once they are back (a removed
+    segment's memory stays taken while a reader maps it)."""
     segment = _attached.pop(name, None) or SharedMemory(name)
+    for other in [other for other, kept in _attached.items() if kept.size < segment.size]:
+        _attached.pop(other).close()
     _attached[name] = segment  # the most recent last
     while len(_attached) > _ATTACHED_MAX:
         _attached.popitem(last=False)[1].close()
