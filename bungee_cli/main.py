@@ -82,6 +82,8 @@ def _portal() -> Portal:
 
 
 def _emit(output: Output, value: Any, text: Any = None) -> None:
+    """`value` as JSON, or `text` (rich markup: a text that holds what a user or a job wrote,
+    a job's name, its log, a path, goes through `escape`, or a `[/...]` in it breaks the print)."""
     if output is Output.JSON:
         out.print_json(json.dumps(value, default=str))
     else:
@@ -98,7 +100,7 @@ def login(
     credentials = Login(url.rstrip("/"), (token if token is not None else _ask_token()).strip())
     Portal(credentials).get("/api/jobs", owner=None, state="running")  # a refused token stops here
     path = credentials.save()
-    _emit(output, {"url": credentials.url, "config": str(path)}, f"logged in to {credentials.url} ({path})")
+    _emit(output, {"url": credentials.url, "config": str(path)}, escape(f"logged in to {credentials.url} ({path})"))
 
 
 def _ask_token() -> str:
@@ -190,10 +192,10 @@ def submit(
         uploaded = _upload(portal, archive, f"{code.resolve().name}.tar.gz", quiet=output is Output.JSON)
         spec["code"] = uploaded["digest"]
         if output is Output.TEXT:
-            err.print(f"uploaded {code} as {uploaded['digest'][:12]} ({len(uploaded['files'])} files)")
+            err.print(escape(f"uploaded {code} as {uploaded['digest'][:12]} ({len(uploaded['files'])} files)"))
     job = portal.post("/api/jobs", spec)
     page = f"{portal.url}/jobs/{job['id']}/"
-    _emit(output, {**job, "url": page}, f"submitted job {job['id']} ({job['name']}): {page}")
+    _emit(output, {**job, "url": page}, escape(f"submitted job {job['id']} ({job['name']}): {page}"))
     if follow:
         raise typer.Exit(_follow(portal, job["id"], output, progress_every))
 
@@ -342,7 +344,7 @@ def logs(
     _emit(
         output,
         lines,
-        "\n".join(f"{line['at'][11:19]} {_log_text(line)}" for line in lines) or "no log lines yet",
+        escape("\n".join(f"{line['at'][11:19]} {_log_text(line)}" for line in lines)) or "no log lines yet",
     )
 
 
@@ -446,7 +448,7 @@ def download(
             partial.replace(target)
             saved.append({"name": entry["name"], "path": str(target), "sha256": digest.hexdigest()})
     _emit(output, {"job": job_id, "step": listed["step"], "files": saved},
-          "\n".join(f"{s['path']} (sha256 {s['sha256'][:12]})" for s in saved))  # fmt: skip
+          escape("\n".join(f"{s['path']} (sha256 {s['sha256'][:12]})" for s in saved)))  # fmt: skip
 
 
 node_app = typer.Typer(help="The cluster's nodes: list them; drain one (staff).", no_args_is_help=True)

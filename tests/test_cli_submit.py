@@ -96,6 +96,24 @@ def test_ignored_files_never_travel_and_held_code_is_not_sent_again(sent: list[h
     assert Job.objects.count() == 2 and len({job.code for job in Job.objects.all()}) == 1
 
 
+def test_what_users_and_jobs_wrote_prints_as_written_not_as_markup(sent: list[httpx.Request], tmp_path: Path) -> None:
+    """A job's name, its log lines (gloo's errors quote `[/path/pair.cc:553]`) and the code's
+    directory may hold what rich reads as markup: a closing tag that opens nothing made `bungee
+    logs` raise MarkupError, and a name like `[bold]` vanished."""
+    name = "ring [/x] [bold]s[/bold]"
+    code = task_directory(tmp_path / "[red]code[/red]")
+    done = submit(tmp_path, SPEC.replace("name: rings", f"name: '{name}'"), code)
+    assert done.exit_code == 0, (done.output, done.exception)
+    printed = done.output.replace("\n", "")  # rich wraps at the runner's 80 columns
+    assert f"({name})" in printed and f"uploaded {code} as " in printed
+    job = Job.objects.get()
+    line = "[c10d] connection closed by peer [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+    job.logs.create(generation=1, rank=0, at=job.created_at, line=line)
+    shown = CliRunner().invoke(cli.app, ["logs", str(job.pk)])
+    assert shown.exit_code == 0, (shown.output, shown.exception)
+    assert f"[1.0] {line}" in " ".join(shown.output.split())  # rich wraps at the runner's 80 columns
+
+
 class ScriptedPortal:
     """A job that trains one step a second on a clock the test moves: its log grows a line per
     step, from rank step % 2."""
