@@ -175,7 +175,7 @@ def test_a_sigkilled_workers_readers_die_and_its_segments_are_removed(batches: i
     """Killed before its readers have started (they import torch for a second or more), or once
     they have stacked batches into its segments: no reader outlives it, no segment is left."""
     worker = subprocess.Popen([sys.executable, "-c", _KILLED, str(NOISY), str(batches)], stdout=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).parents[1])  # fmt: skip
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])  # fmt: skip
     try:
         assert worker.stdout is not None
         made, *reader_pids = map(int, worker.stdout.readline().split())
@@ -188,3 +188,5 @@ def test_a_sigkilled_workers_readers_die_and_its_segments_are_removed(batches: i
         time.sleep(0.1)
     assert not [pid for pid in reader_pids if _alive(pid)], "a reader outlived its worker"
     assert not _segments(worker.pid), "Python's resource tracker removes them once the worker and its readers are gone"
+    _, stderr = worker.communicate(timeout=DEADLINE_S)  # to its end: the tracker, its last holder, is gone too
+    assert "leaked" not in stderr, "the job's log (a worker's stderr) is no place for the tracker's cleanup"

@@ -74,6 +74,11 @@ _ALIGN = 64
 """Each tensor of a stack starts at a multiple of this many bytes of its segment."""
 _ATTACHED_MAX = 32
 """Segments a reader keeps mapped from share to share (the least recently written is let go)."""
+_QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+"""The warnings filter the resource tracker starts with (it takes the worker's -W options). Once a
+SIGKILLed worker is gone, the tracker removes the readers' segments and the pool's semaphores and
+warns of "leaked" objects, on the worker's stderr, that is the job's log: the cleanup working, read
+there as a bug of the job's (seen in the demo as rank 1's last lines)."""
 _dataset: Any = None
 _attached: collections.OrderedDict[str, SharedMemory] = collections.OrderedDict()
 
@@ -431,6 +436,8 @@ class ItemReaders:
         self.count = count
         self.stack = stack
         self._slots = _Slots()
+        if _QUIET_TRACKER not in sys.warnoptions:  # read when the pool starts the tracker
+            sys.warnoptions.append(_QUIET_TRACKER)
         self._pool = concurrent.futures.ProcessPoolExecutor(
             count,
             mp_context=multiprocessing.get_context("spawn"),
