@@ -88,7 +88,9 @@ def test_a_read_dropped_unread_gives_its_segments_back_once_its_readers_are_done
     assert _same(_batch(busy.result()), default_collate(pair.read(indices, seeds)))
 
 
-def test_with_no_shared_memory_to_be_had_the_stacks_come_through_the_pipe(pair: ItemReaders) -> None:
+def test_with_no_shared_memory_to_be_had_the_stacks_come_through_the_pipe(
+    pair: ItemReaders, capsys: pytest.CaptureFixture[str]
+) -> None:
     if not SHM.is_dir():
         pytest.skip("no /dev/shm here: the segment's pages are reserved through it")
     indices, seeds = list(range(10)), list(range(10))
@@ -98,8 +100,12 @@ def test_with_no_shared_memory_to_be_had_the_stacks_come_through_the_pipe(pair: 
     read = pair.start(indices, seeds)
     assert not any(read._lent)
     assert pair._slots.unavailable is not None and "No space left on device" in pair._slots.unavailable
+    said = capsys.readouterr().err
+    assert said.count("data readers: no shared memory") == 1 and "come through a pipe" in said, said
     assert _same(_batch(read.result()), default_collate(pair.read(indices, seeds)))
     assert not pair._slots._made and not _segments(os.getpid()), "the segment that could not be had is gone"
+    pair.start(indices, seeds).result()
+    assert "data readers" not in capsys.readouterr().err, "said once"
 
 
 def test_a_stack_of_every_kind_of_tensor_comes_out_of_its_segment_as_it_went_in() -> None:

@@ -329,7 +329,7 @@ class _Slots:
             try:
                 segment = SharedMemory(f"{SLOT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", create=True, size=self._size)
             except OSError as err:
-                self.unavailable = f"no shared memory for the readers' stacks: {err}"
+                self._give_up(err)
                 return None
             self._made.append(segment)
             try:  # the pages now, or ENOSPC now: a reader writing past a full /dev/shm dies of SIGBUS
@@ -341,10 +341,16 @@ class _Slots:
             except FileNotFoundError:
                 pass  # not Linux's /dev/shm: nothing to reserve through
             except OSError as err:
-                self.unavailable = f"no shared memory for the readers' stacks: {err}"
+                self._give_up(err)
                 self._remove(segment)
                 return None
             return segment
+
+    def _give_up(self, err: OSError) -> None:
+        """No more segments: said once on stderr, which is the job's log in a worker."""
+        self.unavailable = f"no shared memory for the readers' stacks ({self._size:,} bytes): {err}"
+        print(f"data readers: {self.unavailable}; their batches come through a pipe (slower, the same bytes)",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def needs(self, size: int) -> None:
         """A reader's stack took `size` bytes: segments made from now on take it."""
