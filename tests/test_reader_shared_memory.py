@@ -70,6 +70,22 @@ def test_stacks_come_through_lent_segments_once_their_size_is_known(pair: ItemRe
         assert _segments(os.getpid()) == {segment.name for segment in pair._slots._made}
 
 
+def test_a_stack_larger_than_its_segment_comes_through_the_pipe_and_the_segments_grow(pair: ItemReaders) -> None:
+    """A resize that leaves a worker more items a step (plain mode) makes each reader's stack
+    larger than the segments lent so far."""
+    small, large = list(range(10)), list(range(40))
+    pair.start(small, small).result()
+    pair.start(small, small).result()
+    made = list(pair._slots._made)
+    bigger = pair.start(large, large)
+    assert all(bigger._lent), "the segments of the old size are lent"
+    assert _same(_batch(bigger.result()), default_collate(pair.read(large, large)))
+    grown = pair.start(large, large)
+    assert all(segment is not None and segment not in made for segment in grown._lent), "made anew, larger"
+    assert _same(_batch(grown.result()), default_collate(pair.read(large, large)))
+    assert not set(map(id, made)) & set(map(id, pair._slots._made)), "the small ones removed"
+
+
 def test_a_read_dropped_unread_gives_its_segments_back_once_its_readers_are_done(pair: ItemReaders) -> None:
     indices, seeds = list(range(40)), list(range(40))
     pair.start(indices, seeds).result()

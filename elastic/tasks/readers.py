@@ -159,9 +159,10 @@ _NUMPY_DTYPES = {
 
 def _read_share(indices: Sequence[int], seeds: Sequence[int], stack: bool, slot: tuple[str, int] | None = None) -> bytes:
     """A reader's share of a batch: the items, each read right after seeding the generators
-    with its own seed, as (their _signature, their stack, the bytes the stack takes in a segment)
-    when `stack` and they stack alike, else (None, the items, 0). The stack is written into the
-    lent segment `slot` (its name and size) if it fits, and then sent as where its tensors lie."""
+    with its own seed, as (their _signature, their stack, the bytes the stack takes in a segment,
+    whether it is in the segment) when `stack` and they stack alike, else (None, the items, 0,
+    False). The stack is written into the lent segment `slot` (its name and size) if it fits, and
+    then sent as where its tensors lie."""
     items = []
     for index, seed in zip(indices, seeds, strict=True):
         # The CPU generator alone (a reader has no other device): torch.manual_seed also visits
@@ -182,11 +183,11 @@ def _read_share(indices: Sequence[int], seeds: Sequence[int], stack: bool, slot:
         placed, tensors, needed = _layout(payload)
         if slot is not None and needed <= slot[1]:
             _write(slot[0], tensors)
-            return pickle.dumps((signature, placed, needed), protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps((signature, placed, needed, True), protocol=pickle.HIGHEST_PROTOCOL)
     # Pickled here, as plain bytes: the pool's own pickler would move every tensor through a
     # shared-memory segment of its own (torch.multiprocessing), which cost more than reading
     # small items (64 items of two small tensors: 100-360 ms against 10-40 ms, on 2 loaded cores).
-    return pickle.dumps((signature, _outbound(payload), needed), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((signature, _outbound(payload), needed, False), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class _InSlot:
@@ -400,16 +401,16 @@ class PendingRead:
             if not shares:
                 return []
             if self._slots is not None:
-                self._slots.needs(max(needed for _, _, needed in shares))
-            signatures = {signature for signature, _, _ in shares}
+                self._slots.needs(max(needed for _, _, needed, _ in shares))
+            signatures = {signature for signature, _, _, _ in shares}
             if None not in signatures and len(signatures) == 1:
                 parts = [
-                    _inbound(payload) if segment is None else _from_slot(payload, segment)
-                    for (_, payload, _), segment in zip(shares, self._lent, strict=True)
+                    _from_slot(payload, segment) if in_slot and segment is not None else _inbound(payload)
+                    for (_, payload, _, in_slot), segment in zip(shares, self._lent, strict=True)
                 ]
-                return Stacked(_joined(parts, self._pin, fresh=any(self._lent)))
+                return Stacked(_joined(parts, self._pin, fresh=any(in_slot for *_, in_slot in shares)))
             if signatures == {None}:
-                return [_inbound(item) for _, payload, _ in shares for item in payload]
+                return [_inbound(item) for _, payload, _, _ in shares for item in payload]
             return self._again()  # stacks of different kinds, or some items stacked and some not
         finally:
             self._give_back()
