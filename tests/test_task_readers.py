@@ -22,6 +22,7 @@ from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask, bind_task
 from elastic.worker.data import SampleStream
 from elastic.worker.strict import StrictTrainer
+from elastic.worker.trainer import Trainer
 
 NOISY = Path(__file__).parent / "tasks" / "noisy"
 SEED = 4
@@ -72,6 +73,24 @@ def test_strict_mode_trains_alike_with_one_reader_or_two(bound: list[BoundTask],
                 trainer.readahead.drop()  # each item read in its step, not ahead (issue 37)
             trainer.step(step, stop_requested=False)
         assert (trainer.readahead.hits > 0) == (entrypoint == "Noisy")
+        states.append({k: v.clone() for k, v in task.model.state_dict().items()})
+    assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
+
+
+def test_plain_mode_reads_on_through_a_resize_that_grows_each_readers_share(bound: list[BoundTask]) -> None:
+    """As rank 0 of 2, then alone (a scale-in): each reader's stack doubles, past the shared
+    memory lent so far. Two readers and one read the same bytes, so they train the same bits.
+    (The sum over ranks is left out: the test is of the reading.)"""
+    states = []
+    for entrypoint in ("Noisy", "NoisyOneReader"):
+        task = _bind(bound, entrypoint)
+        trainer = Trainer(task, task.make_optimizer(), SampleStream(task.num_samples, SEED), 24, SEED, 0, 2,
+                          reduce=lambda buffer: None)  # fmt: skip
+        for step in range(8):
+            if step == 4:
+                trainer.rebind(0, 1)
+            trainer.step(step, stop_requested=False)
+        assert task._readers is not None and task._readers._slots._made, "through shared memory"
         states.append({k: v.clone() for k, v in task.model.state_dict().items()})
     assert all(torch.equal(states[0][name], states[1][name]) for name in states[0])
 
