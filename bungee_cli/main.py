@@ -46,6 +46,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # paragraphs reflowed (rich mode keeps a docstring's line breaks)
 )
 out = Console()
 err = Console(stderr=True)
@@ -178,8 +179,10 @@ def submit(
     progress_every: ProgressEvery = PROGRESS_EVERY_S,
     output: OutputOption = Output.TEXT,
 ) -> None:
-    """Submit a job; print its number and page. The spec is checked (POST /api/jobs/validate)
-    before any code is uploaded, and code the portal already holds is not sent again."""
+    """Submit a job; print its number and page.
+
+    The spec is checked (POST /api/jobs/validate) before any code is uploaded, and code the
+    portal already holds is not sent again."""
     portal = _portal()
     spec = _read_spec(spec_file)
     archive = None
@@ -335,7 +338,9 @@ def logs(
     progress_every: ProgressEvery = PROGRESS_EVERY_S,
     output: OutputOption = Output.TEXT,
 ) -> None:
-    """A job's log lines, each prefixed with [generation.rank]; with -f, new ones as they come,
+    r"""A job's log lines, each prefixed with \[generation.rank].
+
+    With -f, new ones as they come,
     across resizes and restarts, and a progress line every --progress-every seconds."""
     portal = _portal()
     if follow:

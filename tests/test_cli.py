@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import typer
+from typer.testing import CliRunner
 
 from bungee_cli.main import app
 
@@ -49,6 +50,19 @@ def test_the_commands_and_flags() -> None:
         "list": ["--output", "-o"],
         "drain": ["--deadline", "--output", "-o", "name"],
     }
+
+
+def test_the_help_reads_as_written() -> None:
+    """The command list gives each command's first sentence on a line of its own, and a help
+    text keeps its brackets: `[generation.rank]` was read as rich markup and vanished, and a
+    docstring's line breaks cut the list's entries mid-sentence."""
+    runner = CliRunner()
+    listing = runner.invoke(app, ["--help"], terminal_width=100).output
+    assert "Submit a job; print its number and page." in listing
+    assert "POST /api/jobs/validate" not in listing, "the details stay on the command's own page"
+    logs = runner.invoke(app, ["logs", "--help"], terminal_width=100).output
+    assert "each prefixed with [generation.rank]." in logs
+    assert "With -f, new ones as they come, across resizes and restarts" in " ".join(logs.split())
 
 
 def test_not_logged_in_says_how(tmp_path: Path) -> None:
