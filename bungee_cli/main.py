@@ -388,17 +388,21 @@ def artifacts_listing(
     portal: Portal, job_id: int, wait_s: float, clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Any:
-    """The job's artifacts as the API lists them. A job that has not ended has none yet: refused at
-    once. An ended job's may still be on their way (its rank 0's agent uploads them once the
+    """The job's artifacts as the API lists them. A job that has not ended has none yet, refused at
+    once, or those of an earlier stop (a drain, the node stopped), given with a line saying so. An
+    ended job's may still be on their way (its rank 0's agent uploads them once the
     job's last step is done, and the job can be reported ended first): asked again every
     ARTIFACTS_EVERY_S for up to `wait_s` seconds, then refused with what to look at."""
     deadline = clock() + wait_s
     told = False
     while True:
         job = portal.get(f"/api/jobs/{job_id}")
-        if job.get("artifacts"):
+        state, kept = job["state"], job.get("artifacts")
+        if kept:
+            if state not in FINAL_STATES:  # files of an earlier stop: say so, they are not its last
+                err.print(escape(f"job {job_id} is {state}: these files are of step {kept['step']}, when it "
+                                 f"{kept['ended']}; its last ones come when it ends"))  # fmt: skip
             return portal.get(f"/api/jobs/{job_id}/artifacts")
-        state = job["state"]
         if state not in FINAL_STATES:
             raise CliError(f"job {job_id} is {state}: its files come when it ends (`bungee logs -f {job_id}` follows it)")
         if clock() >= deadline:

@@ -182,7 +182,8 @@ class EndedJobPortal:
         if path.endswith("/artifacts"):
             assert self.arrived(), "listed before they arrived (the API says 404)"
             return {"step": 60, "files": []}
-        return {"id": 7, "state": self.state, "artifacts": {"step": 60} if self.arrived() else None}
+        kept = {"step": 60, "ended": "stopped" if self.state == "running" else self.state}
+        return {"id": 7, "state": self.state, "artifacts": kept if self.arrived() else None}
 
 
 @pytest.mark.parametrize(
@@ -192,6 +193,7 @@ class EndedJobPortal:
         ("succeeded", 3.0, 0.0, "job 7 succeeded, but its files did not reach the portal within 0 s"),
         ("cancelled", None, 10.0, "job 7 cancelled, but its files did not reach the portal within 10 s"),
         ("running", None, 120.0, "job 7 is running: its files come when it ends (`bungee logs -f 7` follows it)"),
+        ("running", 0.0, 120.0, "given, with a line saying they are not its last"),
     ],
 )
 def test_download_waits_for_an_ended_jobs_files_on_their_way(
@@ -210,6 +212,12 @@ def test_download_waits_for_an_ended_jobs_files_on_their_way(
     if said is None:
         assert listing()["step"] == 60 and clock[0] == arrive_at
         assert "job 7 succeeded; waiting up to 120 s for its files to reach the portal" in capsys.readouterr().err
+        return
+    if said.startswith("given"):  # a running job that stopped once (a drain, its node stopped) and resumed
+        assert listing()["step"] == 60 and clock[0] == 0.0
+        assert "job 7 is running: these files are of step 60, when it stopped; its last ones come when it ends" in (
+            " ".join(capsys.readouterr().err.split())
+        )
         return
     with pytest.raises(CliError) as refused:
         listing()
