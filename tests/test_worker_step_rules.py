@@ -273,3 +273,25 @@ def test_the_switch_vote_is_asked_after_the_steps_compute(mode: str, group_of_on
     assert outcome.switch_to == 9
     assert losses_before_vote == [3 if mode == "strict" else 1]  # every loss of the step (3 virtual workers in strict), then the vote
     assert trainer.step(1, stop_requested=False, switch_to=0).switch_to == 0
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "a-transposed-buffer"])
+def test_strict_contexts_give_back_every_buffer_bit_for_bit(contiguous: bool, group_of_one: None) -> None:
+    """A virtual worker's context (the model's buffers as bytes) packed and loaded again: in one
+    multi-tensor copy of the buffers' bytes, or, where a buffer is not contiguous (it has no flat
+    view), buffer by buffer."""
+    task = _task()
+    grid = torch.arange(12.0).reshape(3, 4)
+    task.model.register_buffer("grid", grid if contiguous else grid.t())
+    trainer = _trainer("strict", task)
+    assert (trainer._buffer_bytes is not None) == contiguous
+    buffers = [buffer for _, buffer in task.model.named_buffers()]
+    assert {buffer.dtype for buffer in buffers} == {torch.float32, torch.int64}, "batch norm's statistics and count"
+    trainer.step(0, stop_requested=False)
+    kept = [buffer.clone() for buffer in buffers]
+    row = trainer._pack()
+    for buffer in buffers:
+        buffer.add_(7)
+    trainer._unpack(row)
+    assert all(torch.equal(buffer, was) for buffer, was in zip(buffers, kept, strict=True))
+    assert all(a is b for a, b in zip(buffers, [b for _, b in task.model.named_buffers()], strict=True)), "in place"

@@ -303,6 +303,8 @@ class Trainer:
         self._stats: torch.Tensor | None = None
         self._buckets: GradientBuckets | None = None
         self._saved_buffers: list[torch.Tensor] = []
+        self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._grouped_for: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._listed_buffers: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] | None = None
         self._buffer_list: list[torch.Tensor] = []
         self.host_reads = 0
@@ -499,14 +501,30 @@ class Trainer:
             for kept, buffer in zip(saved, buffers, strict=True)
         ):
             saved = self._saved_buffers = [torch.empty_like(buffer) for buffer in buffers]
-        if buffers:
-            torch._foreach_copy_(saved, buffers)
+        for kept, current in self._by_dtype(saved, buffers):
+            torch._foreach_copy_(kept, current)
         return saved
 
     def _restore_model_buffers(self, saved: list[torch.Tensor]) -> None:
-        buffers = self._current_model_buffers()
-        if buffers:
-            torch._foreach_copy_(buffers, saved)
+        for kept, current in self._by_dtype(saved, self._current_model_buffers()):
+            torch._foreach_copy_(current, kept)
+
+    def _by_dtype(
+        self, saved: list[torch.Tensor], buffers: list[torch.Tensor]
+    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """`saved` and `buffers` (alike, pairwise) split by dtype and device, kept while both lists
+        are the very same: a multi-tensor copy of mixed dtypes (batch norm's float statistics and int64
+        step counts) takes the slow path on a GPU, a kernel a tensor (60 for the ResNet example)."""
+        held = self._grouped_for
+        if held is None or held[0] is not saved or held[1] is not buffers:
+            groups: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for kept, buffer in zip(saved, buffers, strict=True):
+                pair = groups.setdefault((buffer.dtype, buffer.device), ([], []))
+                pair[0].append(kept)
+                pair[1].append(buffer)
+            self._groups = list(groups.values())
+            self._grouped_for = (saved, buffers)  # the lists themselves, compared with `is`
+        return self._groups
 
     def _current_model_buffers(self) -> list[torch.Tensor]:
         """The model's buffers (each once, as `Module.buffers` lists them), detached. The list is
