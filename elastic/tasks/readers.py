@@ -455,7 +455,7 @@ class ItemReaders:
     def read(self, indices: Sequence[int], seeds: Sequence[int]) -> list[Any]:
         """The items `indices`, in order, item i read right after seeding with `seeds[i]`, one
         by one. Raises as PendingRead.result does."""
-        read = self._start(indices, seeds, stack=False, pin=False).result()
+        read = self._start(indices, seeds, stack=False, pin=False, shared=False).result()
         assert isinstance(read, list)
         return read
 
@@ -466,7 +466,7 @@ class ItemReaders:
         return self._start(indices, seeds, self.stack, pin, shared)
 
     def _start(
-        self, indices: Sequence[int], seeds: Sequence[int], stack: bool, pin: bool, shared: bool = False
+        self, indices: Sequence[int], seeds: Sequence[int], stack: bool, pin: bool, shared: bool
     ) -> PendingRead:
         share = max(1, -(-len(indices) // self.count))  # one share a reader: a round trip each, side by side
         starts = range(0, len(indices), share)
