@@ -17,10 +17,12 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from agent.client import PortalError, PortalUnavailableError
+from agent.isolation import ForeignFileError, job_files
 from elastic.artifacts import ARTIFACT_NAMES
 from elastic.wire import WorkerEvent
 
@@ -36,8 +38,13 @@ class ArtifactSink(Protocol):
 
 
 class ArtifactUploader:
-    def __init__(self, sink: ArtifactSink, stopping: threading.Event, state_dir: Path) -> None:
+    def __init__(
+        self, sink: ArtifactSink, stopping: threading.Event, state_dir: Path,
+        owner: Callable[[int], int | None] = lambda job_id: None,
+    ) -> None:
         self._sink = sink
+        self._owner = owner
+        """The uid that must own a job's files (where jobs are confined: agent.isolation), or None."""
         self._stopping = stopping
         self._pending = state_dir / "pending-artifacts"
         self._queue: queue.Queue[tuple[WorkerEvent, float]] = queue.Queue()
@@ -90,6 +97,15 @@ class ArtifactUploader:
             log.error("job %d: the artifacts in %s lack %s; not uploaded", event.job_id, directory, missing)
             self._done(event)
             return
+        try:
+            with job_files(files, self._owner(event.job_id)) as opened:
+                self._upload_opened(event, opened, directory, deadline)
+        except (ForeignFileError, OSError) as err:
+            log.error("job %d: its artifacts in %s are not the job's own files (%s); not uploaded",
+                      event.job_id, directory, err)
+            self._done(event)
+
+    def _upload_opened(self, event: WorkerEvent, files: dict[str, Path], directory: Path, deadline: float) -> None:
         pause = FIRST_PAUSE_S
         while True:
             try:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from agent.code import CodeCache, CodeUnavailable
@@ -39,8 +39,11 @@ class CheckpointExporter:
         on_artifacts: Callable[[WorkerEvent], None],
         python: str = sys.executable,
         environments: Environments | None = None,
+        confined: Callable[[int, str, list[str], Mapping[str, str]], tuple[list[str], dict[str, str]]] | None = None,
     ) -> None:
         self._environments = environments
+        self._confined = confined
+        """How a process of a job runs on this node (WorkerSupervisor.confined); None: as it is."""
         self._running = running
         self._code = code
         self._on_artifacts = on_artifacts
@@ -106,9 +109,16 @@ class CheckpointExporter:
                 return
             python = found
         env = {**process_environment(), "BUNGEE_EXPORT_CONFIG": json.dumps(config), "PYTHONPATH": python_path()}
+        argv = [python, "-m", "elastic.worker.export"]
+        if self._confined is not None:
+            try:
+                argv, env = self._confined(command.job_id, command.run_dir, argv, env)
+            except OSError as err:
+                log.error("job %d: cannot export: its directories: %s", command.job_id, err)
+                return
         try:
             done = subprocess.run(
-                [python, "-m", "elastic.worker.export"],
+                argv,
                 env=env, capture_output=True, text=True, timeout=EXPORT_DEADLINE_S, check=False,
             )
         except subprocess.TimeoutExpired:

@@ -42,6 +42,7 @@ from agent.environments import (
 )
 from agent.events import EventBuffer, PoisonIsolation
 from agent.export import CheckpointExporter
+from agent.isolation import make_undumpable
 from agent.settings import AgentConfig, parse_config
 from agent.supervisor import WorkerSupervisor
 from elastic.liveness import LivenessFile
@@ -118,7 +119,10 @@ class Agent:
         self.client = client
         self.supervisor = supervisor
         self.stopping = stopping
-        self.uploader = ArtifactUploader(client, stopping, supervisor.state_dir)
+        isolation = supervisor.config.isolation
+        self.uploader = ArtifactUploader(
+            client, stopping, supervisor.state_dir, owner=isolation.uid if isolation is not None else lambda job_id: None
+        )
         self.report_now = report_now or threading.Event()
         """Set (by the supervisor, on a worker's exit; by the dispatcher, when a played owner
         comes or goes) to send the next report without waiting."""
@@ -138,7 +142,8 @@ class Agent:
             report_now=self.report_now.set,
             code=self.code,
             exporter=CheckpointExporter(
-                supervisor.running, self.code, self.uploader.submit, supervisor.config.python, self.environments
+                supervisor.running, self.code, self.uploader.submit, supervisor.config.python, self.environments,
+                supervisor.confined,
             ),
             drain=self.drain,
             environments=self.environments,
@@ -380,6 +385,9 @@ class Agent:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the agent; returns its ExitCode."""
+    # First: from here on no process of the agent's uid without CAP_SYS_PTRACE (a job's, where
+    # jobs run as the agent's user) reads its memory or its environment, which may hold its token.
+    make_undumpable()
     config = parse_config(argv, os.environ)
     logging.basicConfig(
         level=config.log_level,

@@ -12,6 +12,7 @@ value.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import socket
 import sys
@@ -29,6 +30,7 @@ from agent import slurm as slurm_job
 from agent.devices import GpuSelection, backend_names
 from agent.devices.simulated import MAX_PACE
 from agent.environments import DEFAULT_BUILD_DEADLINE_S, DEFAULT_MAX_BYTES
+from agent.isolation import JOB_UID_COUNT, JobIsolation
 from elastic.environ_settings import EnvironSettings, SettingsError, refusal
 from elastic.wire import POOL_NAME_PATTERN, NodeRegistration
 
@@ -221,12 +223,34 @@ class AgentSettings(EnvironSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", validation_alias="BUNGEE_LOG_LEVEL", description="logging level"
     )
+    isolation: Literal["auto", "uid", "none"] = Field(
+        "auto",
+        validation_alias="BUNGEE_AGENT_ISOLATION",
+        description="how jobs' processes are kept from the platform's secrets and each other: uid (each job "
+        "as a uid of its own, in a mount namespace where the agent's state, data and token file are out of "
+        "sight, with a private /tmp; the agent must run as root), none (as the agent's user), or auto (uid "
+        "when the agent runs as root, else none)",
+    )
+    job_uid_base: int = Field(
+        200_000,
+        ge=1000,
+        validation_alias="BUNGEE_AGENT_JOB_UID_BASE",
+        description="with --isolation uid: job N runs as uid and gid BASE + N modulo 1,048,576; keep that "
+        "range free of the machine's own users",
+    )
     liveness_file: Path | None = Field(
         None,
         validation_alias="BUNGEE_LIVENESS_FILE",
         description="a file touched at every turn of the registration and report loops, for an exec probe "
         "(python -m elastic.liveness FILE --max-age S); unset: none is written",
     )
+
+    @field_validator("job_uid_base")
+    @classmethod
+    def _uids_left(cls, value: int) -> int:
+        if value + JOB_UID_COUNT > 2**32 - 2:
+            raise ValueError(f"leaves fewer than {JOB_UID_COUNT} uids below 4294967294")
+        return value
 
     @field_validator("backend")
     @classmethod
@@ -304,7 +328,21 @@ class AgentSettings(EnvironSettings):
             env_index_options=self.env_index_options,
             slurm_signal_s=self.slurm_signal,
             liveness_file=self.liveness_file,
+            isolation=self._isolation(),
+            job_uid_base=self.job_uid_base,
+            token_file=self.token_file.resolve() if self.token_file is not None else None,
+            data_dir=self.data_dir.resolve(),
         )
+
+    def _isolation(self) -> str:
+        """uid or none, as --isolation asks. Raises ValueError for uid when the agent is not root."""
+        root = os.geteuid() == 0
+        if self.isolation == "uid" and not root:
+            raise ValueError(
+                f"--isolation uid needs the agent to run as root (it runs as uid {os.geteuid()}): "
+                "run it as root, or pass --isolation none"
+            )
+        return "uid" if self.isolation == "uid" or (self.isolation == "auto" and root) else "none"
 
 
 @dataclass(frozen=True)
@@ -342,6 +380,8 @@ class SupervisorConfig:
     """Prepare up to this many of those standbys for each job that may grow on this node (its
     model built before a worker is asked for: agent.standby); 0: none. The agent prepares up to
     2 unless told otherwise (--prepared-standbys)."""
+    isolation: JobIsolation | None = None
+    """How jobs' processes are confined (agent.isolation); None: they run as the agent's user."""
     fork_standbys: bool = False
     """Fork the standbys of CPU slots from the node's fork server (elastic.worker.forkserver)
     rather than start each as a new interpreter. The agent does unless told otherwise
@@ -398,6 +438,11 @@ class AgentConfig:
     """In a Slurm job: how long before its time limit Slurm signals it; None: drain_deadline_s."""
     liveness_file: Path | None = None
     """The file the agent's loops touch for an exec probe (elastic.liveness); None: none."""
+    isolation: str = "none"
+    """"uid": jobs' processes are confined (agent.isolation); "none": they run as the agent's user."""
+    job_uid_base: int = 200_000
+    token_file: Path | None = None
+    data_dir: Path | None = None
 
     def supervisor_config(self) -> SupervisorConfig:
         """The worker supervisor's configuration on this node."""
@@ -410,7 +455,15 @@ class AgentConfig:
             standbys=self.standbys,
             prepared_per_job=self.prepared_standbys,
             fork_standbys=self.standby_start == "fork",
+            isolation=self.job_isolation(),
         )
+
+    def job_isolation(self) -> JobIsolation | None:
+        """How this node confines jobs, or None where it does not."""
+        if self.isolation != "uid":
+            return None
+        hide = [self.state_dir, self.env_dir, self.data_dir, self.token_file]
+        return JobIsolation(self.job_uid_base, JOB_UID_COUNT, tuple(str(p) for p in hide if p is not None))
 
 
 # --- the command line --------------------------------------------------------------------------

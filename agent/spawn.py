@@ -30,11 +30,14 @@ import psutil
 
 import elastic
 from agent.devices import DeviceBackend, DeviceError, WorkerPlacement
+from agent.isolation import interpreter_paths
 from agent.records import RecordStore, process_start_time
 from agent.standby import StandbyPool
 from agent.worker_process import Process
 from elastic.wire import LaunchCommand, WorkerAssignment, WorkerConfig
 from elastic.worker import WORKER_CONFIG_ENV
+from elastic.worker import confine as confine_module
+from elastic.worker.confine import CONFINEMENT_ENV
 from elastic.worker.forkserver import ForkedProcess
 
 if TYPE_CHECKING:
@@ -114,6 +117,7 @@ class WorkerSpawner:
     def __init__(self, config: SupervisorConfig, records: RecordStore, state_dir: Path) -> None:
         self.config = config
         self._records = records
+        self._state_dir = state_dir
         self.standbys = (
             StandbyPool(
                 state_dir / "standby",
@@ -178,8 +182,40 @@ class WorkerSpawner:
             initial_model=str(launch.initial_model) if launch.initial_model is not None else None,
         )
 
-    def env_of(self, config: WorkerConfig, placement: WorkerPlacement) -> dict[str, str]:
-        return {**self.worker_env(), **placement.env, WORKER_CONFIG_ENV: config.model_dump_json()}
+    def env_of(self, config: WorkerConfig, placement: WorkerPlacement, python: str | None = None) -> dict[str, str]:
+        """The whole environment of the worker `config` on `placement`, run by `python` (None:
+        the node's interpreter); where jobs are confined, with its job's confinement (its
+        directories made). Raises OSError if they cannot be made."""
+        env = {**self.worker_env(), **placement.env, WORKER_CONFIG_ENV: config.model_dump_json()}
+        return {**env, **self.confinement_env(config.job_id, config.run_dir, python or self.config.python, env)}
+
+    def confinement_env(
+        self, job_id: int, run_dir: str, python: str, env: Mapping[str, str]
+    ) -> dict[str, str]:
+        """CONFINEMENT_ENV for a process of job `job_id` run by `python` with `env`, where jobs
+        are confined (agent.isolation); {} where they are not. Raises OSError."""
+        isolation = self.config.isolation
+        if isolation is None:
+            return {}
+        reach = {*interpreter_paths(python), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))}
+        confinement = isolation.confinement(job_id, self._state_dir, run_dir, reach)
+        return {CONFINEMENT_ENV: confinement.to_json()}
+
+    def confined(
+        self, job_id: int, run_dir: str, argv: list[str], env: Mapping[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """`argv` and `env` of a process of job `job_id` (an export), confined where jobs are.
+        Raises OSError if the job's directories cannot be made."""
+        confined_env = {**env, **self.confinement_env(job_id, run_dir, argv[0], env)}
+        return self.confined_argv(argv, confined_env), confined_env
+
+    def confined_argv(self, argv: list[str], env: Mapping[str, str]) -> list[str]:
+        """`argv`, run confined first if `env` says so: the node's interpreter confines the process
+        (elastic.worker.confine) before `argv[0]`, maybe a job's own environment's interpreter,
+        runs any of its packages' code."""
+        if CONFINEMENT_ENV not in env:
+            return argv
+        return [self.config.python, "-I", "-S", str(confine_module.__file__), "--", *argv]
 
     @staticmethod
     def new_stem(command: LaunchCommand, assignment: WorkerAssignment) -> str:
@@ -192,8 +228,11 @@ class WorkerSpawner:
             placement = launch.backend.placement(assignment.device_index)
         except DeviceError as err:
             raise SpawnError(f"cannot place the worker: {err}") from err
-        env = self.env_of(self.worker_config(launch, assignment, placement), placement)
-        argv = [launch.python or self.config.python, "-m", self.config.worker_module]
+        try:
+            env = self.env_of(self.worker_config(launch, assignment, placement), placement, launch.python)
+        except OSError as err:
+            raise SpawnError(f"cannot make the job's directories: {err}") from err
+        argv = self.confined_argv([launch.python or self.config.python, "-m", self.config.worker_module], env)
         output_path = self._records.output_path(stem)
         # Standbys and the fork server run the node's environment: a job with its own starts a
         # new interpreter of it (docs/operator/environments.md: what a grow costs).

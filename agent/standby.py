@@ -315,8 +315,8 @@ class StandbyPool:
         job = min(wanting, key=lambda j: (counts[j], growing.index(j)))
         index = candidates[0]
         standby = self._standbys[index]
-        line = Preparation(env=prepare_env(job, index, standby.placement)).model_dump_json().encode() + b"\n"
-        try:
+        try:  # the environment makes the job's directories where jobs are confined: OSError
+            line = Preparation(env=prepare_env(job, index, standby.placement)).model_dump_json().encode() + b"\n"
             self._send(standby, line)
         except OSError as err:
             log.warning("could not prepare device %d's standby (pid %d) for job %d: %s", index, standby.pid, job, err)

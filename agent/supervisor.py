@@ -45,7 +45,7 @@ import math
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -265,6 +265,12 @@ class WorkerSupervisor:
     def standby_pids(self) -> dict[int, int]:
         """pid -> device index of the standbys waiting: processes of ours, not an owner's."""
         return self._spawner.standby_pids()
+
+    def confined(
+        self, job_id: int, run_dir: str, argv: list[str], env: Mapping[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """A process of job `job_id` (an export) as this node runs it: see WorkerSpawner.confined."""
+        return self._spawner.confined(job_id, run_dir, argv, env)
 
     def drain_events(self) -> list[WorkerEvent]:
         """Removes and returns the events since the last drain, oldest first."""

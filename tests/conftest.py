@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+# The agents the tests start run their workers as the agent's user unless a test asks for
+# confinement (tests/test_job_confinement.py): most tests' workers read and write files of the
+# test's own (a stand-in worker's exit file, a task's marker), which a confined job cannot see.
+os.environ.setdefault("BUNGEE_AGENT_ISOLATION", "none")
 
 if TYPE_CHECKING:
     from elastic.wire import NodeRegistration, RunningWorker

@@ -67,6 +67,9 @@ class OneWorker:
     def events_delivered(self) -> None:
         self.delivered += 1
 
+    def confined(self, job_id: int, run_dir: str, argv: list[str], env: Any) -> tuple[list[str], dict[str, str]]:
+        return argv, dict(env)  # jobs run as the agent's user here
+
     def standby_pids(self) -> dict[int, int]:
         return {}
 

@@ -22,6 +22,14 @@ from elastic.worker.events import announce_exit
 def main() -> int:
     """Run the worker; return its exit code. A failure prints its traceback to stderr."""
     began = time.monotonic()
+    from elastic.worker.confine import ConfinementError, confine_from_env
+
+    try:  # before anything of the job's: a fork server's child or a standby was started as root
+        confine_from_env()
+    except ConfinementError as err:
+        print(f"the job's process could not be confined: {err}", file=sys.stderr)
+        announce_exit(FAILED_EXIT_CODE)
+        return FAILED_EXIT_CODE
     # Installed first, so that a stop asked while torch loads or the job builds ends the start at
     # once (StoppedStarting); WorkerRun settles it before the worker meets its peers.
     from elastic.worker.stop import StoppedStarting, StopRequest

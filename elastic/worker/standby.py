@@ -44,6 +44,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from elastic.worker import FAILED_EXIT_CODE
+from elastic.worker.confine import ConfinementError, confine_from_env
 
 READY_LINE = "standby ready"
 """What the standby prints (to its own output, before any assignment) once it is warm."""
@@ -144,6 +145,7 @@ def prepare(preparation: Preparation) -> None:
     try:
         config = WorkerConfig.model_validate_json(os.environ[WORKER_CONFIG_ENV])
         job = config.job_id
+        confine_from_env()  # before the job's code runs
         made = build.prepare(config, WorkerSettings.from_env(os.environ))
     except Exception as err:  # the job's code, or a config the worker would refuse as well
         report = {"standby": PREPARATION_FAILED_LINE, "job": job, "error": f"{type(err).__name__}: {err}"[:2000]}
@@ -180,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         prepare(message)
         prepared = True
     take(assignment)
+    try:
+        confine_from_env()  # a prepared standby was confined already: nothing to do
+    except ConfinementError as err:
+        print(f"the job's process could not be confined: {err}", file=sys.stderr, flush=True)
+        return FAILED_EXIT_CODE
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # as a worker started by the agent: stdin is /dev/null
     os.close(devnull)

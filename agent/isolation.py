@@ -1,0 +1,109 @@
+"""What keeps a job's code away from the platform on this node (docs/operator/security.md).
+
+Always: the agent is not dumpable, so no process of its uid without CAP_SYS_PTRACE reads its
+memory or its /proc entries (its environment, which may hold the token). When the agent runs as
+root, each job's processes are also confined (elastic.worker.confine): a uid and gid of the job's
+own (JobIsolation.uid), a mount namespace in which the agent's state directory, its data
+directory, other jobs' run directories and the token file are out of sight, and a private /tmp.
+JobIsolation says, for one job, what that confinement is, and makes the job's directories for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic.worker.confine import Confinement
+
+_PR_SET_DUMPABLE = 4
+JOB_UID_COUNT = 1 << 20
+"""How many uids jobs take, from the base on (a job's is the base plus its id modulo this)."""
+
+
+def make_undumpable() -> None:
+    """Marks this process not dumpable: its /proc entries belong to root and only a process with
+    CAP_SYS_PTRACE may read its memory, its environment or trace it. Raises OSError."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"prctl(PR_SET_DUMPABLE, 0): {os.strerror(code)}")
+
+
+def interpreter_paths(python: str) -> set[str]:
+    """The directories interpreter `python` needs to run: its environment (a virtualenv's
+    directory), the agent's, and the installation both are made from."""
+    return {str(Path(python).parent.parent), sys.prefix, str(Path(sys.base_prefix).resolve())}
+
+
+@dataclass(frozen=True)
+class JobIsolation:
+    """How this node confines jobs: job N runs as uid and gid `uid_base + N % uid_count`, with
+    the paths of `hide` out of its sight (the agent's state and data directories, its token
+    file)."""
+
+    uid_base: int
+    uid_count: int
+    hide: tuple[str, ...]
+
+    def uid(self, job_id: int) -> int:
+        return self.uid_base + job_id % self.uid_count
+
+    def confinement(self, job_id: int, state_dir: Path, run_dir: str, reach: Iterable[str]) -> Confinement:
+        """Job `job_id`'s confinement on this node, its directories made: STATE_DIR/jobs/job-N
+        (the agent's: its code, which the job reads) holding `home` and `tmp` (the job's own),
+        and `run_dir` (the job's, where it writes its checkpoint). `reach`: what its processes
+        run from (interpreter_paths, the project). Raises OSError."""
+        uid = self.uid(job_id)
+        job_dir = state_dir / "jobs" / f"job-{job_id}"
+        job_dir.mkdir(parents=True, exist_ok=True)
+        own = [job_dir / "home", job_dir / "tmp", Path(run_dir)]
+        for directory in own:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if directory.is_symlink():  # made by the job's code: never followed as root
+                raise OSError(f"{directory} is a link")
+            os.chown(directory, uid, uid, follow_symlinks=False)
+            os.chmod(directory, 0o700)
+        hide = (*self.hide, str(Path(run_dir).parent))
+        return Confinement(
+            uid=uid, gid=uid, home=str(job_dir / "home"), tmp=str(job_dir / "tmp"),
+            hide=hide, keep=(str(job_dir), run_dir), reach=tuple(sorted(set(reach))),
+        )
+
+
+class ForeignFileError(Exception):
+    """A file a job handed over is not one the job wrote: the message says why."""
+
+
+@contextmanager
+def job_files(files: Mapping[str, Path], owner: int | None) -> Iterator[dict[str, Path]]:
+    """The job's files `files` (name -> path, which the job's code named or made), opened for the
+    agent, which may read what the job may not: each must be a regular file, not a link, and where
+    jobs are confined owned by the job's uid `owner`. Yields name -> a path to the file as opened
+    (/proc/self/fd/N), so that nothing the job does after the check changes what is read. Raises
+    ForeignFileError, or OSError if a file cannot be opened."""
+    opened: dict[str, int] = {}
+    try:
+        for name, path in files.items():
+            try:
+                descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as err:
+                if err.errno == errno.ELOOP:  # the last part of the path is a link
+                    raise ForeignFileError(f"{path} is a link") from None
+                raise
+            opened[name] = descriptor
+            found = os.fstat(descriptor)
+            if not stat.S_ISREG(found.st_mode):
+                raise ForeignFileError(f"{path} is not a regular file")
+            if owner is not None and found.st_uid != owner:
+                raise ForeignFileError(f"{path} belongs to uid {found.st_uid}, not the job's {owner}")
+        yield {name: Path(f"/proc/self/fd/{descriptor}") for name, descriptor in opened.items()}
+    finally:
+        for descriptor in opened.values():
+            os.close(descriptor)

@@ -1,0 +1,208 @@
+"""What the agent does to keep a job's code from the platform, process by process (agent.isolation,
+elastic.worker.confine): the agent is not dumpable, so a process of its uid without
+CAP_SYS_PTRACE cannot read its environment; the files a job hands over are read only if they are
+the job's own, through what was checked; a confined process sees neither the hidden directories nor
+the token file nor the machine's /tmp, and still reaches an interpreter kept under a closed
+directory. The whole platform with confined jobs: test_job_confinement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.artifacts import ArtifactUploader
+from agent.isolation import ForeignFileError, JobIsolation, job_files
+from elastic.artifacts import ARTIFACT_NAMES
+from elastic.wire import WorkerEvent
+from elastic.worker.confine import Confinement
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="switching uids and mount namespaces needs root")
+PROJECT = str(Path(__file__).resolve().parent.parent)
+
+
+# --- the agent's memory ---------------------------------------------------------------------
+
+TARGET = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[1])
+    if sys.argv[2] == "undumpable":
+        from agent.isolation import make_undumpable
+        make_undumpable()
+    print("ready", flush=True)
+    time.sleep(30)
+""")
+
+
+def _environ_as_reader(undumpable: bool) -> subprocess.CompletedProcess[str]:
+    """Reads the environ of a process holding a secret, from a process of the same uid; both lack
+    a capability (as a job of an agent running as a user does)."""
+    drop = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"]  # uid 0 with no capability: as a user
+    target = subprocess.Popen(
+        [*drop, sys.executable, "-c", TARGET, PROJECT, "undumpable" if undumpable else "dumpable"],
+        env={**os.environ, "BUNGEE_AGENT_TOKEN": "the-secret"}, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        return subprocess.run([*drop, "cat", f"/proc/{target.pid}/environ"], capture_output=True, text=True, timeout=10)
+    finally:
+        target.kill()
+        target.wait()
+
+
+@needs_root
+def test_an_undumpable_agents_environment_is_not_readable_by_its_own_uid() -> None:
+    read = _environ_as_reader(undumpable=False)
+    assert "the-secret" in read.stdout, "without it, the same uid reads the environment (the test's control)"
+    read = _environ_as_reader(undumpable=True)
+    assert read.returncode != 0 and "Permission denied" in read.stderr and "the-secret" not in read.stdout
+
+
+# --- files a job hands over -------------------------------------------------------------------
+
+
+def test_only_the_jobs_own_regular_files_are_read(tmp_path: Path) -> None:
+    own = tmp_path / "model.pt"
+    own.write_bytes(b"weights")
+    secret = tmp_path / "node-token"
+    secret.write_text("token")
+    link = tmp_path / "link.pt"
+    link.symlink_to(secret)
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    with job_files({"model.pt": own}, owner=os.geteuid()) as opened:
+        own.write_bytes(b"swapped")  # after the check: the same file, so the same bytes
+        assert opened["model.pt"].read_bytes() == b"swapped"
+        own.unlink()
+        own.write_bytes(b"another file")
+        assert opened["model.pt"].read_bytes() == b"swapped", "what was checked is what is read"
+    for path, why in ((link, "is a link"), (fifo, "not a regular file"), (tmp_path, "not a regular file")):
+        with pytest.raises(ForeignFileError, match=why), job_files({"x": path}, owner=None):
+            pass
+    with pytest.raises(ForeignFileError, match=f"belongs to uid {os.geteuid()}, not the job's 123456"), \
+            job_files({"model.pt": own}, owner=123456):
+        pass
+
+
+class Portal:
+    def __init__(self) -> None:
+        self.taken: dict[int, dict[str, bytes]] = {}
+
+    def upload_artifacts(self, job_id: int, files: dict[str, Path]) -> None:
+        self.taken[job_id] = {name: path.read_bytes() for name, path in files.items()}
+
+
+def test_artifacts_that_are_not_the_jobs_files_are_not_uploaded(tmp_path: Path) -> None:
+    """A job's code writes the 'artifacts' event itself: it may name any directory of the node,
+    another job's among them. Only files its uid owns leave the node."""
+    directory = tmp_path / "another-jobs-run" / "artifacts"
+    directory.mkdir(parents=True)
+    for name in ARTIFACT_NAMES:
+        (directory / name).write_bytes(b"another job's " + name.encode())
+    event = WorkerEvent(job_id=9, generation=1, rank=0, kind="artifacts", at=time.time(), step=3, message=str(directory))
+    portal = Portal()
+    uploader = ArtifactUploader(portal, threading.Event(), tmp_path / "state", owner=lambda job_id: 200_009)
+    uploader.submit(event)
+    deadline = time.monotonic() + 10
+    while list((tmp_path / "state" / "pending-artifacts").glob("*.json")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert portal.taken == {} and not list((tmp_path / "state" / "pending-artifacts").glob("*.json"))
+    own = ArtifactUploader(portal, threading.Event(), tmp_path / "state2", owner=lambda job_id: os.geteuid())
+    own.submit(event)
+    while not portal.taken and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(portal.taken[9]) == set(ARTIFACT_NAMES)
+
+
+# --- a confined process ------------------------------------------------------------------------
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    from elastic.worker.confine import Confinement, confine
+    confine(Confinement.from_json(sys.argv[2]))
+    def attempt(what):
+        try:
+            return "got " + repr(what())[:80]
+        except OSError as err:
+            return "refused: " + type(err).__name__
+    print(json.dumps({
+        "uid": [os.getuid(), os.geteuid(), os.getgid(), os.getgroups()],
+        "token": attempt(lambda: open(sys.argv[3]).read()),
+        "state": attempt(lambda: sorted(os.listdir(sys.argv[4]))),
+        "other job": attempt(lambda: os.listdir(os.path.join(sys.argv[4], "jobs", "job-8"))),
+        "own code": attempt(lambda: open(os.path.join(sys.argv[4], "jobs", "job-7", "code", "task.py")).read()),
+        "tmp": attempt(lambda: sorted(os.listdir("/tmp"))),
+        "closed": attempt(lambda: sorted(os.listdir(sys.argv[5]))),
+        "reached": attempt(lambda: open(os.path.join(sys.argv[5], "runtime", "lib.py")).read()),
+        "parent": attempt(lambda: os.kill(os.getppid(), 0)),
+        "write own": attempt(lambda: open(os.path.join(os.environ["HOME"], "f"), "w").write("x")),
+        "write code": attempt(lambda: open(os.path.join(sys.argv[4], "jobs", "job-7", "code", "x"), "w").write("x")),
+        "home": os.environ["HOME"], "cwd": os.getcwd(),
+    }))
+""")
+
+
+@needs_root
+def test_a_confined_process_sees_only_its_own(tmp_path: Path) -> None:
+    base = Path("/var/tmp") / f"bungee-confine-test-{os.getpid()}"  # outside the test's /tmp
+    try:
+        state = base / "state"
+        (state / "jobs" / "job-8" / "code").mkdir(parents=True)
+        (state / "jobs" / "job-7" / "code").mkdir(parents=True)
+        (state / "jobs" / "job-7" / "code" / "task.py").write_text("print('mine')")
+        (state / "workers").mkdir()
+        token = base / "agent.token"
+        token.write_text("the-token")
+        token.chmod(0o644)  # even a file anyone may read: out of sight
+        closed = base / "closed"  # as a 0700 home holding the interpreter
+        (closed / "runtime").mkdir(parents=True)
+        (closed / "runtime" / "lib.py").write_text("x = 1")
+        (closed / "private").mkdir()
+        closed.chmod(0o700)
+        outside = Path("/tmp") / f"bungee-outside-{os.getpid()}"
+        outside.write_text("the machine's")
+        isolation = JobIsolation(300_000, 1 << 20, (str(state), str(token)))
+        run_dir = base / "runs" / "job-7-x"
+        (base / "runs").mkdir()
+        confinement = isolation.confinement(
+            7, state, str(run_dir),
+            {sys.prefix, str(Path(sys.base_prefix).resolve()), PROJECT, str(closed / "runtime")},
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE, PROJECT, confinement.to_json(), str(token), str(state), str(closed)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout)
+        assert seen["uid"] == [300_007, 300_007, 300_007, []]
+        assert seen["token"] == "got ''", seen  # /dev/null in its place
+        assert seen["state"] == "got ['jobs']" and seen["other job"].startswith("refused"), seen
+        assert seen["own code"] == "got \"print('mine')\"", seen
+        assert outside.name not in seen["tmp"], seen
+        assert seen["closed"] == "got ['runtime']" and seen["reached"] == "got 'x = 1'", seen
+        assert seen["parent"] == "refused: PermissionError", seen
+        assert seen["write own"] == "got 1" and seen["write code"].startswith("refused"), seen
+        assert seen["home"] == seen["cwd"] == str(state / "jobs" / "job-7" / "home")
+        assert run_dir.stat().st_uid == 300_007 and (run_dir.stat().st_mode & 0o777) == 0o700
+        assert not (state / "jobs" / "job-7" / "tmp" / "f").exists()
+    finally:
+        outside.unlink(missing_ok=True)
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def test_a_confinement_never_runs_a_job_as_root() -> None:
+    from elastic.worker.confine import ConfinementError
+
+    for uid, gid in ((0, 5), (5, 0)):
+        text = Confinement(uid, gid, "/h", "/t").to_json()
+        with pytest.raises(ConfinementError, match="must be unprivileged"):
+            Confinement.from_json(text)

@@ -1,0 +1,168 @@
+"""Jobs confined on a node whose agent runs as root (elastic.worker.confine, agent.isolation): a
+stranger's task, uploaded as a user would, tries from inside its running job to reach the agent's
+memory, environment and token, its state directory, the data directory, another job's code and the
+machine's /tmp, and gets none of them, while it trains; a strict job grown from a warm standby and
+shrunk again inside its confinement ends with the fixed-size run's model, bit for bit. Whole
+platform: API, Celery, a real agent with warm standbys, real torch workers."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.code_support import RINGS, directory_files, tar_gz
+from tests.platform import FAST_PROGRESS_ENV, Platform, running_platform
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="confining jobs needs an agent running as root"),
+]
+
+HOSTILE = Path(__file__).parent / "tasks" / "hostile"
+UID_BASE = 300_000
+MARKER = Path("/tmp/bungee-outside-marker")
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    env = {**FAST_PROGRESS_ENV, "BUNGEE_AGENT_ISOLATION": "uid", "BUNGEE_AGENT_JOB_UID_BASE": str(UID_BASE),
+           "BUNGEE_POLICY": "fair"}
+    with running_platform(tmp_path_factory.mktemp("confined"), {"node-a": 2}, env) as running:
+        running.wait_for("two devices", lambda: sum(
+            len(n["devices"]) for n in running.api("alice").get("/api/cluster").json()["nodes"]) == 2)
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def no_job_left(platform: Platform) -> Iterator[None]:
+    yield
+    alice = platform.api("alice")
+    for job in alice.get("/api/jobs").json():
+        if job.get("state") not in ENDED:
+            alice.post(f"/api/jobs/{job['id']}/cancel")
+
+
+def upload(platform: Platform, files: dict[str, bytes]) -> str:
+    reply = platform.api("alice").post("/api/code", files={"file": ("task.tar.gz", tar_gz(files), "application/gzip")})
+    assert reply.status_code == 201, reply.text
+    return str(reply.json()["digest"])
+
+
+def submit(platform: Platform, spec: dict[str, Any], workers: int | None = None) -> int:
+    alice = platform.api("alice")
+    reply = alice.post("/api/jobs", json=spec)
+    assert reply.status_code == 201, reply.text
+    job_id = int(reply.json()["id"])
+    if workers is not None:
+        assert alice.post(f"/api/jobs/{job_id}/resize", json={"workers": workers}).status_code == 200
+    return job_id
+
+
+def logs(platform: Platform, job_id: int) -> list[str]:
+    reply = platform.api("alice").get(f"/api/jobs/{job_id}/logs")
+    assert reply.status_code == 200, reply.text
+    return [entry["line"] for entry in reply.json()]
+
+
+def live(job: dict[str, Any]) -> list[dict[str, Any]]:
+    return [w for w in job["workers_history"] if w["state"] == "running"]
+
+
+def settled(platform: Platform, job_id: int, workers: int, after_generation: int = 0) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        job = platform.job(job_id)
+        rows = live(job)
+        done = (job["state"] == "running" and job["workers"] == workers and job["generation"] > after_generation
+                and job["resizes"][-1]["completed_at"] is not None and len(rows) == workers
+                and all(row["generation"] == job["generation"] for row in rows))
+        return job if done else None
+
+    try:
+        return platform.wait_for(f"job {job_id} on {workers} workers", check, timeout_s=120)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{platform.job(job_id)}\n" + "\n".join(logs(platform, job_id)[-40:])) from None
+
+
+def uid_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+RINGS_SPEC = {"entrypoint": "task:RingsTask", "min_workers": 1, "max_workers": 2, "seed": 3,
+              "hyperparameters": {"batch_size": 24, "hidden": 16}}
+
+
+def test_a_jobs_code_reaches_no_secret_of_the_platform_and_no_other_job(platform: Platform) -> None:
+    MARKER.write_text("the machine's /tmp")
+    try:
+        neighbour = submit(platform, {**RINGS_SPEC, "name": "neighbour", "code": upload(platform, directory_files(RINGS)),
+                                      "steps": 10_000_000}, workers=1)
+        [worker] = live(settled(platform, neighbour, 1))
+        assert uid_of(worker["pid"]) == UID_BASE + neighbour, "the job's worker runs as the job's own uid"
+        files = {**directory_files(RINGS), **directory_files(HOSTILE)}
+        hostile = submit(platform, {**RINGS_SPEC, "name": "hostile", "code": upload(platform, files),
+                                    "entrypoint": "hostile:HostileRings", "max_workers": 1, "steps": 30})
+        platform.wait_for("the hostile job's end", lambda: platform.job(hostile)["state"] in ENDED, timeout_s=120)
+    finally:
+        MARKER.unlink(missing_ok=True)
+    lines = logs(platform, hostile)
+    assert platform.job(hostile)["state"] == "succeeded", lines[-30:]
+    [line] = [line for line in lines if line.startswith("PROBE ")]
+    probe = json.loads(line.removeprefix("PROBE "))
+    assert (probe["uid"], probe["gid"], probe["groups"]) == (UID_BASE + hostile, UID_BASE + hostile, []), probe
+    assert probe["agents_seen"] >= 1, probe
+    for key, result in probe.items():
+        if key.startswith("agent ") or key == "token file":
+            assert result.startswith("refused"), (key, result)
+    assert "token file" in probe, probe
+    assert probe["environs holding the token variable"] == [], probe
+    state = probe["state dir"]
+    assert state.startswith("refused") or state == "listed ['jobs']", state  # its own directory's way in only
+    assert probe["workers' records"].startswith("refused"), probe
+    assert probe["other jobs' code read"] == [], probe
+    assert probe["own code"].startswith("listed"), probe
+    assert probe["outside /tmp marker"].startswith("refused"), probe
+    assert probe["own /tmp"] == "got 1 bytes", probe
+    print(json.dumps(probe, indent=1))
+
+
+def test_a_strict_job_resized_inside_its_confinement_ends_with_the_fixed_runs_model(
+    platform: Platform, tmp_path: Path
+) -> None:
+    code = upload(platform, directory_files(RINGS))
+    spec = {**RINGS_SPEC, "name": "confined-resized", "code": code, "steps": 10_000_000}
+    job_id = submit(platform, spec, workers=1)
+    one = settled(platform, job_id, 1)
+    assert alice_resize(platform, job_id, 2)
+    two = settled(platform, job_id, 2, one["generation"])
+    assert {w["pid"] for w in live(one)} <= {w["pid"] for w in live(two)}, "the survivor was not restarted"
+    assert all(uid_of(w["pid"]) == UID_BASE + job_id for w in live(two))
+    assert alice_resize(platform, job_id, 1)
+    shrunk = settled(platform, job_id, 1, two["generation"])
+    platform.wait_for("steps after the shrink",
+                      lambda: platform.job(job_id)["steps_done"] > shrunk["steps_done"] + 10, timeout_s=60)
+    assert platform.api("alice").post(f"/api/jobs/{job_id}/cancel").status_code == 200
+    kept = platform.wait_for("the artifacts", lambda: platform.job(job_id)["artifacts"], timeout_s=120)
+    fixed_id = submit(platform, {**spec, "name": "confined-fixed", "min_workers": 2, "max_workers": 2,
+                                 "virtual_workers": 2, "steps": kept["step"]})
+    platform.wait_for("the fixed run's model", lambda: platform.job(fixed_id)["artifacts"], timeout_s=180)
+    models = []
+    for job in (job_id, fixed_id):
+        reply = platform.api("alice").get(f"/api/jobs/{job}/artifacts/model.pt")
+        assert reply.status_code == 200, reply.text
+        (tmp_path / f"{job}.pt").write_bytes(reply.content)
+        models.append(torch.load(tmp_path / f"{job}.pt", weights_only=True))
+    resized, fixed = models
+    assert resized.keys() == fixed.keys()
+    assert [name for name in fixed if not torch.equal(resized[name], fixed[name])] == []
+
+
+def alice_resize(platform: Platform, job_id: int, workers: int) -> bool:
+    return platform.api("alice").post(f"/api/jobs/{job_id}/resize", json={"workers": workers}).status_code == 200
