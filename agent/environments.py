@@ -42,6 +42,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -53,7 +54,10 @@ from pathlib import Path
 import psutil
 from packaging.utils import canonicalize_name
 
+from agent.isolation import JobIsolation, interpreter_paths, take_back
 from elastic.requirements import Declared
+from elastic.worker import confine as confine_module
+from elastic.worker.confine import CONFINEMENT_ENV, Confinement
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,9 @@ class EnvironmentSettings:
     max_bytes: int = DEFAULT_MAX_BYTES
     index_options: bool = False
     """Jobs' requirements may hold elastic.requirements.INDEX_OPTIONS lines (the operator's choice)."""
+    isolation: JobIsolation | None = None
+    """Where jobs are confined, so are builds (agent.isolation): as the builder's uid, in a pid
+    namespace of their own that ends with them; None: as the agent's user."""
 
 
 @dataclass(frozen=True)
@@ -320,8 +327,9 @@ class Environments:
         building = self.root / f"tmp-{digest}-{uuid.uuid4().hex[:8]}"
         log.info("building environment %s: %s", digest, ", ".join(declared.lines()))
         try:
+            confinement = self._confinement(building)
             output = self._run([self.settings.uv, "venv", "--relocatable", "--python", self.settings.python,
-                                str(building)], started, progress)
+                                str(building)], started, progress, confinement)
             site_packages = building / base.purelib
             placeholders = self._show_base(site_packages, base)
             (building / "bungee-requirements.txt").write_text("\n".join(declared.lines()) + "\n")
@@ -333,7 +341,9 @@ class Environments:
                        "--constraint", str(building / "bungee-constraints.txt")]
             for wheelhouse in self.settings.find_links:
                 install += ["--find-links", wheelhouse]
-            output += self._run(install, started, progress)
+            output += self._run(install, started, progress, confinement)
+            if confinement is not None:
+                take_back(building)  # before it is used: no job's process may change it
             for placeholder in placeholders:
                 shutil.rmtree(placeholder)
             (site_packages / NODE_PTH).write_text(
@@ -359,13 +369,36 @@ class Environments:
             made.append(directory)
         return made
 
-    def _run(self, argv: list[str], started: float, progress: Callable[[float], None] | None) -> str:
-        """Runs `argv` in the clean environment, in a session of its own; returns its output.
-        Raises BuildFailed (its last line) if it fails, or kills it at the build's deadline."""
+    def _confinement(self, building: Path) -> Confinement | None:
+        """The confinement of a build into `building`, where builds are confined (its
+        directories made); None where they are not. Raises BuildFailed."""
+        isolation = self.settings.isolation
+        if isolation is None:
+            return None
+        reach = {*interpreter_paths(self.settings.python), str(Path(self.settings.uv).resolve().parent),
+                 *(link for link in self.settings.find_links if "://" not in link)}
+        try:
+            return isolation.build_confinement(self.root, building, [Path(self._environ["UV_CACHE_DIR"])], reach)
+        except OSError as err:
+            raise BuildFailed(f"cannot make the build's directories: {err}") from err
+
+    def _run(
+        self, argv: list[str], started: float, progress: Callable[[float], None] | None,
+        confinement: Confinement | None = None,
+    ) -> str:
+        """Runs `argv` in the clean environment, in a session of its own (confined in a pid
+        namespace of its own, if `confinement`: whatever it leaves behind ends with it); returns
+        its output. Raises BuildFailed (its last line) if it fails, or kills it at the build's
+        deadline."""
         deadline = started + self.settings.build_deadline_s
+        env = self._environ
+        if confinement is not None:
+            env = {**env, CONFINEMENT_ENV: confinement.to_json()}
+            argv = ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-I", "-S",
+                    str(confine_module.__file__), "--", *argv]
         try:
             process = subprocess.Popen(
-                argv, env=self._environ, cwd=self.root, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                argv, env=env, cwd=self.root, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )
         except OSError as err:

@@ -55,6 +55,25 @@ class JobIsolation:
     def uid(self, job_id: int) -> int:
         return self.uid_base + job_id % self.uid_count
 
+    @property
+    def builder_uid(self) -> int:
+        """The uid environments are built as (their packages' build backends are strangers' code
+        too); the one below the jobs'."""
+        return self.uid_base - 1
+
+    def build_confinement(self, root: Path, building: Path, writable: Iterable[Path], reach: Iterable[str]) -> Confinement:
+        """The confinement of a build into `building` under the environments' `root`: as
+        builder_uid, which may write `building` and `writable` (made if need be, and given to it)
+        and read `reach`, with a home and a /tmp of its own under ROOT/builder. Raises OSError."""
+        uid = self.builder_uid
+        home, tmp = root / "builder" / "home", root / "builder" / f"tmp-{building.name}"
+        (root / "builder").mkdir(parents=True, exist_ok=True)
+        for directory in (home, tmp, building, *writable):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _give(directory, uid)
+        return Confinement(uid=uid, gid=uid, home=str(home), tmp=str(tmp), hide=self.hide,
+                           keep=(str(home), str(building), *map(str, writable)), reach=tuple(sorted(set(reach))))
+
     def confinement(self, job_id: int, state_dir: Path, run_dir: str, reach: Iterable[str]) -> Confinement:
         """Job `job_id`'s confinement on this node, its directories made: STATE_DIR/jobs/job-N
         (the agent's: its code, which the job reads) holding `home` and `tmp` (the job's own),
@@ -75,6 +94,28 @@ class JobIsolation:
             uid=uid, gid=uid, home=str(job_dir / "home"), tmp=str(job_dir / "tmp"),
             hide=hide, keep=(str(job_dir), run_dir), reach=tuple(sorted(set(reach))),
         )
+
+
+def _give(directory: Path, uid: int) -> None:
+    """Makes `directory` and what it holds belong to `uid` (links themselves, never followed)."""
+    for parent, directories, files in os.walk(directory):
+        for name in (*directories, *files):
+            os.chown(os.path.join(parent, name), uid, uid, follow_symlinks=False)
+    os.chown(directory, uid, uid, follow_symlinks=False)
+
+
+def take_back(directory: Path) -> None:
+    """Makes `directory` and what it holds the agent's, writable by it alone and readable by all,
+    so that no job's process may change it (an environment that was built as the builder).
+    Raises OSError."""
+    _give(directory, os.geteuid())
+    os.chmod(directory, 0o755)  # made private to the builder while it built; every job may read it now
+    for parent, directories, files in os.walk(directory):
+        for name in (*directories, *files):
+            path = os.path.join(parent, name)
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISLNK(mode) and mode & 0o022:
+                os.chmod(path, stat.S_IMODE(mode) & ~0o022)
 
 
 class ForeignFileError(Exception):

@@ -135,6 +135,7 @@ class Agent:
             build_deadline_s=config.env_build_deadline_s,
             max_bytes=config.env_cache_bytes,
             index_options=config.env_index_options,
+            isolation=isolation,
         ))
         self._dispatcher = CommandDispatcher(
             supervisor,

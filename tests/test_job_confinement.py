@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.code_support import RINGS, directory_files, tar_gz
+from tests.environment_support import TINY, tiny_wheelhouse
 from tests.platform import FAST_PROGRESS_ENV, Platform, running_platform
 
 pytestmark = [
@@ -32,8 +33,10 @@ ENDED = ("succeeded", "failed", "cancelled")
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    wheelhouse = tiny_wheelhouse(tmp_path_factory.mktemp("wheelhouse"))
+    wheelhouse.chmod(0o755)  # builds run as a uid of their own: an operator's wheelhouse is anyone's to read
     env = {**FAST_PROGRESS_ENV, "BUNGEE_AGENT_ISOLATION": "uid", "BUNGEE_AGENT_JOB_UID_BASE": str(UID_BASE),
-           "BUNGEE_POLICY": "fair"}
+           "BUNGEE_POLICY": "fair", "BUNGEE_ENV_FIND_LINKS": str(wheelhouse), "UV_OFFLINE": "1"}
     with running_platform(tmp_path_factory.mktemp("confined"), {"node-a": 2}, env) as running:
         running.wait_for("two devices", lambda: sum(
             len(n["devices"]) for n in running.api("alice").get("/api/cluster").json()["nodes"]) == 2)
@@ -99,6 +102,13 @@ RINGS_SPEC = {"entrypoint": "task:RingsTask", "min_workers": 1, "max_workers": 2
               "hyperparameters": {"batch_size": 24, "hidden": 16}}
 
 
+def probe_of(platform: Platform, job_id: int) -> dict[str, Any]:
+    lines = logs(platform, job_id)
+    assert platform.job(job_id)["state"] == "succeeded", "\n".join(lines[-40:])
+    [line] = [line for line in lines if line.startswith("PROBE ")]
+    return dict(json.loads(line.removeprefix("PROBE ")))
+
+
 def test_a_jobs_code_reaches_no_secret_of_the_platform_and_no_other_job(platform: Platform) -> None:
     MARKER.write_text("the machine's /tmp")
     try:
@@ -112,10 +122,7 @@ def test_a_jobs_code_reaches_no_secret_of_the_platform_and_no_other_job(platform
         platform.wait_for("the hostile job's end", lambda: platform.job(hostile)["state"] in ENDED, timeout_s=120)
     finally:
         MARKER.unlink(missing_ok=True)
-    lines = logs(platform, hostile)
-    assert platform.job(hostile)["state"] == "succeeded", lines[-30:]
-    [line] = [line for line in lines if line.startswith("PROBE ")]
-    probe = json.loads(line.removeprefix("PROBE "))
+    probe = probe_of(platform, hostile)
     assert (probe["uid"], probe["gid"], probe["groups"]) == (UID_BASE + hostile, UID_BASE + hostile, []), probe
     assert probe["agents_seen"] >= 1, probe
     for key, result in probe.items():
@@ -131,6 +138,20 @@ def test_a_jobs_code_reaches_no_secret_of_the_platform_and_no_other_job(platform
     assert probe["outside /tmp marker"].startswith("refused"), probe
     assert probe["own /tmp"] == "got 1 bytes", probe
     print(json.dumps(probe, indent=1))
+
+
+def test_a_job_with_its_own_packages_runs_confined_in_its_environment(platform: Platform) -> None:
+    """Its workers start from its environment's interpreter, whose packages may run code as it
+    starts (a .pth file): confined before that interpreter runs, built as the builder's uid."""
+    task = b"import bungeetiny\nfrom hostile import HostileRings\n\n\nclass TinyHostile(HostileRings):\n    pass\n"
+    files = {**directory_files(RINGS), **directory_files(HOSTILE), "requirements.txt": f"{TINY}==2.0\n".encode(),
+             "tiny_hostile.py": task}
+    job_id = submit(platform, {**RINGS_SPEC, "name": "own-packages", "code": upload(platform, files),
+                               "entrypoint": "tiny_hostile:TinyHostile", "max_workers": 1, "steps": 20})
+    platform.wait_for("the job's end", lambda: platform.job(job_id)["state"] in ENDED, timeout_s=180)
+    probe = probe_of(platform, job_id)
+    assert probe["uid"] == UID_BASE + job_id and probe["token file"].startswith("refused"), probe
+    assert [line for line in logs(platform, job_id) if line.startswith("built the environment")]
 
 
 def test_a_strict_job_resized_inside_its_confinement_ends_with_the_fixed_runs_model(

@@ -162,6 +162,10 @@ def confine(confinement: Confinement) -> None:
     libc = _libc()
     _check(libc.unshare(_CLONE_NEWNS), "unshare a mount namespace")
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+    try:  # taken before anything is covered: the directory may lie where nothing else is kept
+        tmp = os.open(confinement.tmp, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise ConfinementError(f"the private /tmp {confinement.tmp}: {err.strerror}") from None
     needed = [*confinement.reach, *confinement.keep, confinement.home]
     for hidden in confinement.hide:
         if os.path.isdir(hidden):
@@ -177,8 +181,8 @@ def confine(confinement: Confinement) -> None:
         _cover(libc, ancestor, covered[ancestor])
     # A private /tmp: the job's own directory, with what the job needs from the real /tmp (a
     # checkout or a state directory there) bound back in place.
-    _cover(libc, "/tmp", [p for p in needed if _below(p, "/tmp")],
-           source=confinement.tmp)
+    _cover(libc, "/tmp", [p for p in needed if _below(p, "/tmp")], source=f"/proc/self/fd/{tmp}")
+    os.close(tmp)
     os.setgroups([])
     os.setresgid(confinement.gid, confinement.gid, confinement.gid)
     os.setresuid(confinement.uid, confinement.uid, confinement.uid)
