@@ -23,7 +23,7 @@ from typing import Protocol
 
 from agent.client import PortalError, PortalUnavailableError
 from agent.isolation import ForeignFileError, job_files
-from elastic.artifacts import ARTIFACT_NAMES
+from elastic.artifacts import ARTIFACT_NAMES, is_artifacts_dir_of
 from elastic.wire import WorkerEvent
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,11 @@ class ArtifactUploader:
 
     def _upload(self, event: WorkerEvent, deadline: float) -> None:
         directory = Path(event.message or "")
+        if not is_artifacts_dir_of(directory, event.job_id):  # the job's code writes the event
+            log.error("job %d: %s is not the artifacts directory of a run of the job; not uploaded",
+                      event.job_id, directory)
+            self._done(event)
+            return
         files = {name: directory / name for name in ARTIFACT_NAMES}
         missing = [name for name, path in files.items() if not path.is_file()]
         if missing:
@@ -98,7 +103,7 @@ class ArtifactUploader:
             self._done(event)
             return
         try:
-            with job_files(files, self._owner(event.job_id)) as opened:
+            with job_files(directory, ARTIFACT_NAMES, self._owner(event.job_id)) as opened:
                 self._upload_opened(event, opened, directory, deadline)
         except (ForeignFileError, OSError) as err:
             log.error("job %d: its artifacts in %s are not the job's own files (%s); not uploaded",

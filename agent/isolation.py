@@ -14,8 +14,9 @@ import ctypes
 import errno
 import os
 import stat
+import subprocess
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,22 +45,26 @@ def interpreter_paths(python: str) -> set[str]:
 
 @dataclass(frozen=True)
 class JobIsolation:
-    """How this node confines jobs: job N runs as uid and gid `uid_base + N % uid_count`, with
-    the paths of `hide` out of its sight (the agent's state and data directories, its token
-    file)."""
+    """How this node confines jobs: job N runs as uid and gid `uid_base + N % uid_count` (where
+    the agent is root; `unprivileged`: as the agent's, in user namespaces of its own), with the
+    paths of `hide` out of its sight (the agent's state and data directories, its token file)."""
 
     uid_base: int
     uid_count: int
     hide: tuple[str, ...]
+    unprivileged: bool = False
 
     def uid(self, job_id: int) -> int:
-        return self.uid_base + job_id % self.uid_count
+        return os.geteuid() if self.unprivileged else self.uid_base + job_id % self.uid_count
 
     @property
     def builder_uid(self) -> int:
         """The uid environments are built as (their packages' build backends are strangers' code
-        too); the one below the jobs'."""
-        return self.uid_base - 1
+        too); the one below the jobs' (the agent's own where it is not root)."""
+        return os.geteuid() if self.unprivileged else self.uid_base - 1
+
+    def _gid(self, uid: int) -> int:
+        return os.getegid() if self.unprivileged else uid
 
     def build_confinement(self, root: Path, building: Path, writable: Iterable[Path], reach: Iterable[str]) -> Confinement:
         """The confinement of a build into `building` under the environments' `root`: as
@@ -70,9 +75,11 @@ class JobIsolation:
         (root / "builder").mkdir(parents=True, exist_ok=True)
         for directory in (home, tmp, building, *writable):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _give(directory, uid)
-        return Confinement(uid=uid, gid=uid, home=str(home), tmp=str(tmp), hide=self.hide,
-                           keep=(str(home), str(building), *map(str, writable)), reach=tuple(sorted(set(reach))))
+            if not self.unprivileged:
+                _give(directory, uid)
+        return Confinement(uid=uid, gid=self._gid(uid), home=str(home), tmp=str(tmp), hide=self.hide,
+                           keep=(str(home), str(building), *map(str, writable)), reach=tuple(sorted(set(reach))),
+                           unprivileged=self.unprivileged)
 
     def confinement(self, job_id: int, state_dir: Path, run_dir: str, reach: Iterable[str]) -> Confinement:
         """Job `job_id`'s confinement on this node, its directories made: STATE_DIR/jobs/job-N
@@ -87,12 +94,12 @@ class JobIsolation:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             if directory.is_symlink():  # made by the job's code: never followed as root
                 raise OSError(f"{directory} is a link")
-            os.chown(directory, uid, uid, follow_symlinks=False)
+            os.chown(directory, uid, self._gid(uid), follow_symlinks=False)
             os.chmod(directory, 0o700)
         hide = (*self.hide, str(Path(run_dir).parent))
         return Confinement(
-            uid=uid, gid=uid, home=str(job_dir / "home"), tmp=str(job_dir / "tmp"),
-            hide=hide, keep=(str(job_dir), run_dir), reach=tuple(sorted(set(reach))),
+            uid=uid, gid=self._gid(uid), home=str(job_dir / "home"), tmp=str(job_dir / "tmp"),
+            hide=hide, keep=(str(job_dir), run_dir), reach=tuple(sorted(set(reach))), unprivileged=self.unprivileged,
         )
 
 
@@ -102,6 +109,17 @@ def _give(directory: Path, uid: int) -> None:
         for name in (*directories, *files):
             os.chown(os.path.join(parent, name), uid, uid, follow_symlinks=False)
     os.chown(directory, uid, uid, follow_symlinks=False)
+
+
+def user_namespaces_work() -> str | None:
+    """None if this user may make a user namespace (an unprivileged confinement needs one), else
+    why not."""
+    try:
+        done = subprocess.run(["unshare", "--user", "--map-current-user", "true"], capture_output=True, text=True,
+                              timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"unshare --user could not run: {err}"
+    return None if done.returncode == 0 else (done.stderr.strip() or f"unshare --user exited {done.returncode}")
 
 
 def take_back(directory: Path) -> None:
@@ -122,20 +140,44 @@ class ForeignFileError(Exception):
     """A file a job handed over is not one the job wrote: the message says why."""
 
 
-@contextmanager
-def job_files(files: Mapping[str, Path], owner: int | None) -> Iterator[dict[str, Path]]:
-    """The job's files `files` (name -> path, which the job's code named or made), opened for the
-    agent, which may read what the job may not: each must be a regular file, not a link, and where
-    jobs are confined owned by the job's uid `owner`. Yields name -> a path to the file as opened
-    (/proc/self/fd/N), so that nothing the job does after the check changes what is read. Raises
-    ForeignFileError, or OSError if a file cannot be opened."""
-    opened: dict[str, int] = {}
+def _directory_without_links(directory: Path) -> int:
+    """A descriptor of `directory`, opened a part at a time so that no part of it is a link.
+    Raises ForeignFileError, or OSError."""
+    if not directory.is_absolute():
+        raise ForeignFileError(f"{directory} is not an absolute path")
+    descriptor = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for name, path in files.items():
+        for part in directory.parts[1:]:
             try:
-                descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=descriptor)
             except OSError as err:
-                if err.errno == errno.ELOOP:  # the last part of the path is a link
+                if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise ForeignFileError(f"{directory}: {part} is a link or not a directory") from None
+                raise
+            os.close(descriptor)
+            descriptor = inner
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+@contextmanager
+def job_files(directory: Path, names: Iterable[str], owner: int | None) -> Iterator[dict[str, Path]]:
+    """The job's files `names` in `directory` (which the job's code named), opened for the agent,
+    which may read what the job may not: no part of the path may be a link, each file must be a
+    regular file and, where `owner` is given, belong to that uid (the job's). Yields name -> a path
+    to the file as opened (/proc/self/fd/N), so that nothing the job does after the check changes
+    what is read. Raises ForeignFileError, or OSError if a file cannot be opened."""
+    opened: dict[str, int] = {}
+    parent = _directory_without_links(directory)
+    try:
+        for name in names:
+            path = directory / name
+            try:
+                descriptor = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+            except OSError as err:
+                if err.errno == errno.ELOOP:  # the file itself is a link
                     raise ForeignFileError(f"{path} is a link") from None
                 raise
             opened[name] = descriptor
@@ -148,3 +190,4 @@ def job_files(files: Mapping[str, Path], owner: int | None) -> Iterator[dict[str
     finally:
         for descriptor in opened.values():
             os.close(descriptor)
+        os.close(parent)

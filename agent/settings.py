@@ -12,6 +12,7 @@ value.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 import socket
@@ -30,7 +31,7 @@ from agent import slurm as slurm_job
 from agent.devices import GpuSelection, backend_names
 from agent.devices.simulated import MAX_PACE
 from agent.environments import DEFAULT_BUILD_DEADLINE_S, DEFAULT_MAX_BYTES
-from agent.isolation import JOB_UID_COUNT, JobIsolation
+from agent.isolation import JOB_UID_COUNT, JobIsolation, user_namespaces_work
 from elastic.environ_settings import EnvironSettings, SettingsError, refusal
 from elastic.wire import POOL_NAME_PATTERN, NodeRegistration
 
@@ -223,13 +224,15 @@ class AgentSettings(EnvironSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", validation_alias="BUNGEE_LOG_LEVEL", description="logging level"
     )
-    isolation: Literal["auto", "uid", "none"] = Field(
+    isolation: Literal["auto", "uid", "namespaces", "none"] = Field(
         "auto",
         validation_alias="BUNGEE_AGENT_ISOLATION",
         description="how jobs' processes are kept from the platform's secrets and each other: uid (each job "
         "as a uid of its own, in a mount namespace where the agent's state, data and token file are out of "
-        "sight, with a private /tmp; the agent must run as root), none (as the agent's user), or auto (uid "
-        "when the agent runs as root, else none)",
+        "sight, with a private /tmp; the agent must run as root), namespaces (the same out of sight, for an "
+        "agent that is not root: the job keeps the agent's uid, in user namespaces of its own, the machine "
+        "read-only to it but for its own directories), none (as the agent's user, seeing what it sees), or "
+        "auto (uid as root, else namespaces where user namespaces work, else none, said in the log)",
     )
     job_uid_base: int = Field(
         200_000,
@@ -335,14 +338,26 @@ class AgentSettings(EnvironSettings):
         )
 
     def _isolation(self) -> str:
-        """uid or none, as --isolation asks. Raises ValueError for uid when the agent is not root."""
-        root = os.geteuid() == 0
-        if self.isolation == "uid" and not root:
+        """uid, namespaces or none, as --isolation asks. Raises ValueError for one this agent
+        cannot have (uid when it is not root; namespaces where user namespaces do not work)."""
+        if os.geteuid() == 0 and self.isolation in ("auto", "uid"):
+            return "uid"
+        if self.isolation == "uid":
             raise ValueError(
                 f"--isolation uid needs the agent to run as root (it runs as uid {os.geteuid()}): "
-                "run it as root, or pass --isolation none"
+                "run it as root, or pass --isolation namespaces"
             )
-        return "uid" if self.isolation == "uid" or (self.isolation == "auto" and root) else "none"
+        if self.isolation in ("auto", "namespaces"):
+            why_not = user_namespaces_work()
+            if why_not is None:
+                return "namespaces"
+            if self.isolation == "namespaces":
+                raise ValueError(f"--isolation namespaces needs user namespaces, and this machine refuses them: {why_not}")
+            logging.getLogger(__name__).warning(
+                "jobs run as the agent's user, seeing what it sees (no uid of their own: the agent is not root; "
+                "no user namespaces: %s). See docs/operator/security.md", why_not,
+            )
+        return "none"
 
 
 @dataclass(frozen=True)
@@ -439,7 +454,8 @@ class AgentConfig:
     liveness_file: Path | None = None
     """The file the agent's loops touch for an exec probe (elastic.liveness); None: none."""
     isolation: str = "none"
-    """"uid": jobs' processes are confined (agent.isolation); "none": they run as the agent's user."""
+    """"uid" or "namespaces": jobs' processes are confined (agent.isolation); "none": they run as
+    the agent's user."""
     job_uid_base: int = 200_000
     token_file: Path | None = None
     data_dir: Path | None = None
@@ -460,10 +476,13 @@ class AgentConfig:
 
     def job_isolation(self) -> JobIsolation | None:
         """How this node confines jobs, or None where it does not."""
-        if self.isolation != "uid":
+        if self.isolation == "none":
             return None
         hide = [self.state_dir, self.env_dir, self.data_dir, self.token_file]
-        return JobIsolation(self.job_uid_base, JOB_UID_COUNT, tuple(str(p) for p in hide if p is not None))
+        if self.isolation == "namespaces":  # the agent's user's own files (its keys, its CLI's token) too
+            hide.append(Path.home())
+        return JobIsolation(self.job_uid_base, JOB_UID_COUNT, tuple(str(p) for p in hide if p is not None),
+                            unprivileged=self.isolation == "namespaces")
 
 
 # --- the command line --------------------------------------------------------------------------

@@ -15,3 +15,15 @@ ARTIFACT_NAMES = (MODEL_NAME, CHECKPOINT_NAME, MANIFEST_NAME)
 
 def artifacts_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / ARTIFACTS_DIR
+
+
+def run_dir_name(job_id: int, stamp: str) -> str:
+    """The name of job `job_id`'s run directory (the portal's choice, under its runs directory);
+    `stamp` tells apart jobs of a database that started over."""
+    return f"job-{job_id}-{stamp}"
+
+
+def is_artifacts_dir_of(directory: Path, job_id: int) -> bool:
+    """Whether `directory` is the artifacts directory of a run directory of job `job_id` (by its
+    name: a job's code names the directory, and may name another job's)."""
+    return directory.name == ARTIFACTS_DIR and directory.parent.name.startswith(run_dir_name(job_id, ""))

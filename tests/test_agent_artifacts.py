@@ -32,7 +32,7 @@ class Portal:
 
 
 def artifacts_event(tmp_path: Path, job_id: int) -> WorkerEvent:
-    directory = tmp_path / f"run-{job_id}" / "artifacts"
+    directory = tmp_path / f"job-{job_id}-20261128T000000" / "artifacts"
     directory.mkdir(parents=True)
     for name in ARTIFACT_NAMES:
         (directory / name).write_bytes(f"{name} of job {job_id}".encode())

@@ -72,23 +72,25 @@ def test_an_undumpable_agents_environment_is_not_readable_by_its_own_uid() -> No
 def test_only_the_jobs_own_regular_files_are_read(tmp_path: Path) -> None:
     own = tmp_path / "model.pt"
     own.write_bytes(b"weights")
-    secret = tmp_path / "node-token"
-    secret.write_text("token")
-    link = tmp_path / "link.pt"
-    link.symlink_to(secret)
-    fifo = tmp_path / "fifo.pt"
-    os.mkfifo(fifo)
-    with job_files({"model.pt": own}, owner=os.geteuid()) as opened:
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "node-token").write_text("token")
+    (tmp_path / "link.pt").symlink_to(secret / "node-token")
+    os.mkfifo(tmp_path / "fifo.pt")
+    (tmp_path / "linked-dir").symlink_to(secret)
+    with job_files(tmp_path, ["model.pt"], owner=os.geteuid()) as opened:
         own.write_bytes(b"swapped")  # after the check: the same file, so the same bytes
         assert opened["model.pt"].read_bytes() == b"swapped"
         own.unlink()
         own.write_bytes(b"another file")
         assert opened["model.pt"].read_bytes() == b"swapped", "what was checked is what is read"
-    for path, why in ((link, "is a link"), (fifo, "not a regular file"), (tmp_path, "not a regular file")):
-        with pytest.raises(ForeignFileError, match=why), job_files({"x": path}, owner=None):
+    for directory, name, why in ((tmp_path, "link.pt", "is a link"), (tmp_path, "fifo.pt", "not a regular file"),
+                                 (tmp_path, "secret", "not a regular file"),
+                                 (tmp_path / "linked-dir", "node-token", "linked-dir is a link")):
+        with pytest.raises(ForeignFileError, match=why), job_files(directory, [name], owner=None):
             pass
     with pytest.raises(ForeignFileError, match=f"belongs to uid {os.geteuid()}, not the job's 123456"), \
-            job_files({"model.pt": own}, owner=123456):
+            job_files(tmp_path, ["model.pt"], owner=123456):
         pass
 
 
@@ -100,26 +102,34 @@ class Portal:
         self.taken[job_id] = {name: path.read_bytes() for name, path in files.items()}
 
 
-def test_artifacts_that_are_not_the_jobs_files_are_not_uploaded(tmp_path: Path) -> None:
-    """A job's code writes the 'artifacts' event itself: it may name any directory of the node,
-    another job's among them. Only files its uid owns leave the node."""
-    directory = tmp_path / "another-jobs-run" / "artifacts"
-    directory.mkdir(parents=True)
-    for name in ARTIFACT_NAMES:
-        (directory / name).write_bytes(b"another job's " + name.encode())
-    event = WorkerEvent(job_id=9, generation=1, rank=0, kind="artifacts", at=time.time(), step=3, message=str(directory))
+def _upload(tmp_path: Path, directory: Path, job_id: int, owner: int) -> dict[int, dict[str, bytes]]:
+    """What the portal took of an "artifacts" event of job `job_id` naming `directory`."""
+    event = WorkerEvent(job_id=job_id, generation=1, rank=0, kind="artifacts", at=time.time(), step=3,
+                        message=str(directory))
     portal = Portal()
-    uploader = ArtifactUploader(portal, threading.Event(), tmp_path / "state", owner=lambda job_id: 200_009)
-    uploader.submit(event)
+    state = tmp_path / f"state-{time.monotonic_ns()}"
+    ArtifactUploader(portal, threading.Event(), state, owner=lambda job: owner).submit(event)
     deadline = time.monotonic() + 10
-    while list((tmp_path / "state" / "pending-artifacts").glob("*.json")) and time.monotonic() < deadline:
+    while (not (state / "pending-artifacts").is_dir() or list((state / "pending-artifacts").glob("*.json"))) \
+            and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert portal.taken == {} and not list((tmp_path / "state" / "pending-artifacts").glob("*.json"))
-    own = ArtifactUploader(portal, threading.Event(), tmp_path / "state2", owner=lambda job_id: os.geteuid())
-    own.submit(event)
-    while not portal.taken and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert set(portal.taken[9]) == set(ARTIFACT_NAMES)
+    return portal.taken
+
+
+def test_artifacts_that_are_not_the_jobs_own_are_not_uploaded(tmp_path: Path) -> None:
+    """A job's code writes the 'artifacts' event itself: it may name any directory of the node,
+    another job's run directory among them. Only its own run's files, that its uid owns, leave."""
+    others = tmp_path / "job-8-20261128T000000" / "artifacts"
+    others.mkdir(parents=True)
+    for name in ARTIFACT_NAMES:
+        (others / name).write_bytes(b"job 8's " + name.encode())
+    assert _upload(tmp_path, others, 9, os.geteuid()) == {}, "another job's run directory"
+    assert _upload(tmp_path, others, 8, 200_008) == {}, "files its uid does not own"
+    disguised = tmp_path / "job-9-20261128T000000"
+    disguised.mkdir()
+    (disguised / "artifacts").symlink_to(others)
+    assert _upload(tmp_path, disguised / "artifacts", 9, os.geteuid()) == {}, "a link to another's"
+    assert set(_upload(tmp_path, others, 8, os.geteuid())[8]) == set(ARTIFACT_NAMES)
 
 
 # --- a confined process ------------------------------------------------------------------------
@@ -206,3 +216,71 @@ def test_a_confinement_never_runs_a_job_as_root() -> None:
         text = Confinement(uid, gid, "/h", "/t").to_json()
         with pytest.raises(ConfinementError, match="must be unprivileged"):
             Confinement.from_json(text)
+
+
+NESTED = textwrap.dedent("""
+    import ctypes, json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    from elastic.worker.confine import CONFINED_ENV, Confinement, confine
+    # As root here: first become the agent's uid (as an agent that is not root would be) ...
+    confine(Confinement.from_json(sys.argv[2]))
+    del os.environ[CONFINED_ENV]
+    # ... then confine a job as that agent can: without root, in user namespaces.
+    confine(Confinement.from_json(sys.argv[3]))
+    base = sys.argv[4]
+    libc = ctypes.CDLL(None, use_errno=True)
+    def attempt(what):
+        try:
+            return "got " + repr(what())[:80]
+        except OSError as err:
+            return "refused: " + (os.strerror(err.errno) if err.errno else type(err).__name__)
+    def unmount(path):
+        if libc.umount2(path.encode(), 2) != 0:  # MNT_DETACH
+            raise OSError(ctypes.get_errno(), "umount")
+        return "unmounted"
+    print(json.dumps({
+        "uid": os.getuid(),
+        "state": attempt(lambda: sorted(os.listdir(os.path.join(base, "state")))),
+        "token": attempt(lambda: open(os.path.join(base, "state", "node-token")).read()),
+        "agent's files": attempt(lambda: open(os.path.join(base, "agent-files", "x"), "w").write("x")),
+        "own run": attempt(lambda: open(os.path.join(base, "runs", "job-4-x", "f"), "w").write("x")),
+        "own home": attempt(lambda: open(os.path.join(os.environ["HOME"], "f"), "w").write("x")),
+        "unmount the cover": attempt(lambda: unmount(os.path.join(base, "state"))),
+        "dumpable": libc.prctl(3, 0, 0, 0, 0),
+    }))
+""")
+
+
+@needs_root
+def test_an_agent_that_is_not_root_confines_its_jobs_in_user_namespaces(tmp_path: Path) -> None:
+    """The agent's uid here is 300,100 (made so by a first, root, confinement); its job keeps
+    that uid: what hides the agent's state from it, and keeps it from writing the agent's files,
+    is its own user and mount namespaces, whose mounts it cannot undo."""
+    agent_uid = 300_100
+    base = Path("/var/tmp") / f"bungee-userns-test-{os.getpid()}"
+    try:
+        for directory in ("state", "agent-files", "runs", "outer-home", "outer-tmp"):
+            (base / directory).mkdir(parents=True)
+        (base / "state" / "node-token").write_text("the-token")
+        subprocess.run(["chown", "-R", f"{agent_uid}:{agent_uid}", str(base)], check=True)
+        reach = (sys.prefix, str(Path(sys.base_prefix).resolve()), PROJECT)
+        agent = Confinement(agent_uid, agent_uid, str(base / "outer-home"), str(base / "outer-tmp"), reach=reach)
+        state = base / "state"
+        job = JobIsolation(0, 1 << 20, (str(state),), unprivileged=True)
+        # The job's confinement as that agent would make it (its directories are made as root here:
+        # the same paths and modes, owned by the agent's uid).
+        made = job.confinement(4, state, str(base / "runs" / "job-4-x"), reach)
+        made = Confinement(agent_uid, agent_uid, made.home, made.tmp, made.hide, made.keep, made.reach, unprivileged=True)
+        subprocess.run(["chown", "-R", f"{agent_uid}:{agent_uid}", str(base)], check=True)
+        done = subprocess.run([sys.executable, "-c", NESTED, PROJECT, agent.to_json(), made.to_json(), str(base)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout)
+        assert seen["uid"] == agent_uid, seen
+        assert seen["state"] == "got ['jobs']" and seen["token"].startswith("refused"), seen
+        assert seen["agent's files"] == "refused: Read-only file system", seen
+        assert seen["own run"] == "got 1" and seen["own home"] == "got 1", seen
+        assert seen["unmount the cover"].startswith("refused"), seen
+        assert seen["dumpable"] == 0, seen
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False)

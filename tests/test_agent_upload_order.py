@@ -81,8 +81,8 @@ class OneWorker:
 
 
 def test_the_artifacts_wait_for_the_report_that_says_where_the_job_ran(tmp_path: Path) -> None:
-    run_dir = tmp_path / "artifacts"
-    run_dir.mkdir()
+    run_dir = tmp_path / "job-3-20261128T000000" / "artifacts"  # the artifacts directory, as a worker names it
+    run_dir.mkdir(parents=True)
     for name in ARTIFACT_NAMES:
         (run_dir / name).write_bytes(b"x")
     portal = RecordingPortal()

@@ -34,8 +34,12 @@ from typing import Any
 
 CONFINEMENT_ENV = "BUNGEE_CONFINEMENT"
 """The variable that holds a process's Confinement as JSON; absent: not confined."""
+CONFINED_ENV = "BUNGEE_CONFINED"
+"""Set to 1 in a process once it is confined (and so in what it executes): confining is done once."""
 
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWUSER = 0x10000000
+_PR_SET_DUMPABLE = 4
 _MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
@@ -43,6 +47,10 @@ _MS_BIND = 4096
 _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
 _MS_REMOUNT = 32
+_MS_NOEXEC = 8
+_KEPT_FLAGS = ((os.ST_NOSUID, _MS_NOSUID), (os.ST_NODEV, _MS_NODEV), (os.ST_NOEXEC, _MS_NOEXEC),
+               (os.ST_NOATIME, 1024), (os.ST_NODIRATIME, 2048), (os.ST_RELATIME, 1 << 21))
+"""statvfs's flags of a mount and the mount(2) flags that keep them on a remount."""
 _PR_SET_NO_NEW_PRIVS = 38
 
 
@@ -61,10 +69,14 @@ class Confinement:
     hide: tuple[str, ...] = ()
     keep: tuple[str, ...] = ()
     reach: tuple[str, ...] = field(default_factory=tuple)
+    unprivileged: bool = False
+    """The agent does not run as root: the job keeps its uid (the agent's), and user namespaces
+    do what a uid of its own would."""
 
     def to_json(self) -> str:
         return json.dumps({"uid": self.uid, "gid": self.gid, "home": self.home, "tmp": self.tmp,
-                           "hide": list(self.hide), "keep": list(self.keep), "reach": list(self.reach)})
+                           "hide": list(self.hide), "keep": list(self.keep), "reach": list(self.reach),
+                           "unprivileged": self.unprivileged})
 
     @classmethod
     def from_json(cls, text: str) -> Confinement:
@@ -73,7 +85,7 @@ class Confinement:
             raw = json.loads(text)
             made = cls(int(raw["uid"]), int(raw["gid"]), str(raw["home"]), str(raw["tmp"]),
                        tuple(map(str, raw.get("hide", ()))), tuple(map(str, raw.get("keep", ()))),
-                       tuple(map(str, raw.get("reach", ()))))
+                       tuple(map(str, raw.get("reach", ()))), bool(raw.get("unprivileged", False)))
         except (ValueError, TypeError, KeyError) as err:
             raise ConfinementError(f"a bad confinement {text[:200]!r}: {err}") from err
         if made.uid <= 0 or made.gid <= 0:
@@ -120,10 +132,22 @@ def _blocking_ancestor(path: str) -> str | None:
     return None
 
 
-def _cover(libc: ctypes.CDLL, directory: str, bring_back: Sequence[str], source: str | None = None) -> None:
+def _remount(libc: ctypes.CDLL, path: str, read_only: bool) -> None:
+    """Makes the mount at `path` read-only or writable, keeping its other flags (a user
+    namespace may not drop those it inherited locked)."""
+    kept = os.statvfs(path).f_flag
+    flags = _MS_REMOUNT | _MS_BIND | (_MS_RDONLY if read_only else 0)
+    for statvfs_flag, mount_flag in _KEPT_FLAGS:
+        if kept & statvfs_flag:
+            flags |= mount_flag
+    _mount(libc, None, path, None, flags)
+
+
+def _cover(libc: ctypes.CDLL, directory: str, bring_back: Sequence[str], writable: Sequence[str],
+           source: str | None = None) -> None:
     """Covers `directory` with an empty tmpfs (read-only), or with directory `source` (writable),
-    and binds each of `bring_back` (paths below `directory`, as they were) back in place: what else
-    the directory held is out of sight."""
+    and binds each of `bring_back` (paths below `directory`, as they were) back in place, writable
+    if it is in `writable`, else read-only: what else the directory held is out of sight."""
     handles = []
     for path in bring_back:
         try:
@@ -134,6 +158,7 @@ def _cover(libc: ctypes.CDLL, directory: str, bring_back: Sequence[str], source:
         _mount(libc, "bungee-confined", directory, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
     else:
         _mount(libc, source, directory, None, _MS_BIND)
+        _remount(libc, directory, read_only=False)
     for path, handle in handles:
         target = os.path.join(directory, os.path.relpath(path, directory))
         os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
@@ -144,51 +169,95 @@ def _cover(libc: ctypes.CDLL, directory: str, bring_back: Sequence[str], source:
                 pass
         _mount(libc, f"/proc/self/fd/{handle}", target, None, _MS_BIND | _MS_REC)
         os.close(handle)
+        _remount(libc, target, read_only=path not in writable)
     if source is None:  # the job cannot add to it (what is bound back keeps its own mode)
-        _mount(libc, None, directory, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+        _remount(libc, directory, read_only=True)
+
+
+def _read_only_everywhere(libc: ctypes.CDLL) -> None:
+    """Makes every mount of this mount namespace read-only, but the kernel's (/proc, /sys, /dev
+    and what is below them): a job that keeps the agent's uid writes only where it is given."""
+    with open("/proc/self/mountinfo") as table:
+        points = sorted({line.split()[4].replace("\\040", " ") for line in table}, key=len)
+    for point in points:
+        if any(point == top or point.startswith(top + "/") for top in ("/proc", "/sys", "/dev")):
+            continue
+        try:
+            _remount(libc, point, read_only=True)
+        except (ConfinementError, OSError):
+            continue  # a mount hidden below another one: nothing reaches it through its path
 
 
 def _below(path: str, directory: str) -> bool:
     return os.path.abspath(path).startswith(os.path.abspath(directory).rstrip(os.sep) + os.sep)
 
 
+def _enter_user_namespace(libc: ctypes.CDLL, uid: int, gid: int) -> None:
+    """Moves this process into a new user namespace and mount namespace, as the same uid and gid."""
+    _check(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare a user namespace (unprivileged user namespaces off?)")
+    # Its maps are written through /proc/self, which a process that is not dumpable (one that
+    # changed its uid without an exec since) does not own.
+    _check(libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "set the process dumpable")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as map_file:
+            map_file.write(text)
+
+
 def confine(confinement: Confinement) -> None:
-    """Confines this process as the module's docstring says. A process already running as the
-    confinement's uid is left as it is (confined earlier in its life). Raises ConfinementError."""
-    if os.geteuid() == confinement.uid:
+    """Confines this process as the module's docstring says: as root, into the confinement's uid;
+    as another user (Confinement.unprivileged), in user namespaces of its own. A process confined
+    earlier in its life (CONFINED_ENV set) is left as it is. Raises ConfinementError."""
+    if os.environ.get(CONFINED_ENV) == "1" or (not confinement.unprivileged and os.geteuid() == confinement.uid):
         return
-    if os.geteuid() != 0:
-        raise ConfinementError(f"only root may confine a process to uid {confinement.uid} (this is uid {os.geteuid()})")
     libc = _libc()
-    _check(libc.unshare(_CLONE_NEWNS), "unshare a mount namespace")
+    if confinement.unprivileged:
+        if (os.geteuid(), os.getegid()) != (confinement.uid, confinement.gid):
+            raise ConfinementError(f"uid {os.geteuid()} cannot be confined as uid {confinement.uid}: it is not its own")
+        _enter_user_namespace(libc, confinement.uid, confinement.gid)
+    elif os.geteuid() != 0:
+        raise ConfinementError(f"only root may confine a process to uid {confinement.uid} (this is uid {os.geteuid()})")
+    else:
+        _check(libc.unshare(_CLONE_NEWNS), "unshare a mount namespace")
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
     try:  # taken before anything is covered: the directory may lie where nothing else is kept
         tmp = os.open(confinement.tmp, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
         raise ConfinementError(f"the private /tmp {confinement.tmp}: {err.strerror}") from None
     needed = [*confinement.reach, *confinement.keep, confinement.home]
+    writable = [*confinement.keep, confinement.home]
+    if confinement.unprivileged:
+        _read_only_everywhere(libc)
     for hidden in confinement.hide:
         if os.path.isdir(hidden):
-            _cover(libc, hidden, [k for k in needed if _below(k, hidden)])
+            _cover(libc, hidden, [k for k in needed if _below(k, hidden)], writable)
         elif os.path.exists(hidden):  # a file: the token file
             _mount(libc, os.devnull, hidden, None, _MS_BIND)
-    covered: dict[str, list[str]] = {}
-    for path in needed:
-        ancestor = _blocking_ancestor(path)
-        if ancestor is not None and not _below(ancestor, "/tmp") and ancestor != "/tmp":
-            covered.setdefault(ancestor, []).append(path)
-    for ancestor in sorted(covered, key=len):
-        _cover(libc, ancestor, covered[ancestor])
+    if not confinement.unprivileged:  # the job's uid is not the owner of what it runs from
+        covered: dict[str, list[str]] = {}
+        for path in needed:
+            ancestor = _blocking_ancestor(path)
+            if ancestor is not None and not _below(ancestor, "/tmp") and ancestor != "/tmp":
+                covered.setdefault(ancestor, []).append(path)
+        for ancestor in sorted(covered, key=len):
+            _cover(libc, ancestor, covered[ancestor], writable)
     # A private /tmp: the job's own directory, with what the job needs from the real /tmp (a
     # checkout or a state directory there) bound back in place.
-    _cover(libc, "/tmp", [p for p in needed if _below(p, "/tmp")], source=f"/proc/self/fd/{tmp}")
+    _cover(libc, "/tmp", [p for p in needed if _below(p, "/tmp")], writable, source=f"/proc/self/fd/{tmp}")
     os.close(tmp)
-    os.setgroups([])
-    os.setresgid(confinement.gid, confinement.gid, confinement.gid)
-    os.setresuid(confinement.uid, confinement.uid, confinement.uid)
+    if confinement.unprivileged:
+        # A second user and mount namespace locks every mount made above: the job's code, which
+        # holds capabilities in its own user namespace, cannot unmount a cover to see beneath it.
+        _enter_user_namespace(libc, confinement.uid, confinement.gid)
+        # Its own processes are not dumpable: a job of the same uid cannot read their memory.
+        _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "set the process not dumpable")
+    else:
+        os.setgroups([])
+        os.setresgid(confinement.gid, confinement.gid, confinement.gid)
+        os.setresuid(confinement.uid, confinement.uid, confinement.uid)
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no_new_privs")
     os.environ["HOME"] = confinement.home
     os.environ.pop("TMPDIR", None)
+    os.environ[CONFINED_ENV] = "1"
     os.chdir(confinement.home)
 
 

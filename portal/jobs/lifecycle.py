@@ -38,6 +38,7 @@ from django.db import transaction
 from django.db.models import F, QuerySet
 from django.utils import timezone
 
+from elastic.artifacts import run_dir_name
 from elastic.membership import GenerationPhase, check_phase_transition
 from elastic.membership.compose import Seat, compose_membership
 from elastic.spec import JobSpec
@@ -162,7 +163,7 @@ def allocation_rows() -> list[dict[str, Any]]:
 def run_dir(job: Job) -> str:
     """The job's checkpoint directory. Named by id and submission time, so that a database
     that starts over (ids reused) never resumes a job from another job's checkpoint."""
-    return f"{settings.BUNGEE.run_dir}/job-{job.pk}-{job.created_at:%Y%m%dT%H%M%S%f}"
+    return f"{settings.BUNGEE.run_dir}/{run_dir_name(job.pk, f'{job.created_at:%Y%m%dT%H%M%S%f}')}"
 
 
 # --- writing: phases -----------------------------------------------------------------------------
