@@ -53,7 +53,7 @@ from pathlib import Path
 import psutil
 from packaging.utils import canonicalize_name
 
-from elastic.requirements import Declared
+from elastic.requirements import Declared, RequirementsError, checked_again
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,13 @@ class Environments:
     def ensure(self, declared: Declared, progress: Callable[[float], None] | None = None) -> Environment:
         """The environment of `declared`: from the cache, or built now (one build per digest on
         this node, whatever the number of callers; the others wait for it). `progress` is called
-        every PROGRESS_EVERY_S with the seconds spent so far. Raises BuildFailed."""
+        every PROGRESS_EVERY_S with the seconds spent so far. Raises BuildFailed, also for
+        requirements the portal would refuse (elastic.requirements, checked again here: nothing
+        reaches uv that the rules do not take, from the cache either)."""
+        try:
+            checked_again(declared, self.settings.index_options)
+        except RequirementsError as err:
+            raise BuildFailed(f"the job's requirements are refused: {err}") from err
         started = time.monotonic()
         digest = self.digest(declared)
         target = self.path(digest)
