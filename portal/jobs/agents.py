@@ -89,11 +89,13 @@ def get_cluster(request: HttpRequest) -> dict[str, Any]:
 def register_endpoint(request: HttpRequest, payload: NodeRegistration) -> RegistrationReply:
     """The first registration with a token claims the node's name for it; 403 if another token
     holds the name or this token serves another node. With a pool token: only a new node of
-    its pool, and the reply's `node_token` is the node's own agent token, shown this once
-    (portal.cluster.binding)."""
+    its pool that the pool started (an agent job the Slurm pool submitted, registering at most
+    the devices it asked for; for another pool, within BUNGEE_POOL_LIMITS), else 403 naming the
+    name or the device count; the reply's `node_token` is the node's own agent token, shown this
+    once (portal.cluster.binding)."""
     token = request.api_token  # type: ignore[attr-defined]
     with transaction.atomic():
-        check_claim(payload.name, token)
+        check_claim(payload.name, token, len(payload.devices))
         node, reply = register(payload)
         node_token = bind(node, token)
     return reply.model_copy(update={"node_token": node_token})
