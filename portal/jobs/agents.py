@@ -210,7 +210,7 @@ def report(request: HttpRequest, payload: ReportIn) -> dict[str, Any]:
 
 @agent_router.post("/jobs/{int:job_id}/artifacts", summary="An agent hands over a job's artifacts")
 def artifacts_endpoint(request: HttpRequest, job_id: int) -> dict[str, Any]:
-    """Multipart: model.pt, checkpoint.pt, manifest.json. 403 unless one of the job's workers ran
+    """Multipart: model.pt, checkpoint.pt, manifest.json. 403 unless the job's rank 0 ran
     on the token's node; 415 for another type of body, 400 for one that cannot be read
     (portal.uploads) or if a file is missing or not what the manifest's digest says."""
     token = request.api_token  # type: ignore[attr-defined]
