@@ -113,8 +113,9 @@ def declared_in(files: Mapping[str, bytes], index_options: bool = False) -> Decl
     for name in (REQUIREMENTS_FILE, PYPROJECT_FILE):
         if name in files and len(files[name]) > MAX_FILE_BYTES:
             raise RequirementsError(
-                name, f"{len(files[name])}+ bytes",
-                f"{name} may be at most {MAX_FILE_BYTES} bytes (1 MiB); it is a job's few extra packages",
+                name, f"more than {MAX_FILE_BYTES} bytes",
+                f"{name} may be at most {MAX_FILE_BYTES} bytes (1 MiB), the most the portal and the agents read of "
+                "it; it declares a job's few extra packages",
             )
     source = declaring_file(files.keys())
     if source == REQUIREMENTS_FILE:
