@@ -55,7 +55,7 @@ import psutil
 from packaging.utils import canonicalize_name
 
 from agent.isolation import JobIsolation, interpreter_paths, take_back
-from elastic.requirements import Declared
+from elastic.requirements import Declared, RequirementsError, checked_again
 from elastic.worker import confine as confine_module
 from elastic.worker.confine import CONFINEMENT_ENV, Confinement
 
@@ -217,7 +217,13 @@ class Environments:
     def ensure(self, declared: Declared, progress: Callable[[float], None] | None = None) -> Environment:
         """The environment of `declared`: from the cache, or built now (one build per digest on
         this node, whatever the number of callers; the others wait for it). `progress` is called
-        every PROGRESS_EVERY_S with the seconds spent so far. Raises BuildFailed."""
+        every PROGRESS_EVERY_S with the seconds spent so far. Raises BuildFailed, also for
+        requirements the portal would refuse (elastic.requirements, checked again here: nothing
+        reaches uv that the rules do not take, from the cache either)."""
+        try:
+            checked_again(declared, self.settings.index_options)
+        except RequirementsError as err:
+            raise BuildFailed(f"the job's requirements are refused: {err}") from err
         started = time.monotonic()
         digest = self.digest(declared)
         target = self.path(digest)

@@ -388,16 +388,18 @@ def unpack(archive: Path, target: Path, max_unpacked_bytes: int) -> None:
         raise
 
 
-def read_top_files(archive: Path, names: Collection[str], max_bytes: int = 1 << 20) -> dict[str, bytes]:
+def read_top_files(archive: Path, names: Collection[str], max_bytes: int) -> dict[str, bytes]:
     """The files called `names` at the top of a canonical tar.gz (a job's requirements.txt and
-    pyproject.toml), each if it is at most `max_bytes`: name -> content."""
+    pyproject.toml): name -> content, of a file over `max_bytes` its first `max_bytes` + 1 bytes.
+    A file that is too big is still there, cut, so that the caller refuses it: skipping it would
+    check another file than the one a node reads."""
     found = {}
     with tarfile.open(archive, "r:gz") as packed:
         for info in packed:
-            if info.name in names and info.isfile() and info.size <= max_bytes:
+            if info.name in names and info.isfile():
                 stream = packed.extractfile(info)
                 if stream is not None:
-                    found[info.name] = stream.read()
+                    found[info.name] = stream.read(max_bytes + 1)
     return found
 
 

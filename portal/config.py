@@ -14,6 +14,7 @@ further when the pool is on, and so are `make demo`'s (DemoSettings).
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -23,6 +24,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
 from elastic.environ_settings import EnvironSettings, SettingsError
+from elastic.wire import POOL_NAME_PATTERN
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 """The checkout."""
@@ -125,6 +127,14 @@ class PortalSettings(EnvironSettings):
         description="`python -m portal.serve`: the reverse proxies in front of the portal, as addresses or "
         'networks, comma-separated ("*": any): only their X-Forwarded-For and X-Forwarded-Proto are believed. '
         "Empty: nobody's.",
+    )
+    pool_limits: CommaList = Field(
+        [],
+        validation_alias="BUNGEE_POOL_LIMITS",
+        description="What a pool token of a pool the portal does not submit for itself (a Kubernetes DaemonSet's; "
+        "the Slurm pool's agents are checked against its submissions) may register, as POOL:NODES:DEVICES, "
+        "comma-separated (k8s:8:4: at most 8 nodes of pool k8s online, draining or unreachable at once, each "
+        "with at most 4 devices). A pool not listed registers no node.",
     )
     liveness_file: Path | None = Field(
         None,
@@ -357,7 +367,7 @@ class PortalSettings(EnvironSettings):
         description="The lines an old job's log is cut to (0: deleted).",
     )
 
-    @field_validator("allowed_hosts", "csrf_trusted_origins", "forwarded_allow_ips", mode="before")
+    @field_validator("allowed_hosts", "csrf_trusted_origins", "forwarded_allow_ips", "pool_limits", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
@@ -378,6 +388,28 @@ class PortalSettings(EnvironSettings):
                     "comma-separated, or '*' for any)"
                 ) from None
         return value
+
+    @field_validator("pool_limits", mode="after")
+    @classmethod
+    def _pool_limits(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            pool, nodes, devices = ([*entry.split(":"), "", ""])[:3]
+            if entry.count(":") != 2 or not re.fullmatch(POOL_NAME_PATTERN, pool) or not (
+                nodes.isdigit() and devices.isdigit() and int(nodes) >= 1 and int(devices) >= 1
+            ):
+                raise ValueError(
+                    f"{entry!r} is not POOL:NODES:DEVICES (a pool's name, then how many of its nodes at once and "
+                    "how many devices each, both at least 1; e.g. k8s:8:4)"
+                )
+        return value
+
+    def pool_limit(self, pool: str) -> tuple[int, int] | None:
+        """(most nodes, most devices a node) BUNGEE_POOL_LIMITS sets for `pool`, or None."""
+        for entry in self.pool_limits:
+            name, nodes, devices = entry.split(":")
+            if name == pool:
+                return int(nodes), int(devices)
+        return None
 
     @field_validator("data_dir", mode="after")
     @classmethod

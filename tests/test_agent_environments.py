@@ -6,6 +6,8 @@ neither the agent's token nor anything else of its environment it does not need.
 
 from __future__ import annotations
 
+import functools
+import http.server
 import importlib.util
 import os
 import signal
@@ -195,13 +197,19 @@ def test_the_build_sees_neither_the_token_nor_the_jobs_variables() -> None:
 def test_index_options_in_a_jobs_requirements_only_where_the_operator_allows_them(
     tmp_path: Path, wheelhouse: Path
 ) -> None:
-    text = f"--find-links {wheelhouse}\n{TINY}==1.0\n"
-    with pytest.raises(RequirementsError, match="unless the operator allows index options"):
-        declared_in({"requirements.txt": text.encode()})
-    allowed = declared_in({"requirements.txt": text.encode()}, index_options=True)
-    assert allowed is not None and allowed.lines() == [f"--find-links {wheelhouse}", f"{TINY}==1.0"]
-    cache = Environments(
-        EnvironmentSettings(root=tmp_path, python=sys.executable, uv=uv_binary(), index_options=True), OFFLINE
-    )
-    built = cache.ensure(allowed)  # the node names no wheelhouse: the job's line does
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(wheelhouse))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as served:
+        threading.Thread(target=served.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{served.server_address[1]}/"
+        text = f"--no-index\n--find-links={url}\n{TINY}==1.0\n"
+        with pytest.raises(RequirementsError, match="unless the operator allows index options"):
+            declared_in({"requirements.txt": text.encode()})
+        allowed = declared_in({"requirements.txt": text.encode()}, index_options=True)
+        assert allowed is not None and allowed.lines() == ["--no-index", f"--find-links {url}", f"{TINY}==1.0"]
+        cache = Environments(
+            EnvironmentSettings(root=tmp_path, python=sys.executable, uv=uv_binary(), index_options=True),
+            {"PATH": os.defpath},
+        )
+        built = cache.ensure(allowed)  # the node names no wheelhouse: the job's line does
+        served.shutdown()
     assert run_in(built.path, f"import {TINY}; print({TINY}.VERSION)") == "1.0"

@@ -23,6 +23,13 @@ from portal.cluster.models import Node
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
+
+@pytest.fixture(autouse=True)
+def _pool_limits(settings: Any) -> None:
+    """The pools here are started by no Slurm pool of the portal's: an operator's bound lets them
+    register (portal.cluster.binding)."""
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"pool_limits": ["slurm:100:100", "k8s:100:100"]})
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

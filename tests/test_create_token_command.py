@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import re
+from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -16,6 +17,13 @@ from tests.conftest import ApiClient
 from tests.test_agent_node_binding import registration
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _pool_limits(settings: Any) -> None:
+    """The pools here are started by no Slurm pool of the portal's: an operator's bound lets them
+    register (portal.cluster.binding)."""
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"pool_limits": ["slurm:100:100", "k8s:100:100"]})
 
 
 def create_token(*args: str) -> str:

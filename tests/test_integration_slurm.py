@@ -76,6 +76,9 @@ def platform(tmp_path_factory: pytest.TempPathFactory, cluster: SlurmCluster, re
         "BUNGEE_SLURM_AGENT_ARGS": AGENT_ARGS,
         # The agents' environment is the Celery worker's (the test's database, Redis, data dir).
         "BUNGEE_SLURM_EXPORT": "ALL",
+        # The time-limit test's own agent job, submitted by the test, not by the pool: a pool of
+        # its own, bounded by the operator's setting.
+        "BUNGEE_POOL_LIMITS": "limited:1:1",
     }
     port = free_port()
     env["BUNGEE_SLURM_PORTAL_URL"] = f"http://127.0.0.1:{port}"
@@ -150,10 +153,17 @@ def test_an_agent_at_its_time_limit_drains_before_it_ends(
     platform.wait_for("no agent job left", lambda: not agent_jobs(cluster), timeout_s=120)
     # What the pool submits with a two-minute limit and a 40 s lead (its settings as the
     # platform's, but those two and a name of its own, so that the running pool leaves it be).
+    # The pool registers only the agent jobs it submitted: this one, the test's, is of a pool of
+    # its own ("limited"), which BUNGEE_POOL_LIMITS lets register one node of one device.
+    token_file = tmp_path / "limited.token"
+    token_file.write_text(
+        platform.group.run("manage.py", "create_token", "alice", "--role", "pool", "--pool", "limited").strip() + "\n"
+    )
+    token_file.chmod(0o600)
     config = pool_config(settings.BUNGEE_SLURM.model_copy(update={
-        "enabled": True, "pool": "slurm", "partition": cluster.pool,
+        "enabled": True, "pool": "limited", "partition": cluster.pool,
         "gres": f"{cluster.gres}:1", "time_limit": "2", "grace_s": 40, "job_name": "bungee-limited",
-        "portal_url": platform.base_url, "token_file": platform.env["BUNGEE_SLURM_TOKEN_FILE"],
+        "portal_url": platform.base_url, "token_file": str(token_file),
         "python": sys.executable, "workdir": str(ROOT), "output": str(tmp_path / "limited-%j.out"),
         "export": "ALL", "agent_args": AGENT_ARGS,
     }))

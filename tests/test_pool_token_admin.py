@@ -3,6 +3,8 @@ and its nodes' tokens; filtered by "any pool's node tokens", every pool-issued t
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.test import Client
 
@@ -11,6 +13,13 @@ from tests.conftest import ApiClient
 from tests.test_agent_node_binding import registration
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _pool_limits(settings: Any) -> None:
+    """The pools here are started by no Slurm pool of the portal's: an operator's bound lets them
+    register (portal.cluster.binding)."""
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"pool_limits": ["slurm:100:100", "k8s:100:100"]})
 
 
 def listed(page: bytes) -> set[str]:

@@ -17,6 +17,13 @@ from tests.test_agent_node_binding import registration, sample
 pytestmark = pytest.mark.django_db
 
 
+@pytest.fixture(autouse=True)
+def _pool_limits(settings: Any) -> None:
+    """The pools here are started by no Slurm pool of the portal's: an operator's bound lets them
+    register (portal.cluster.binding)."""
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"pool_limits": ["slurm:100:100", "k8s:100:100"]})
+
+
 @pytest.fixture
 def pool(users: dict) -> tuple[ApiToken, ApiClient]:
     token, secret = ApiToken.issue(users["alice"], "pool slurm", ApiToken.Role.POOL, pool="slurm")

@@ -4,6 +4,8 @@ one node's token frees that node alone, and the pool registers it again with a n
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from portal.accounts.models import ApiToken
@@ -12,6 +14,13 @@ from tests.conftest import ApiClient
 from tests.test_agent_node_binding import registration
 
 pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _pool_limits(settings: Any) -> None:
+    """The pools here are started by no Slurm pool of the portal's: an operator's bound lets them
+    register (portal.cluster.binding)."""
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={"pool_limits": ["slurm:100:100", "k8s:100:100"]})
 
 
 def report(node: str) -> dict:

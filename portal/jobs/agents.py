@@ -33,7 +33,7 @@ from portal.cluster.models import Node, ReportRefusals
 from portal.errors import forbidden, not_found
 from portal.jobs import artifacts, lifecycle
 from portal.jobs.board import cluster_state
-from portal.jobs.ingest import Refused, ingest_events
+from portal.jobs.ingest import Refused, ingest_events, not_its_worker
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
@@ -46,11 +46,35 @@ board_router = Router(auth=user_auth, tags=["cluster"])
 agent_router = Router(auth=agent_auth, tags=["agents"])
 
 
+def placed(node: Node, running: list[RunningWorker]) -> list[RunningWorker]:
+    """The workers of `running` (what the node's agent says it re-adopted) that the portal placed
+    on `node`: the plan of each one's generation put its rank on its device, and its pid is the
+    one that worker reported first (portal.jobs.ingest.not_its_worker). The others are counted as
+    refused (/metrics) and logged, and do not keep any worker of the portal's alive."""
+    kept, refused = [], []
+    for worker in running:
+        why = not_its_worker(
+            node, worker.job_id, worker.generation, worker.rank, worker.device_index, worker.pid,
+            lifecycle.ranks_held(node, worker.job_id, worker.generation),
+            lifecycle.bound_pids(worker.job_id, worker.generation),
+        )
+        if why is None:
+            kept.append(worker)
+        else:
+            refused.append(why)
+    if refused:
+        count_refused(node, ReportRefusals.Reason.NOT_ITS_WORKER, len(refused))
+        log.warning("node %s registered with %d worker(s) it was not given, the first: %s",
+                    node.name, len(refused), refused[0])
+    return kept
+
+
 def register(registration: NodeRegistration) -> tuple[Node, RegistrationReply]:
-    """The node and its devices, then what becomes of the workers it ran."""
+    """The node and its devices, then what becomes of the workers it ran (those the portal
+    placed there: `placed`)."""
     with transaction.atomic():
         node, reply = register_node(registration)
-        lifecycle.node_registered(node, registration.running)
+        lifecycle.node_registered(node, placed(node, registration.running))
     broadcast.node_changed(node.name, node.state, node.last_seen_at)
     broadcast.allocation_changed(lifecycle.allocation_rows())
     return node, reply
@@ -89,11 +113,13 @@ def get_cluster(request: HttpRequest) -> dict[str, Any]:
 def register_endpoint(request: HttpRequest, payload: NodeRegistration) -> RegistrationReply:
     """The first registration with a token claims the node's name for it; 403 if another token
     holds the name or this token serves another node. With a pool token: only a new node of
-    its pool, and the reply's `node_token` is the node's own agent token, shown this once
-    (portal.cluster.binding)."""
+    its pool that the pool started (an agent job the Slurm pool submitted, registering at most
+    the devices it asked for; for another pool, within BUNGEE_POOL_LIMITS), else 403 naming the
+    name or the device count; the reply's `node_token` is the node's own agent token, shown this
+    once (portal.cluster.binding)."""
     token = request.api_token  # type: ignore[attr-defined]
     with transaction.atomic():
-        check_claim(payload.name, token)
+        check_claim(payload.name, token, len(payload.devices))
         node, reply = register(payload)
         node_token = bind(node, token)
     return reply.model_copy(update={"node_token": node_token})
@@ -184,7 +210,7 @@ def report(request: HttpRequest, payload: ReportIn) -> dict[str, Any]:
 
 @agent_router.post("/jobs/{int:job_id}/artifacts", summary="An agent hands over a job's artifacts")
 def artifacts_endpoint(request: HttpRequest, job_id: int) -> dict[str, Any]:
-    """Multipart: model.pt, checkpoint.pt, manifest.json. 403 unless one of the job's workers ran
+    """Multipart: model.pt, checkpoint.pt, manifest.json. 403 unless the job's rank 0 ran
     on the token's node; 415 for another type of body, 400 for one that cannot be read
     (portal.uploads) or if a file is missing or not what the manifest's digest says."""
     token = request.api_token  # type: ignore[attr-defined]

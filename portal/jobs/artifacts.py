@@ -50,11 +50,11 @@ def _write_hashed(upload: UploadedFile, path: Path) -> str:
 
 
 def store(node: Node, job: Job, uploads: dict[str, UploadedFile]) -> JobArtifacts:
-    """Keeps the artifacts `node`'s agent sent for `job`. Raises ApiError 403 if none of the
-    job's workers ran on that node, 400 if a file is missing, the manifest is not the job's or a
-    file is not what the manifest's digest says."""
-    if not Worker.objects.filter(job=job, node=node).exists():
-        raise forbidden(f"job {job.pk} never ran on node {node.name!r}")
+    """Keeps the artifacts `node`'s agent sent for `job`. Raises ApiError 403 if the job's rank 0
+    (the worker that writes them) never ran on that node, 400 if a file is missing, the manifest
+    is not the job's or a file is not what the manifest's digest says."""
+    if not Worker.objects.filter(job=job, node=node, rank=0).exists():
+        raise forbidden(f"rank 0 of job {job.pk} never ran on node {node.name!r}; its artifacts come from there")
     for name in ARTIFACT_NAMES:
         if name not in uploads:
             raise _refused(f"{name} is missing ({CUT_SHORT})", name)

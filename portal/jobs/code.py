@@ -24,7 +24,14 @@ from elastic.codepack import (
     read_top_files,
     repack,
 )
-from elastic.requirements import PYPROJECT_FILE, REQUIREMENTS_FILE, RequirementsError, conflicts, declared_in
+from elastic.requirements import (
+    MAX_FILE_BYTES,
+    PYPROJECT_FILE,
+    REQUIREMENTS_FILE,
+    RequirementsError,
+    conflicts,
+    declared_in,
+)
 from elastic.spec import FieldError
 from portal.errors import ApiError
 from portal.jobs.models import CodeUpload
@@ -81,11 +88,14 @@ def store(owner: User, upload: BinaryIO, size: int, name: str) -> tuple[CodeUplo
 def check_requirements(archive: Path, name: str) -> None:
     """Refuses code whose requirements.txt (or pyproject.toml dependencies) is not one a node
     builds (elastic.requirements), or asks for a version of a package the runtime is built on
-    that the nodes do not have: 400 `invalid_requirements`, naming the line. The nodes' packages
-    are taken to be this portal's: the portal and the agents run one image."""
+    that the nodes do not have: 400 `invalid_requirements`, naming the line, or the file that is
+    over elastic.requirements.MAX_FILE_BYTES. The file checked is the one an agent builds from
+    (elastic.requirements.declaring_file, inside declared_in). The nodes' packages are taken to be
+    this portal's: the portal and the agents run one image."""
     try:
         declared = declared_in(
-            read_top_files(archive, (REQUIREMENTS_FILE, PYPROJECT_FILE)), settings.BUNGEE.env_index_options
+            read_top_files(archive, (REQUIREMENTS_FILE, PYPROJECT_FILE), MAX_FILE_BYTES),
+            settings.BUNGEE.env_index_options,
         )
         refused = conflicts(declared, installed_distributions()) if declared is not None else []
     except RequirementsError as err:

@@ -41,14 +41,31 @@ class Refused:
     message: str
 
 
+def not_its_worker(node: Node, job_id: int, generation: int, rank: int, device_index: int | None, pid: int | None,
+                   held: dict[int, int], pids: dict[int, int]) -> str | None:
+    """Why the worker (`job_id`, `generation`, `rank`, on `device_index`, as `pid`) is not one the
+    portal placed on `node`, or None if it is: `held` is lifecycle.ranks_held of that generation
+    (rank -> device index), `pids` lifecycle.bound_pids (rank -> the pid its first report bound).
+    An index or pid left out (None) is not compared."""
+    what = f"rank {rank} of job {job_id}'s generation {generation}"
+    if rank not in held:
+        return f"node {node.name} does not hold {what}"
+    if device_index is not None and device_index != held[rank]:
+        return f"{what} is on device {held[rank]} of node {node.name}, not {device_index}"
+    if pid is not None and pids.get(rank, pid) != pid:
+        return f"{what} is pid {pids[rank]} (its first report), not {pid}"
+    return None
+
+
 def ingest_events(node: Node, events: list[WorkerEvent]) -> list[Refused]:
     """Takes each event whose worker `node` holds (portal.jobs.lifecycle.ranks_held: the plan of
-    the event's generation put its rank on one of the node's devices); refuses the others, and
-    those about a job that does not exist. A node speaks only for its own workers: another
-    node's progress, log lines, evaluations or exits are never its to report. Returns the
-    refused, in order."""
+    the event's generation put its rank on one of the node's devices, the one the event names if
+    it names one; and the pid it names, if it names one, is the one that worker reported first);
+    refuses the others, and those about a job that does not exist. A node speaks only for its
+    own workers: another node's progress, log lines, evaluations or exits are never its to
+    report, nor is a process other than the worker's. Returns the refused, in order."""
     refused: list[Refused] = []
-    held: dict[tuple[int, int], frozenset[int]] = {}
+    held: dict[tuple[int, int], dict[int, int]] = {}
     for index, event in enumerate(events):
         handler = _HANDLERS.get(event.kind)
         if handler is None:  # the worker-to-agent kinds (exiting, artifacts) stay on the node
@@ -61,11 +78,11 @@ def ingest_events(node: Node, events: list[WorkerEvent]) -> list[Refused]:
         ranks = held.get((job.pk, event.generation))
         if ranks is None:
             ranks = held[job.pk, event.generation] = lifecycle.ranks_held(node, job.pk, event.generation)
-        if event.rank not in ranks:
-            refused.append(Refused(
-                index, ReportRefusals.Reason.NOT_ITS_WORKER,
-                f"node {node.name} does not hold rank {event.rank} of job {job.pk}'s generation {event.generation}",
-            ))
+        # Read for each event: an earlier event of this report may have bound a pid.
+        pids = lifecycle.bound_pids(job.pk, event.generation) if event.pid is not None and ranks else {}
+        why = not_its_worker(node, job.pk, event.generation, event.rank, event.device_index, event.pid, ranks, pids)
+        if why is not None:
+            refused.append(Refused(index, ReportRefusals.Reason.NOT_ITS_WORKER, why))
             continue
         handler(node, job, event)
     if refused:

@@ -142,14 +142,28 @@ def live_workers(job_id: int) -> dict[tuple[int, int], Worker]:
     return {(row.node_id, row.device_index): row for row in rows.order_by("generation")}
 
 
-def ranks_held(node: Node, job_id: int, generation: int) -> frozenset[int]:
-    """The ranks of job `job_id`'s generation `generation` that `node` holds: those the
-    generation's plan placed on the node's devices (its resize record names each rank's device,
-    in rank order). A node speaks for these workers only. Empty for a generation never planned."""
+def ranks_held(node: Node, job_id: int, generation: int) -> dict[int, int]:
+    """The ranks of job `job_id`'s generation `generation` that `node` holds, each with the index
+    of the node's device the generation's plan placed it on (its resize record names each rank's
+    device, in rank order). A node speaks for these workers only. Empty for a generation never
+    planned."""
     planned = (
         ResizeEvent.objects.filter(job_id=job_id, generation=generation).values_list("devices_after", flat=True).first()
     )
-    return frozenset(rank for rank, device in enumerate(planned or []) if node_of(device) == node.name)
+    held = {}
+    for rank, device in enumerate(planned or []):
+        index = device.rpartition("/")[2]
+        if node_of(device) == node.name and index.isdigit():
+            held[rank] = int(index)
+    return held
+
+
+def bound_pids(job_id: int, generation: int) -> dict[int, int]:
+    """rank -> pid of the workers of job `job_id`'s generation `generation` that reported one: the
+    first report of a worker binds its pid, and a report of another pid for that rank is not
+    its worker's."""
+    rows = Worker.objects.filter(job_id=job_id, generation=generation, pid__isnull=False)
+    return {rank: pid for rank, pid in rows.values_list("rank", "pid") if pid is not None}
 
 
 def allocation_rows() -> list[dict[str, Any]]:
