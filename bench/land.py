@@ -298,12 +298,15 @@ class LandRun:
         self.settled(1, generation)
 
 
-def run_land(model: BenchModel, arm: str, rounds: int, work: Path) -> tuple[LandTimes, dict[str, Any]]:
+def run_land(
+    model: BenchModel, arm: str, rounds: int, work: Path, isolation: str = "auto"
+) -> tuple[LandTimes, dict[str, Any]]:
     """The arm's run (land times per scenario), and what its standbys cost at idle (empty without
-    them)."""
+    them); the agent confines jobs as `isolation` says (its --isolation)."""
     from tests.platform import running_platform
 
     env = {
+        "BUNGEE_AGENT_ISOLATION": isolation,
         "BUNGEE_STANDBYS": "off" if arm == "cold" else "on",
         "BUNGEE_PREPARED_STANDBYS": str(DEFAULT_PREPARED if arm == "standbys" else 0),
         "BUNGEE_PROGRESS_EVERY_S": "0.2",
@@ -315,7 +318,7 @@ def run_land(model: BenchModel, arm: str, rounds: int, work: Path) -> tuple[Land
     }
     if arm == ENVIRONMENT:
         env |= {"BUNGEE_ENV_FIND_LINKS": str(tiny_wheelhouse(work / "wheelhouse")), "UV_OFFLINE": "1"}
-    with running_platform(work / arm, {"node-a": DEVICES}, env) as platform:
+    with running_platform(work / f"{arm}-{isolation}", {"node-a": DEVICES}, env) as platform:
         run = LandRun(platform, model, arm)
         run.start()
         cost: dict[str, Any] = {}
