@@ -1,16 +1,17 @@
 """What keeps a job's code away from the platform on this node (docs/operator/security.md).
 
-Always: the agent is not dumpable, so no process of its uid without CAP_SYS_PTRACE reads its
-memory or its /proc entries (its environment, which may hold the token). When the agent runs as
-root, each job's processes are also confined (elastic.worker.confine): a uid and gid of the job's
-own (JobIsolation.uid), a mount namespace in which the agent's state directory, its data
-directory, other jobs' run directories and the token file are out of sight, and a private /tmp.
-JobIsolation says, for one job, what that confinement is, and makes the job's directories for it.
+Always: the agent (and the fork server, and a standby until it is a job's) is not dumpable, so
+no process of its uid without CAP_SYS_PTRACE reads its memory or its /proc entries (its
+environment, which may hold the token). Where jobs are confined (elastic.worker.confine), each
+job's processes get a mount namespace in which the agent's state directory, its data directory,
+other jobs' run directories and the token file are out of sight, and a private /tmp; as a uid and
+gid of the job's own where the agent runs as root, else in user namespaces of their own, on a
+machine read-only to them. JobIsolation says, for one job, what that confinement is, and makes the
+job's directories for it; job_files reads what a job hands over without trusting its paths.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import stat
@@ -21,20 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic.worker.confine import Confinement
+from elastic.worker.confine import Confinement, make_undumpable
 
-_PR_SET_DUMPABLE = 4
+__all__ = ["make_undumpable"]  # the agent's, from the runtime: the fork server's too
+
 JOB_UID_COUNT = 1 << 20
 """How many uids jobs take, from the base on (a job's is the base plus its id modulo this)."""
-
-
-def make_undumpable() -> None:
-    """Marks this process not dumpable: its /proc entries belong to root and only a process with
-    CAP_SYS_PTRACE may read its memory, its environment or trace it. Raises OSError."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"prctl(PR_SET_DUMPABLE, 0): {os.strerror(code)}")
 
 
 def interpreter_paths(python: str) -> set[str]:

@@ -261,6 +261,14 @@ def confine(confinement: Confinement) -> None:
     os.chdir(confinement.home)
 
 
+def make_undumpable() -> None:
+    """Marks this process not dumpable: its /proc entries belong to root and only a process with
+    CAP_SYS_PTRACE may read its memory, its environment or its view of the files (/proc/PID/root),
+    or trace it. For the platform's own processes (the agent, the fork server, waiting standbys),
+    which a job of the same uid must not reach. Raises ConfinementError."""
+    _check(_libc().prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE, 0)")
+
+
 def confine_from_env(environ: Mapping[str, str] | None = None) -> Confinement | None:
     """Confines this process as `environ`'s CONFINEMENT_ENV says, if it says anything; returns
     the confinement. Raises ConfinementError."""

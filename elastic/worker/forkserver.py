@@ -56,6 +56,8 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from elastic.worker.confine import make_undumpable
+
 log = logging.getLogger(__name__)
 
 STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GOMP_", "KMP_", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA_", "THP_")
@@ -275,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or not args[0].isdigit():
         print("usage: python -m elastic.worker.forkserver FD (started by ForkServer)", file=sys.stderr)
         return 2
+    # Not dumpable, nor the children it forks until they are confined as a job: where jobs keep
+    # the agent's uid, none may read its memory or see the machine's files through /proc/PID/root.
+    make_undumpable()
     sock = socket.socket(fileno=int(args[0]))
     try:
         return serve(sock)

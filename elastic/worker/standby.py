@@ -44,7 +44,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from elastic.worker import FAILED_EXIT_CODE
-from elastic.worker.confine import ConfinementError, confine_from_env
+from elastic.worker.confine import ConfinementError, confine_from_env, make_undumpable
 
 READY_LINE = "standby ready"
 """What the standby prints (to its own output, before any assignment) once it is warm."""
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", default="elastic.worker", help="the worker module it runs, once assigned")
     parser.add_argument("--device", default="cpu", help="the torch device it warms up")
     args = parser.parse_args(argv)
+    make_undumpable()  # a platform process until it is confined as a job (a forked one is already)
     warm_up(args.device)
     print(json.dumps({"standby": READY_LINE, "pid": os.getpid()}), flush=True)
     prepared = False
