@@ -342,6 +342,8 @@ class AgentSettings(EnvironSettings):
         cannot have (uid when it is not root; namespaces where user namespaces do not work)."""
         if os.geteuid() == 0 and self.isolation in ("auto", "uid"):
             return "uid"
+        if self.isolation == "namespaces" and os.geteuid() == 0:
+            raise ValueError("--isolation namespaces is for an agent that is not root: as root, pass --isolation uid")
         if self.isolation == "uid":
             raise ValueError(
                 f"--isolation uid needs the agent to run as root (it runs as uid {os.geteuid()}): "

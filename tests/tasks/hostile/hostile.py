@@ -66,11 +66,12 @@ def probe() -> dict[str, Any]:
                 pass
     report["environs holding the token variable"] = readable_environs
     data_dir = os.environ.get("BUNGEE_DATA_DIR", "")
-    state_dir = Path(data_dir) / "agent" / os.environ.get("BUNGEE_PROBE_NODE", "node-a")
+    config = json.loads(os.environ.get("BUNGEE_WORKER_CONFIG", "{}"))
+    state_dir = Path(config["code_dir"]).parents[2]  # STATE/jobs/job-N/code: its own, the rest is not
     report["state dir"] = _attempt(lambda: os.listdir(state_dir))
     report["workers' records"] = _attempt(lambda: os.listdir(state_dir / "workers"))
     report["data dir"] = _attempt(lambda: os.listdir(data_dir))
-    own = json.loads(os.environ.get("BUNGEE_WORKER_CONFIG", "{}")).get("job_id")
+    own = config.get("job_id")
     report["job id"] = own
     report["other jobs' code read"] = [
         job for job in range(1, 40) if job != own and os.path.isdir(state_dir / "jobs" / f"job-{job}" / "code")
