@@ -104,15 +104,18 @@ def _give(directory: Path, uid: int) -> None:
     os.chown(directory, uid, uid, follow_symlinks=False)
 
 
-def user_namespaces_work() -> str | None:
-    """None if this user may make a user namespace (an unprivileged confinement needs one), else
-    why not."""
+def confinement_works(unprivileged: bool) -> str | None:
+    """None if this process may confine jobs as agent.isolation does (`unprivileged`: in a user
+    namespace of its own), else why not: a container without CAP_SYS_ADMIN, a seccomp profile or a
+    kernel that refuses user namespaces. Tried in a throwaway process: a mount namespace with a
+    tmpfs mounted in it."""
+    try_it = ["unshare", *(["--user", "--map-current-user"] if unprivileged else []), "--mount", "--propagation",
+              "private", "mount", "-t", "tmpfs", "bungee-probe", "/tmp"]
     try:
-        done = subprocess.run(["unshare", "--user", "--map-current-user", "true"], capture_output=True, text=True,
-                              timeout=10, check=False)
+        done = subprocess.run(try_it, capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError) as err:
-        return f"unshare --user could not run: {err}"
-    return None if done.returncode == 0 else (done.stderr.strip() or f"unshare --user exited {done.returncode}")
+        return f"{' '.join(try_it[:3])} could not run: {err}"
+    return None if done.returncode == 0 else (done.stderr.strip() or f"{try_it[0]} exited {done.returncode}")
 
 
 def take_back(directory: Path) -> None:

@@ -31,7 +31,7 @@ from agent import slurm as slurm_job
 from agent.devices import GpuSelection, backend_names
 from agent.devices.simulated import MAX_PACE
 from agent.environments import DEFAULT_BUILD_DEADLINE_S, DEFAULT_MAX_BYTES
-from agent.isolation import JOB_UID_COUNT, JobIsolation, user_namespaces_work
+from agent.isolation import JOB_UID_COUNT, JobIsolation, confinement_works
 from elastic.environ_settings import EnvironSettings, SettingsError, refusal
 from elastic.wire import POOL_NAME_PATTERN, NodeRegistration
 
@@ -338,27 +338,29 @@ class AgentSettings(EnvironSettings):
         )
 
     def _isolation(self) -> str:
-        """uid, namespaces or none, as --isolation asks. Raises ValueError for one this agent
-        cannot have (uid when it is not root; namespaces where user namespaces do not work)."""
-        if os.geteuid() == 0 and self.isolation in ("auto", "uid"):
-            return "uid"
-        if self.isolation == "namespaces" and os.geteuid() == 0:
-            raise ValueError("--isolation namespaces is for an agent that is not root: as root, pass --isolation uid")
-        if self.isolation == "uid":
+        """uid, namespaces or none, as --isolation asks and this machine allows (auto: the first
+        that works of uid as root, namespaces otherwise). Raises ValueError, saying why, for one
+        that was asked for and cannot be had."""
+        root = os.geteuid() == 0
+        if self.isolation == "none":
+            return "none"
+        if self.isolation == "uid" and not root:
             raise ValueError(
                 f"--isolation uid needs the agent to run as root (it runs as uid {os.geteuid()}): "
                 "run it as root, or pass --isolation namespaces"
             )
-        if self.isolation in ("auto", "namespaces"):
-            why_not = user_namespaces_work()
-            if why_not is None:
-                return "namespaces"
-            if self.isolation == "namespaces":
-                raise ValueError(f"--isolation namespaces needs user namespaces, and this machine refuses them: {why_not}")
-            logging.getLogger(__name__).warning(
-                "jobs run as the agent's user, seeing what it sees (no uid of their own: the agent is not root; "
-                "no user namespaces: %s). See docs/operator/security.md", why_not,
-            )
+        if self.isolation == "namespaces" and root:
+            raise ValueError("--isolation namespaces is for an agent that is not root: as root, pass --isolation uid")
+        mode = "uid" if root else "namespaces"
+        why_not = confinement_works(unprivileged=not root)
+        if why_not is None:
+            return mode
+        if self.isolation != "auto":
+            raise ValueError(f"--isolation {mode} cannot confine jobs on this machine: {why_not}")
+        logging.getLogger(__name__).warning(
+            "jobs run as the agent's user and see what it sees: confining them (%s) does not work here: %s. "
+            "See docs/operator/security.md", mode, why_not,
+        )
         return "none"
 
 

@@ -284,3 +284,31 @@ def test_an_agent_that_is_not_root_confines_its_jobs_in_user_namespaces(tmp_path
         assert seen["dumpable"] == 0, seen
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+CONFIG = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from agent.settings import parse_config
+    config = parse_config(["--portal", "http://127.0.0.1:1", "--isolation", sys.argv[2]], {"BUNGEE_AGENT_TOKEN": "t"})
+    print("isolation:", config.isolation)
+""")
+
+
+@needs_root
+@pytest.mark.parametrize(("asked", "rc", "said"), [
+    ("uid", 2, "--isolation uid cannot confine jobs on this machine: unshare: unshare failed: Operation not permitted"),
+    ("auto", 0, "jobs run as the agent's user and see what it sees: confining them (uid) does not work here"),
+    ("none", 0, ""),
+])
+def test_an_agent_that_cannot_confine_jobs_says_so(asked: str, rc: int, said: str) -> None:
+    """Root without CAP_SYS_ADMIN (a container's root) may not make a mount namespace: asked for
+    uid, the agent refuses to start and says why; on auto it runs its jobs unconfined and warns."""
+    done = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-c",
+                           CONFIG, PROJECT, asked], capture_output=True, text=True, timeout=60)
+    assert done.returncode == rc, done.stderr
+    assert said in done.stderr
+    if rc == 0:
+        assert done.stdout.strip() == "isolation: none"
+    full = subprocess.run([sys.executable, "-c", CONFIG, PROJECT, "auto"], capture_output=True, text=True, timeout=60)
+    assert full.stdout.strip() == "isolation: uid", full.stderr
