@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -283,6 +284,43 @@ class SlurmCluster:
         """A daemon's log, for a failure message."""
         path = self.directory / f"{daemon}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+@contextlib.contextmanager
+def pool_platform(work: Path, cluster: SlurmCluster, agent_args: str, extra_env: dict[str, str]) -> Iterator[Any]:
+    """The whole platform (tests.platform) with the portal's Slurm pool on `cluster`'s pool
+    partition, its agents started with `agent_args` in the Celery worker's environment (the test's
+    database, Redis and data directory, and `extra_env` over all), their pool token in
+    WORK/pool.token; no agent of its own."""
+    import sys
+
+    from tests.platform import ROOT, free_port, running_platform
+
+    token_file = work / "pool.token"
+    port = free_port()
+    env = {
+        "SLURM_CONF": cluster.env["SLURM_CONF"],
+        "BUNGEE_SLURM_ENABLED": "true",
+        "BUNGEE_SLURM_POOL": "slurm",
+        "BUNGEE_SLURM_PARTITION": cluster.pool,
+        "BUNGEE_SLURM_GRES": f"{cluster.gres}:1",
+        "BUNGEE_SLURM_IDLE_S": "5",
+        "BUNGEE_SLURM_EVERY_S": "1",
+        "BUNGEE_SLURM_TOKEN_FILE": str(token_file),
+        "BUNGEE_SLURM_PYTHON": sys.executable,
+        "BUNGEE_SLURM_WORKDIR": str(ROOT),
+        "BUNGEE_SLURM_OUTPUT": str(work / "agents" / "%x-%j.out"),
+        "BUNGEE_SLURM_AGENT_ARGS": agent_args,
+        "BUNGEE_SLURM_EXPORT": "ALL",
+        "BUNGEE_SLURM_PORTAL_URL": f"http://127.0.0.1:{port}",
+        **extra_env,
+    }
+    with running_platform(work, {}, env, port=port) as running:
+        token = running.group.run("manage.py", "create_token", "alice", "--role", "pool", "--pool", "slurm").strip()
+        token_file.write_text(token + "\n")
+        token_file.chmod(0o600)
+        yield running
+    cluster.cancel_all()
 
 
 def _start(cluster: SlurmCluster, name: str, args: list[str]) -> None:

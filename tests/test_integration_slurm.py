@@ -28,8 +28,8 @@ from django.conf import settings
 from elastic.worker.data import SampleStream
 from portal.slurm.config import pool_config
 from portal.slurm.pool import agent_script, sbatch_options
-from tests.platform import ROOT, Platform, free_port, running_platform
-from tests.slurm_support import SlurmCluster, slurm_cluster
+from tests.platform import ROOT, Platform
+from tests.slurm_support import SlurmCluster, pool_platform, slurm_cluster
 from tests.test_integration_resize_in_place import ENDLESS, SEED, SPEC, live_rows, settled, steps_past
 from tests.worker_support import DIGITS_SAMPLES, Ledger
 
@@ -53,41 +53,19 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory, cluster: SlurmCluster, record: Path) -> Iterator[Platform]:
-    work = tmp_path_factory.mktemp("platform")
-    token_file = work / "pool.token"
     env = {
-        "SLURM_CONF": cluster.env["SLURM_CONF"],
         "BUNGEE_RECORD_SAMPLES": str(record),
         "BUNGEE_CHECKPOINT_EVERY_S": "0.5",
         "BUNGEE_PROGRESS_EVERY_S": "0.2",
         "BUNGEE_POLICY": "fair",
-        "BUNGEE_SLURM_ENABLED": "true",
-        "BUNGEE_SLURM_POOL": "slurm",
-        "BUNGEE_SLURM_PARTITION": cluster.pool,
-        "BUNGEE_SLURM_GRES": f"{cluster.gres}:1",
         "BUNGEE_SLURM_GRACE_S": "20",
         "BUNGEE_SLURM_MAX_AGENTS": "2",
-        "BUNGEE_SLURM_IDLE_S": "5",
-        "BUNGEE_SLURM_EVERY_S": "1",
-        "BUNGEE_SLURM_TOKEN_FILE": str(token_file),
-        "BUNGEE_SLURM_PYTHON": sys.executable,
-        "BUNGEE_SLURM_WORKDIR": str(ROOT),
-        "BUNGEE_SLURM_OUTPUT": str(work / "agents" / "%x-%j.out"),
-        "BUNGEE_SLURM_AGENT_ARGS": AGENT_ARGS,
-        # The agents' environment is the Celery worker's (the test's database, Redis, data dir).
-        "BUNGEE_SLURM_EXPORT": "ALL",
         # The time-limit test's own agent job, submitted by the test, not by the pool: a pool of
         # its own, bounded by the operator's setting.
         "BUNGEE_POOL_LIMITS": "limited:1:1",
     }
-    port = free_port()
-    env["BUNGEE_SLURM_PORTAL_URL"] = f"http://127.0.0.1:{port}"
-    with running_platform(work, {}, env, port=port) as running:
-        token = running.group.run("manage.py", "create_token", "alice", "--role", "pool", "--pool", "slurm").strip()
-        token_file.write_text(token + "\n")
-        token_file.chmod(0o600)
+    with pool_platform(tmp_path_factory.mktemp("platform"), cluster, AGENT_ARGS, env) as running:
         yield running
-    cluster.cancel_all()
 
 
 def agent_jobs(cluster: SlurmCluster) -> dict[int, str]:

@@ -6,15 +6,14 @@ agent job runs as the user the pool submits as (root here: --isolation uid)."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.code_support import RINGS, directory_files
-from tests.platform import ROOT, Platform, free_port, running_platform
-from tests.slurm_support import SlurmCluster, slurm_cluster
+from tests.platform import Platform
+from tests.slurm_support import SlurmCluster, pool_platform, slurm_cluster
 from tests.test_job_confinement import ENDED, HOSTILE, RINGS_SPEC, UID_BASE, probe_of, submit, upload
 
 pytestmark = [
@@ -31,37 +30,12 @@ def cluster() -> Iterator[SlurmCluster]:
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory: pytest.TempPathFactory, cluster: SlurmCluster) -> Iterator[Platform]:
+    env = {"BUNGEE_PROGRESS_EVERY_S": "0.2", "BUNGEE_POLICY": "fair", "BUNGEE_AGENT_ISOLATION": "uid",
+           "BUNGEE_AGENT_JOB_UID_BASE": str(UID_BASE), "BUNGEE_SLURM_MAX_AGENTS": "1"}
     work = tmp_path_factory.mktemp("platform")
-    token_file = work / "pool.token"
-    env = {
-        "SLURM_CONF": cluster.env["SLURM_CONF"],
-        "BUNGEE_PROGRESS_EVERY_S": "0.2",
-        "BUNGEE_POLICY": "fair",
-        "BUNGEE_AGENT_ISOLATION": "uid",
-        "BUNGEE_AGENT_JOB_UID_BASE": str(UID_BASE),
-        "BUNGEE_SLURM_ENABLED": "true",
-        "BUNGEE_SLURM_POOL": "slurm",
-        "BUNGEE_SLURM_PARTITION": cluster.pool,
-        "BUNGEE_SLURM_GRES": f"{cluster.gres}:1",
-        "BUNGEE_SLURM_MAX_AGENTS": "1",
-        "BUNGEE_SLURM_IDLE_S": "5",
-        "BUNGEE_SLURM_EVERY_S": "1",
-        "BUNGEE_SLURM_TOKEN_FILE": str(token_file),
-        "BUNGEE_SLURM_PYTHON": sys.executable,
-        "BUNGEE_SLURM_WORKDIR": str(ROOT),
-        "BUNGEE_SLURM_OUTPUT": str(work / "agents" / "%x-%j.out"),
-        "BUNGEE_SLURM_AGENT_ARGS": "--standbys off",
-        "BUNGEE_SLURM_EXPORT": "ALL",
-    }
-    port = free_port()
-    env["BUNGEE_SLURM_PORTAL_URL"] = f"http://127.0.0.1:{port}"
-    with running_platform(work, {}, env, port=port) as running:
-        token = running.group.run("manage.py", "create_token", "alice", "--role", "pool", "--pool", "slurm").strip()
-        token_file.write_text(token + "\n")
-        token_file.chmod(0o600)
-        running.pool_token_file = token_file  # type: ignore[attr-defined]
+    with pool_platform(work, cluster, "--standbys off", env) as running:
+        running.pool_token_file = work / "pool.token"  # type: ignore[attr-defined]
         yield running
-    cluster.cancel_all()
 
 
 def test_a_jobs_code_on_a_slurm_pool_agent_reaches_nothing_of_the_platform(platform: Platform) -> None:
