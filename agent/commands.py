@@ -173,7 +173,9 @@ class CommandDispatcher:
             command = command.model_copy(update={"workers": []})
         digest = command.spec.get("code")
         code_dir = initial_model = None
-        if command.workers and (digest or command.spec.get("init_from")):
+        # Survivors too (members): the launch is the newest this node has of the job, and a standby
+        # prepared for its next joiner builds from it (its code is here already: no fetch).
+        if (command.workers or command.members) and (digest or command.spec.get("init_from")):
             try:
                 if self._code is None:
                     raise CodeUnavailable("this agent cannot fetch code or models (no portal client)")

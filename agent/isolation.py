@@ -96,6 +96,22 @@ class JobIsolation:
         )
 
 
+    def worker_output(self, job_id: int, state_dir: Path, output: Path) -> Path:
+        """Where a process of job `job_id` that is confined already (a standby prepared for it)
+        opens its worker's output file `output` (made by the agent under its state directory,
+        out of the job's sight): a link to it in the job's own directory. The file becomes the
+        job's uid's. Raises OSError."""
+        uid = self.uid(job_id)
+        directory = state_dir / "jobs" / f"job-{job_id}" / "output"
+        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        link = directory / output.name
+        link.unlink(missing_ok=True)
+        os.link(output, link)
+        os.chown(output, uid, self._gid(uid), follow_symlinks=False)
+        os.chmod(output, 0o600)
+        return link
+
+
 def _give(directory: Path, uid: int) -> None:
     """Makes `directory` and what it holds belong to `uid` (links themselves, never followed)."""
     for parent, directories, files in os.walk(directory):

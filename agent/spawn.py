@@ -245,10 +245,16 @@ class WorkerSpawner:
             with output_path.open("ab") as output:
                 process: Process | None = None
                 if pool is not None:
+                    # A standby prepared for the job is confined already: it opens the output
+                    # through the job's own directory (agent.isolation).
+                    standby_output = (
+                        self.config.isolation.worker_output(launch.command.job_id, self._state_dir, output_path)
+                        if self.config.isolation is not None else output_path
+                    )
                     with self._pool_lock:
                         try:
                             standby = pool.take(
-                                assignment.device_index, placement, output_path, env, launch.command.job_id
+                                assignment.device_index, placement, standby_output, env, launch.command.job_id
                             )
                             if standby is not None:
                                 with self._pids_lock:

@@ -161,8 +161,14 @@ def test_a_strict_job_resized_inside_its_confinement_ends_with_the_fixed_runs_mo
     spec = {**RINGS_SPEC, "name": "confined-resized", "code": code, "steps": 10_000_000}
     job_id = submit(platform, spec, workers=1)
     one = settled(platform, job_id, 1)
+    # The grow from a standby prepared for the job (its model built, confined as the job already).
+    agent_log = platform.group.log_dir / "agent-node-a.log"
+    platform.wait_for("a standby prepared for the job",
+                      lambda: "preparing -> prepared" in agent_log.read_text(), timeout_s=120)
     assert alice_resize(platform, job_id, 2)
     two = settled(platform, job_id, 2, one["generation"])
+    assert "prepared -> taken" in agent_log.read_text()
+    assert not [w for w in two["workers_history"] if w["state"] == "exited" and w["reason"] == "failed"], two
     assert {w["pid"] for w in live(one)} <= {w["pid"] for w in live(two)}, "the survivor was not restarted"
     assert all(uid_of(w["pid"]) == UID_BASE + job_id for w in live(two))
     assert alice_resize(platform, job_id, 1)

@@ -54,6 +54,10 @@ _KEPT_FLAGS = ((os.ST_NOSUID, _MS_NOSUID), (os.ST_NODEV, _MS_NODEV), (os.ST_NOEX
 _PR_SET_NO_NEW_PRIVS = 38
 
 
+_confined = False
+"""Whether this process confined itself (its environment may be replaced since: a standby's is)."""
+
+
 class ConfinementError(Exception):
     """The process could not be confined; the message names the step and the path."""
 
@@ -207,7 +211,10 @@ def confine(confinement: Confinement) -> None:
     """Confines this process as the module's docstring says: as root, into the confinement's uid;
     as another user (Confinement.unprivileged), in user namespaces of its own. A process confined
     earlier in its life (CONFINED_ENV set) is left as it is. Raises ConfinementError."""
-    if os.environ.get(CONFINED_ENV) == "1" or (not confinement.unprivileged and os.geteuid() == confinement.uid):
+    global _confined
+    if _confined or os.environ.get(CONFINED_ENV) == "1" or (
+        not confinement.unprivileged and os.geteuid() == confinement.uid
+    ):
         return
     libc = _libc()
     if confinement.unprivileged:
@@ -258,6 +265,7 @@ def confine(confinement: Confinement) -> None:
     os.environ["HOME"] = confinement.home
     os.environ.pop("TMPDIR", None)
     os.environ[CONFINED_ENV] = "1"
+    _confined = True
     os.chdir(confinement.home)
 
 
