@@ -109,6 +109,10 @@ class ArtifactsOut(Schema):
     files: list[ArtifactFileOut]
     final: dict[str, Any] | None = Field(description="the last step's loss and the task's evaluation metrics")
     bungee_version: str | None
+    manifest_valid: bool = Field(
+        description="false for a manifest kept before manifests were checked that fails the check: its "
+        "final and bungee_version are then shown as null"
+    )
 
 
 class JobDetailOut(JobSummaryOut):
