@@ -16,6 +16,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from elastic.wire import (
     MAX_LIST,
+    NODE_NAME_PATTERN,
     AgentReport,
     DeviceSample,
     DrainNotice,
@@ -105,7 +106,7 @@ class ReportIn(Schema):
     RunningWorker); the valid ones are stored and the others refused in the reply, so that one
     bad item never holds a node's reports back."""
 
-    node: str = Field(max_length=100)
+    node: str = Field(min_length=1, max_length=100, pattern=NODE_NAME_PATTERN)
     samples: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)
     events: list[dict[str, Any]] = Field(default_factory=list, max_length=10_000)
     running: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)

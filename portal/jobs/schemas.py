@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from ninja import Field, Schema
+from pydantic import StrictInt
 
 from elastic.spec import MAX_WORKERS_LIMIT
 
@@ -136,7 +137,7 @@ class JobDetailOut(JobSummaryOut):
 
 
 class ResizeIn(Schema):
-    workers: int | None = Field(
+    workers: StrictInt | None = Field(  # strict: JSON true is not a worker count
         ..., ge=1, le=MAX_WORKERS_LIMIT,
         description="the worker count to pin the job to, between the job's min_workers and max_workers "
         "(400 otherwise), or null to let the scheduler decide",
