@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from django.db import transaction
 from django.http import FileResponse, HttpRequest
 from ninja import Field, Router, Schema
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, StrictBool, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
 from elastic.wire import (
@@ -111,7 +111,7 @@ class ReportIn(Schema):
     events: list[dict[str, Any]] = Field(default_factory=list, max_length=10_000)
     running: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)
     drain: DrainNotice | None = Field(None, description="while the node drains: why, and when its devices leave")
-    leaving: bool = Field(False, description="the agent's last report after a drain: its workers are gone")
+    leaving: StrictBool = Field(False, description="the agent's last report after a drain: its workers are gone")
 
 
 class RefusedItem(Schema):
