@@ -34,7 +34,7 @@ class LyingUpload:
         return dict(json.loads(self.body)["error"])
 
 
-def _head(base_url: str, path: str, length: str, content_type: str = "application/json") -> tuple[str, int, bytes]:
+def request_head(base_url: str, path: str, length: str, content_type: str = "application/json") -> tuple[str, int, bytes]:
     """The host, the port and the request's head, with `length` as its last header."""
     address = urlsplit(base_url)
     assert address.hostname is not None and address.port is not None, base_url
@@ -55,7 +55,7 @@ def lying_upload(
     chunks = max_body_bytes // CHUNK_BYTES
     pace_s = within_s / chunks
     length = f"Content-Length: {declared_bytes}" if declared_bytes is not None else "Transfer-Encoding: chunked"
-    host, port, head = _head(base_url, path, length)
+    host, port, head = request_head(base_url, path, length)
     chunk = b"x" * CHUNK_BYTES
     if declared_bytes is None:
         chunk = f"{CHUNK_BYTES:x}\r\n".encode() + chunk + b"\r\n"
@@ -78,7 +78,7 @@ def lying_upload(
                     upload = LyingUpload(time.monotonic() - started, sent)
                     break
                 sent += CHUNK_BYTES
-        _read_answer(connection, upload)
+        read_answer(connection, upload)
     return upload
 
 
@@ -89,7 +89,7 @@ def stalled_upload(
     chunk), sends `sent_bytes` of the body and then nothing, waiting up to `within_s` for an
     answer; then reads it as lying_upload does. Anonymous."""
     length = f"Content-Length: {declared_bytes}" if declared_bytes is not None else "Transfer-Encoding: chunked"
-    host, port, head = _head(base_url, path, length)
+    host, port, head = request_head(base_url, path, length)
     body = b"x" * sent_bytes
     if declared_bytes is None and sent_bytes:
         body = f"{sent_bytes:x}\r\n".encode() + body + b"\r\n"
@@ -100,11 +100,13 @@ def stalled_upload(
         if not readable:
             return LyingUpload(None, sent_bytes)
         upload = LyingUpload(time.monotonic() - started, sent_bytes)
-        _read_answer(connection, upload)
+        read_answer(connection, upload)
     return upload
 
 
-def _read_answer(connection: socket.socket, upload: LyingUpload) -> None:
+def read_answer(connection: socket.socket, upload: LyingUpload) -> None:
+    """Reads the server's answer into `upload`: its status, headers and body, and how the server
+    ended the connection after it."""
     received = b""
     try:
         while b"\r\n\r\n" not in received:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.body_limit_support import LyingUpload, _head, _read_answer, stalled_upload
+from tests.body_limit_support import LyingUpload, read_answer, request_head, stalled_upload
 from tests.platform import running_portal
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ ENV = {"BUNGEE_BODY_TIMEOUT_S": str(TIMEOUT_S), "BUNGEE_BODY_MIN_RATE_BYTES_S": 
 def trickled_upload(base_url: str, path: str, declared_bytes: int, every_s: float, within_s: float) -> LyingUpload:
     """POSTs to `path` declaring `declared_bytes` and sends one byte of the body every `every_s`
     until an answer comes (or `within_s` passes); then reads it."""
-    host, port, head = _head(base_url, path, f"Content-Length: {declared_bytes}")
+    host, port, head = request_head(base_url, path, f"Content-Length: {declared_bytes}")
     with socket.create_connection((host, port), timeout=10) as connection:
         started = time.monotonic()
         connection.sendall(head)
@@ -33,7 +33,7 @@ def trickled_upload(base_url: str, path: str, declared_bytes: int, every_s: floa
             readable, _, _ = select.select([connection], [], [], every_s)
             if readable:
                 upload = LyingUpload(time.monotonic() - started, sent)
-                _read_answer(connection, upload)
+                read_answer(connection, upload)
                 return upload
             if sent < declared_bytes - 1:
                 connection.sendall(b"x")
