@@ -162,6 +162,9 @@ async def decide(scope: Scope) -> Bound | Refusal:
     A request with no body, or one that declares no more than an anonymous one may send to a
     route that is no upload, is not looked up in the database."""
     path = scope.get("path", "")
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):  # as Django's ASGIHandler takes the path it routes
+        path = path[len(root):]
     if not _sends_body(scope):
         return _anonymous()
     try:
