@@ -137,3 +137,8 @@ def test_a_body_over_the_bound_of_its_sender_is_413_before_a_byte(tokens: dict[s
     assert f"at most {settings.BUNGEE.body_max_bytes} bytes are taken (BUNGEE_BODY_MAX_BYTES)" in error["message"]
     small = str(settings.BUNGEE.anonymous_body_max_bytes + 1).encode()
     assert bound(scope("/login/", length=small)).limit == settings.BUNGEE.anonymous_body_max_bytes
+
+
+def test_a_portal_under_a_prefix_routes_without_it() -> None:
+    mounted = {**scope("/bungee/api/code"), "root_path": "/bungee"}
+    assert refused(mounted, 401)["code"] == "unauthenticated"
