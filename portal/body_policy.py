@@ -22,11 +22,11 @@ from importlib import import_module
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.contrib.auth import get_user
+from django.contrib.auth import BACKEND_SESSION_KEY, HASH_SESSION_KEY, SESSION_KEY, load_backend
 from django.db import close_old_connections
-from django.http import HttpRequest
 from django.http.cookie import parse_cookie
 from django.urls import Resolver404, resolve
+from django.utils.crypto import constant_time_compare
 
 from elastic.codepack import LEAVE_OUT_ADVICE
 from portal.accounts.models import ApiToken
@@ -78,9 +78,23 @@ def _sender(scope: Scope) -> Sender:
     session_key = parse_cookie(cookie).get(settings.SESSION_COOKIE_NAME) if cookie else None
     if not session_key:
         return Sender()
-    request = HttpRequest()
-    request.session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
-    return Sender(session_user=get_user(request).is_authenticated)
+    return Sender(session_user=_signed_in(session_key))
+
+
+def _signed_in(session_key: str) -> bool:
+    """Whether the session is a signed-in user's, checked as django.contrib.auth.get_user checks
+    it (its backend, an active user, the password hash the session was made with) but read only:
+    get_user flushes a session that fails, and Django does that itself once it runs the request."""
+    session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    user_id, backend_path = session.get(SESSION_KEY), session.get(BACKEND_SESSION_KEY)
+    if user_id is None or backend_path not in settings.AUTHENTICATION_BACKENDS:
+        return False
+    user = load_backend(backend_path).get_user(user_id)
+    session_hash = session.get(HASH_SESSION_KEY)
+    if user is None or not session_hash:
+        return False
+    hashes = [user.get_session_auth_hash(), *user.get_session_auth_fallback_hash()]
+    return any(constant_time_compare(session_hash, known) for known in hashes)
 
 
 def _unauthenticated(sender: Sender) -> Refusal:

@@ -142,3 +142,18 @@ def test_a_body_over_the_bound_of_its_sender_is_413_before_a_byte(tokens: dict[s
 def test_a_portal_under_a_prefix_routes_without_it() -> None:
     mounted = {**scope("/bungee/api/code"), "root_path": "/bungee"}
     assert refused(mounted, 401)["code"] == "unauthenticated"
+
+
+def test_a_stale_session_is_anonymous_and_left_as_it_is(users: dict[str, Any]) -> None:
+    """A session made before its user's password changed signs nobody in; the policy only reads
+    it (django's get_user would delete it), so the session row is still there afterwards."""
+    from django.contrib.sessions.models import Session
+
+    client = Client()
+    client.force_login(users["alice"])
+    key = client.cookies["sessionid"].value
+    users["alice"].set_password("a-new-password")
+    users["alice"].save()
+    error = refused(scope("/api/code", cookie=f"sessionid={key}"), 401)
+    assert error["code"] == "unauthenticated"
+    assert Session.objects.filter(session_key=key).exists(), "the policy wrote nothing"
