@@ -1,6 +1,7 @@
-"""Time to the 413: how long a real portal takes to refuse an anonymous `POST /api/jobs` that
-declares a 2 GiB body (`Content-Length: 2147483648`), from the client's headers sent to the first
-byte of the answer. The client is tests/body_limit_support.py's: after the headers it sends the
+"""Time to the refusal: how long a real portal takes to refuse an anonymous `POST /api/jobs` (or
+`--path`, e.g. an upload route, answered 401) that declares a 2 GiB body (`Content-Length:
+2147483648`; or, `--chunked`, no length), from the client's headers sent to the first byte of
+the answer. The client is tests/body_limit_support.py's: after the headers it sends the
 body 16 KiB at a time, at most 1 MiB spread over the bound, for as long as no answer has come.
 
 Arms: the portal's server (portal.launcher.portal_command: uvicorn through portal.serve), and,
@@ -43,13 +44,16 @@ def daphne_command(port: int) -> list[str]:
     return ["-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"]
 
 
-def run_arm(name: str, server: Callable[[int], list[str]], runs: int, bound_s: float) -> dict[str, Any]:
-    """`runs` lying uploads, one after the other, to one portal started with `server`."""
+def run_arm(
+    name: str, server: Callable[[int], list[str]], runs: int, bound_s: float, path: str = "/api/jobs",
+    chunked: bool = False,
+) -> dict[str, Any]:
+    """`runs` lying uploads to `path`, one after the other, to one portal started with `server`."""
     uploads: list[LyingUpload] = []
     with tempfile.TemporaryDirectory(prefix=f"bench-body-limit-{name}-") as folder:
         with running_portal(Path(folder), server=server) as portal:
             for attempt in range(runs):
-                upload = lying_upload(portal.base_url, "/api/jobs", DECLARED, within_s=bound_s)
+                upload = lying_upload(portal.base_url, path, None if chunked else DECLARED, within_s=bound_s)
                 uploads.append(upload)
                 said = (f"{upload.answered_after_s * 1000:.2f} ms, HTTP {upload.status}"
                         if upload.answered_after_s is not None else f"no answer within {bound_s:.0f} s")
@@ -60,6 +64,8 @@ def run_arm(name: str, server: Callable[[int], list[str]], runs: int, bound_s: f
         "arm": name,
         "command": " ".join(["python", *server(8000)]).replace("8000", "PORT"),
         "runs": runs,
+        "path": path,
+        "chunked": chunked,
         "answered": len(answered),
         "timeouts": runs - len(answered),
         "bound_s": bound_s,
@@ -77,19 +83,23 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20, help="tries of the portal's server")
     parser.add_argument("--daphne-runs", type=int, default=0, help="tries of daphne, the baseline (0: none)")
     parser.add_argument("--bound-s", type=float, default=20.0, help="how long a try waits for an answer")
+    parser.add_argument("--path", default="/api/jobs", help="where to post (an upload route: /api/code, "
+                        "/api/agent/jobs/1/artifacts)")
+    parser.add_argument("--chunked", action="store_true", help="declare no length: Transfer-Encoding: chunked")
     args = parser.parse_args()
 
     load_before = os.getloadavg()
-    arms = [run_arm("portal.serve (uvicorn)", lambda port: portal_command(port), args.runs, args.bound_s)]
+    arms = [run_arm("portal.serve (uvicorn)", lambda port: portal_command(port), args.runs, args.bound_s, args.path,
+                    args.chunked)]
     if args.daphne_runs:
-        arms.append(run_arm("daphne", daphne_command, args.daphne_runs, args.bound_s))
+        arms.append(run_arm("daphne", daphne_command, args.daphne_runs, args.bound_s, args.path, args.chunked))
     load_after = os.getloadavg()
 
     conditions = {
         "machine": host.node(), "cpu": host.processor() or host.machine(), "cores": os.cpu_count(),
         "python": host.python_version(), "uvicorn": version("uvicorn"), "daphne": version("daphne"),
         "load_average_1m_before": round(load_before[0], 2), "load_average_1m_after": round(load_after[0], 2),
-        "declared_bytes": DECLARED, "client": "16 KiB body chunks, at most 1 MiB over the bound, loopback",
+        "declared_bytes": None if args.chunked else DECLARED, "client": "16 KiB body chunks, at most 1 MiB over the bound, loopback",
     }
     print(f"\nconditions: {conditions}")
     print(f"{'arm':<24} {'answered':>9} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'body sent':>10}  closed")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, TypeAdapter, model_validator
 
 WORKER_EVENT_PREFIX = "@bungee "
 """A worker writes its structured events to stdout as this prefix followed by one JSON object."""
@@ -213,7 +213,7 @@ class DrainNotice(_Message):
     repeats it in every report while it drains; the portal plans the node's jobs without it."""
 
     cause: DrainCause
-    deadline_at: float = Field(ge=0, le=LATEST_AT)
+    deadline_at: StrictFloat = Field(ge=0, le=LATEST_AT)  # strict: JSON true is no time
 
 
 class AgentReport(_Message):

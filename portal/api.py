@@ -7,10 +7,11 @@ from typing import Any
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.parser import Parser
 from pydantic import BaseModel, Field
 
 from elastic.spec import FieldError
-from portal.bodies import BodyError, parse_json
+from portal.bodies import BodyError, cut, parse_json
 from portal.errors import ApiError
 
 
@@ -29,6 +30,20 @@ class ErrorDetail(BaseModel):
 
 class ErrorOut(BaseModel):
     error: ErrorDetail
+
+
+class ObjectJsonParser(Parser):
+    """The JSON body of every ninja endpoint is an object: ninja would take `null` as "no body",
+    and so as the defaults, and hand a list to a model that expects fields. NaN is still parsed
+    here, so that an agent's report refuses a sample holding one item by item; a field that must
+    be finite says so itself (allow_inf_nan=False)."""
+
+    def parse_body(self, request: HttpRequest) -> dict[str, Any]:
+        value = super().parse_body(request)
+        if not isinstance(value, dict):
+            text = request.body.decode("utf-8", errors="replace")
+            raise BodyError(f"the body must be a JSON object, not {cut(text, 40)}")
+        return value
 
 
 class BungeeApi(NinjaAPI):
@@ -58,6 +73,7 @@ api = BungeeApi(
     description="Elastic training on shared GPU clusters. Errors always have the shape "
     '{"error": {"status", "code", "message", "fields": [{"field", "message", "value"}]}}.',
     urls_namespace="api",
+    parser=ObjectJsonParser(),
 )
 
 
@@ -115,7 +131,9 @@ def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResp
 def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
     # ninja's 400 is a body it could not parse: the same code as submit's own parse errors.
     code = "malformed_body" if exc.status_code == 400 else "http_error"
-    return _respond(request, ApiError(exc.status_code, code, str(exc)))
+    # ninja says only "Cannot parse request body"; what ObjectJsonParser refused says why.
+    message = str(exc.__cause__) if isinstance(exc.__cause__, BodyError) else str(exc)
+    return _respond(request, ApiError(exc.status_code, code, message))
 
 
 @api.exception_handler(Http404)

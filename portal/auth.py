@@ -1,6 +1,8 @@
 """API authentication: a session (browsers; ninja checks CSRF for it) or a bearer token
-(scripts use a user token, agents an agent token). A token of another role on an agent endpoint
-is refused with 403: it is a valid token, just not one that may speak for a node.
+(scripts use a user token, agents an agent token). A token of another role is refused with 403
+naming its role: it is a valid token, just not one for that endpoint. A request with neither a
+valid token nor a signed-in session is 401, never a CSRF refusal: CSRF is checked only for the
+session that would let the request in.
 
 Which token speaks for a node is decided here, in one place: every agent endpoint takes a node's
 own agent token (`agent_auth`), and registration alone (`registration_auth`) also takes a pool
@@ -15,7 +17,7 @@ from typing import Any
 from django.contrib.auth.models import AnonymousUser, User
 from django.http import HttpRequest
 from django.utils import timezone
-from ninja.security import HttpBearer, django_auth
+from ninja.security import HttpBearer, SessionAuth
 
 from portal.accounts.models import ApiToken
 from portal.errors import ApiError, forbidden
@@ -67,7 +69,18 @@ class TokenAuth(HttpBearer):
         return found.user
 
 
-user_auth = [TokenAuth(ApiToken.Role.USER), django_auth]
+class SignedInSession(SessionAuth):
+    """ninja's session authentication, run only for a signed-in session: ninja checks CSRF before
+    it looks at the session, so an anonymous request (or one with a token of another role)
+    would get 403 "CSRF check Failed" rather than 401."""
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if not request.user.is_authenticated:
+            return None
+        return super().__call__(request)
+
+
+user_auth = [TokenAuth(ApiToken.Role.USER, refuse_other_roles=True), SignedInSession()]
 agent_auth = TokenAuth(ApiToken.Role.AGENT, refuse_other_roles=True)
 """Every agent endpoint but registration: the node's own agent token."""
 registration_auth = TokenAuth(ApiToken.Role.AGENT, ApiToken.Role.POOL, refuse_other_roles=True)

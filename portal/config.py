@@ -275,6 +275,28 @@ class PortalSettings(EnvironSettings):
         description="Any request body other than a code upload or artifacts (a JSON or YAML spec, a report, a "
         "form): refused with 413 above it.",
     )
+    anonymous_body_max_bytes: int = Field(
+        64 * 1024,
+        ge=1,
+        validation_alias="BUNGEE_ANONYMOUS_BODY_MAX_BYTES",
+        description="A request body sent with no valid token or session (a login form): refused with 413 above it. "
+        "An anonymous upload of code or artifacts is refused with 401 before any of it is read.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        validation_alias="BUNGEE_BODY_TIMEOUT_S",
+        description="How long a request body may stall (no byte arriving), and how long a whole body may take beyond "
+        "what BUNGEE_BODY_MIN_RATE_BYTES_S allows for its size: past it the request is answered 408 and its "
+        "connection closed.",
+    )
+    body_min_rate_bytes_s: int = Field(
+        256 * 1024,
+        ge=1,
+        validation_alias="BUNGEE_BODY_MIN_RATE_BYTES_S",
+        description="The slowest average rate a request body may arrive at: a body of N bytes has "
+        "BUNGEE_BODY_TIMEOUT_S plus N / this many seconds (a 20 GiB upload of artifacts at the default, 22 hours).",
+    )
     code_max_bytes: int = Field(
         50 * 1024 * 1024,
         ge=1,

@@ -34,21 +34,32 @@ class LyingUpload:
         return dict(json.loads(self.body)["error"])
 
 
-def lying_upload(
-    base_url: str, path: str = "/api/jobs", declared_bytes: int = 2**31, max_body_bytes: int = 1024 * 1024,
-    within_s: float = 16.0,
-) -> LyingUpload:
-    """POSTs to `path` declaring `declared_bytes`, sending a chunk of the body, then waiting for
-    an answer for up to within_s / chunks, and so on, until an answer comes or `max_body_bytes`
-    are sent and `within_s` has passed. Then reads the answer whole and whether the server
-    closed the connection (each read bounded by 10 s). Anonymous: no cookie, no token."""
+def request_head(base_url: str, path: str, length: str, content_type: str = "application/json") -> tuple[str, int, bytes]:
+    """The host, the port and the request's head, with `length` as its last header."""
     address = urlsplit(base_url)
     assert address.hostname is not None and address.port is not None, base_url
+    head = (f"POST {path} HTTP/1.1\r\nHost: {address.hostname}:{address.port}\r\n"
+            f"Content-Type: {content_type}\r\n{length}\r\n\r\n").encode()
+    return address.hostname, address.port, head
+
+
+def lying_upload(
+    base_url: str, path: str = "/api/jobs", declared_bytes: int | None = 2**31, max_body_bytes: int = 1024 * 1024,
+    within_s: float = 16.0,
+) -> LyingUpload:
+    """POSTs to `path` declaring `declared_bytes` (None: chunked, declaring no length), sending a
+    chunk of the body, then waiting for an answer for up to within_s / chunks, and so on, until an
+    answer comes or `max_body_bytes` are sent and `within_s` has passed. Then reads the answer
+    whole and whether the server closed the connection (each read bounded by 10 s). Anonymous:
+    no cookie, no token."""
     chunks = max_body_bytes // CHUNK_BYTES
     pace_s = within_s / chunks
-    head = (f"POST {path} HTTP/1.1\r\nHost: {address.hostname}:{address.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {declared_bytes}\r\n\r\n").encode()
-    with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
+    length = f"Content-Length: {declared_bytes}" if declared_bytes is not None else "Transfer-Encoding: chunked"
+    host, port, head = request_head(base_url, path, length)
+    chunk = b"x" * CHUNK_BYTES
+    if declared_bytes is None:
+        chunk = f"{CHUNK_BYTES:x}\r\n".encode() + chunk + b"\r\n"
+    with socket.create_connection((host, port), timeout=10) as connection:
         started = time.monotonic()
         connection.sendall(head)
         deadline = started + within_s
@@ -62,16 +73,40 @@ def lying_upload(
                 return LyingUpload(None, sent)
             if sent < chunks * CHUNK_BYTES:
                 try:
-                    connection.sendall(b"x" * CHUNK_BYTES)
+                    connection.sendall(chunk)
                 except (BrokenPipeError, ConnectionResetError):
                     upload = LyingUpload(time.monotonic() - started, sent)
                     break
                 sent += CHUNK_BYTES
-        _read_answer(connection, upload)
+        read_answer(connection, upload)
     return upload
 
 
-def _read_answer(connection: socket.socket, upload: LyingUpload) -> None:
+def stalled_upload(
+    base_url: str, path: str, declared_bytes: int | None, sent_bytes: int, within_s: float
+) -> LyingUpload:
+    """POSTs to `path` declaring `declared_bytes` (None: chunked, the bytes then sent as one
+    chunk), sends `sent_bytes` of the body and then nothing, waiting up to `within_s` for an
+    answer; then reads it as lying_upload does. Anonymous."""
+    length = f"Content-Length: {declared_bytes}" if declared_bytes is not None else "Transfer-Encoding: chunked"
+    host, port, head = request_head(base_url, path, length)
+    body = b"x" * sent_bytes
+    if declared_bytes is None and sent_bytes:
+        body = f"{sent_bytes:x}\r\n".encode() + body + b"\r\n"
+    with socket.create_connection((host, port), timeout=10) as connection:
+        started = time.monotonic()
+        connection.sendall(head + body)
+        readable, _, _ = select.select([connection], [], [], within_s)
+        if not readable:
+            return LyingUpload(None, sent_bytes)
+        upload = LyingUpload(time.monotonic() - started, sent_bytes)
+        read_answer(connection, upload)
+    return upload
+
+
+def read_answer(connection: socket.socket, upload: LyingUpload) -> None:
+    """Reads the server's answer into `upload`: its status, headers and body, and how the server
+    ended the connection after it."""
     received = b""
     try:
         while b"\r\n\r\n" not in received:

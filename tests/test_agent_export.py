@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from agent.export import CheckpointExporter
-from elastic.artifacts import MANIFEST_NAME, MODEL_NAME
+from elastic.artifacts import MANIFEST_NAME, MODEL_NAME, Manifest
 from elastic.spec import JobSpec
 from elastic.tasks.runtime import bind_task
 from elastic.wire import ExportCommand, RunningWorker, WorkerEvent
@@ -71,6 +71,7 @@ def test_the_checkpoint_is_exported_once_the_jobs_workers_are_gone(tmp_path: Pat
     model = torch.load(directory / MODEL_NAME, weights_only=True)
     assert all(torch.equal(model[name], value) for name, value in state.model.items())
     assert set(manifest["final"]["metrics"]) >= {"accuracy"}
+    assert Manifest.model_validate(manifest).stored() == manifest, "the portal takes the manifest a worker writes"
 
     [nothing_runs, again] = run_export(tmp_path / "run", [[]])
     assert nothing_runs == [] and isinstance(again, WorkerEvent)

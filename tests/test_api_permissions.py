@@ -55,10 +55,12 @@ def test_everyone_sees_the_list_and_cluster(api: dict, alices_job: int) -> None:
 def test_anonymous_and_bad_tokens_are_refused(api: dict, path: str) -> None:
     from tests.conftest import ApiClient
 
-    for client in (api["anonymous"], ApiClient("bng_not-a-token"), api["agent"]):
+    for client in (api["anonymous"], ApiClient("bng_not-a-token")):
         reply = client.get(path)
         assert reply.status_code == 401, (path, reply.content)
         assert reply.json()["error"]["code"] == "unauthenticated"
+    reply = api["agent"].get(path)
+    assert reply.status_code == 403 and "this token's role is 'agent'" in reply.json()["error"]["message"]
 
 
 def test_user_token_cannot_act_as_agent(api: dict) -> None:

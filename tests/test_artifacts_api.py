@@ -98,7 +98,7 @@ def test_kept_and_downloadable_by_the_owner_and_staff_only(tokens: dict, ran_her
         ({"drop": "checkpoint.pt"}, "checkpoint.pt"),
         ({"model.pt": b"tampered"}, "model.pt"),
         ({"manifest.json": b"not json"}, "manifest.json"),
-        ({"manifest_job": 999}, "manifest.json"),
+        ({"manifest_job": 999}, "manifest.json.job_id"),
     ],
 )
 def test_what_the_manifest_does_not_describe_is_refused(

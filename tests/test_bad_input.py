@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from portal.asgi import body_limit
 from portal.jobs.models import Job
 from tests.conftest import VALID_SPEC
 
@@ -131,14 +130,6 @@ def test_resize_errors_match_submits(api: dict) -> None:
     assert error["code"] == "malformed_body"
     error = error_of(api["alice"].post(f"/api/jobs/{job_id}/resize", {"workers": "two"}), 400)
     assert error["fields"][0]["field"] == "workers" and error["fields"][0]["value"] == "two"
-
-
-def test_a_json_body_is_bounded_before_django_reads_it(settings: Any) -> None:
-    assert body_limit("/api/jobs").limit == settings.BUNGEE.body_max_bytes == 1024 * 1024
-    assert body_limit("/api/code").limit > 50 * 1024 * 1024 and body_limit("/jobs/new/") == body_limit(
-        "/api/code"
-    )
-    assert body_limit("/api/agent/jobs/3/artifacts").limit == settings.BUNGEE.artifact_max_bytes
 
 
 # --- the agents' side --------------------------------------------------------------------------

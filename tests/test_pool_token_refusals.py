@@ -116,5 +116,5 @@ def test_every_agent_endpoint_but_registration_refuses_a_pool_token(users: dict,
 def test_a_pool_token_is_no_user_token(users: dict) -> None:
     pool = pool_token(users)
     for path in ("/api/jobs", "/api/cluster"):
-        assert pool.get(path).status_code == 401, path
+        assert pool.get(path).status_code == 403, path
     assert pool.get("/metrics").status_code == 403

@@ -4,14 +4,16 @@ portal.jobs.agents."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Annotated, Any
 
 from django.http import HttpRequest
 from django.utils import timezone
 from ninja import Field, Router, Schema
+from pydantic import StrictFloat
 
-from elastic.wire import MAX_DRAIN_S
+from elastic.wire import MAX_DRAIN_S, NODE_NAME_PATTERN
 from elastic.workloads import CATALOGUE
 from portal.auth import require_staff, user_auth
 from portal.cluster import drain
@@ -73,8 +75,8 @@ def workloads(request: HttpRequest) -> list[dict[str, Any]]:
 
 
 class DrainIn(Schema):
-    deadline_s: float = Field(
-        default=60.0, gt=0, le=MAX_DRAIN_S, description="how long the node's jobs have to move off it before its agent "
+    deadline_s: StrictFloat = Field(  # strict: JSON true is not a number of seconds
+        default=60.0, gt=0, le=MAX_DRAIN_S, allow_inf_nan=False, description="how long the node's jobs have to move off it before its agent "
         "stops what is left and exits"
     )
 
@@ -106,7 +108,8 @@ def drain_node(request: HttpRequest, name: str, payload: DrainIn | None = None) 
     in place at its next step, or saves its step and waits for devices), and its agent exits
     once its workers are gone, or at the deadline. 409 if the node is not online."""
     require_staff(request.user, "drain a node")
-    node = Node.objects.filter(name=name).first()
+    # A name no node can have (a NUL, which PostgreSQL cannot even compare) names no node.
+    node = Node.objects.filter(name=name).first() if re.fullmatch(NODE_NAME_PATTERN, name) else None
     if node is None:
         raise not_found(f"node {name!r}")
     deadline_s = payload.deadline_s if payload is not None else DrainIn().deadline_s

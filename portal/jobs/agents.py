@@ -11,11 +11,12 @@ from typing import Any, TypeVar
 from django.db import transaction
 from django.http import FileResponse, HttpRequest
 from ninja import Field, Router, Schema
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, StrictBool, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
 from elastic.wire import (
     MAX_LIST,
+    NODE_NAME_PATTERN,
     AgentReport,
     DeviceSample,
     DrainNotice,
@@ -131,12 +132,12 @@ class ReportIn(Schema):
     RunningWorker); the valid ones are stored and the others refused in the reply, so that one
     bad item never holds a node's reports back."""
 
-    node: str = Field(max_length=100)
+    node: str = Field(min_length=1, max_length=100, pattern=NODE_NAME_PATTERN)
     samples: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)
     events: list[dict[str, Any]] = Field(default_factory=list, max_length=10_000)
     running: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_LIST)
     drain: DrainNotice | None = Field(None, description="while the node drains: why, and when its devices leave")
-    leaving: bool = Field(False, description="the agent's last report after a drain: its workers are gone")
+    leaving: StrictBool = Field(False, description="the agent's last report after a drain: its workers are gone")
 
 
 class RefusedItem(Schema):

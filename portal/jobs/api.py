@@ -229,7 +229,7 @@ def get_artifacts(request: HttpRequest, job_id: int) -> dict[str, Any]:
         )
     if described is None:
         raise not_found(f"the artifacts of job {job_id} (it is {job.state}: a job has them once it has ended)")
-    return {**described, "manifest": job.artifacts.manifest}
+    return {**described, "manifest": artifacts.readable_manifest(job.artifacts.manifest)}
 
 
 @router.get("/{int:job_id}/artifacts/{name}", summary="Download model.pt, checkpoint.pt or manifest.json")

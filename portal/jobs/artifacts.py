@@ -6,7 +6,6 @@ and deleted BUNGEE_ARTIFACT_RETENTION_DAYS days after the job ended."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import shutil
 from datetime import timedelta
@@ -17,8 +16,9 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files.uploadedfile import UploadedFile
 from django.utils import timezone
+from pydantic import ValidationError
 
-from elastic.artifacts import ARTIFACT_NAMES, MANIFEST_NAME, MODEL_NAME
+from elastic.artifacts import ARTIFACT_NAMES, MANIFEST_MAX_BYTES, MANIFEST_NAME, MODEL_NAME, Manifest
 from elastic.spec import FieldError
 from portal.cluster.models import Node
 from portal.errors import ApiError, forbidden
@@ -49,21 +49,49 @@ def _write_hashed(upload: UploadedFile, path: Path) -> str:
     return digest.hexdigest()
 
 
+def _checked_manifest(upload: UploadedFile) -> Manifest:
+    """The manifest in `upload`, checked against its schema. Raises ApiError 400 naming the first
+    field that is wrong (as `manifest.json.<field>`), or the file if it is not JSON or too big."""
+    upload.seek(0)
+    text = upload.read(MANIFEST_MAX_BYTES + 1)
+    if len(text) > MANIFEST_MAX_BYTES:
+        raise _refused(f"{MANIFEST_NAME} is over {MANIFEST_MAX_BYTES} bytes", MANIFEST_NAME)
+    try:
+        return Manifest.model_validate_json(text)
+    except ValidationError as err:
+        problems = err.errors(include_url=False)
+        fields = [
+            FieldError(".".join([MANIFEST_NAME, *(str(part) for part in problem["loc"])]), problem["msg"],
+                       problem.get("input") if problem["type"] != "json_invalid" else None)
+            for problem in problems
+        ]
+        message = "; ".join(f"{field.field}: {field.message}" for field in fields)
+        raise ApiError(400, "invalid_artifacts", f"{MANIFEST_NAME} is not a valid manifest: {message}", fields) from err
+
+
+def readable_manifest(stored: Any) -> dict[str, Any] | None:
+    """A manifest as stored, if it still passes its schema; None for one kept before manifests
+    were checked that does not (the API then shows it as absent rather than fail)."""
+    try:
+        return Manifest.model_validate(stored).stored()
+    except ValidationError:
+        return None
+
+
 def store(node: Node, job: Job, uploads: dict[str, UploadedFile]) -> JobArtifacts:
     """Keeps the artifacts `node`'s agent sent for `job`. Raises ApiError 403 if the job's rank 0
     (the worker that writes them) never ran on that node, 400 if a file is missing, the manifest
-    is not the job's or a file is not what the manifest's digest says."""
+    fails its schema (elastic.artifacts.Manifest) or is not the job's, or a file is not what the
+    manifest's digest says."""
     if not Worker.objects.filter(job=job, node=node, rank=0).exists():
         raise forbidden(f"rank 0 of job {job.pk} never ran on node {node.name!r}; its artifacts come from there")
     for name in ARTIFACT_NAMES:
         if name not in uploads:
             raise _refused(f"{name} is missing ({CUT_SHORT})", name)
-    try:
-        manifest = json.loads(uploads[MANIFEST_NAME].read(1 << 20))
-    except ValueError as err:
-        raise _refused(f"{MANIFEST_NAME} is not JSON: {err}", MANIFEST_NAME) from err
-    if not isinstance(manifest, dict) or manifest.get("job_id") != job.pk or not isinstance(manifest.get("files"), dict):
-        raise _refused(f"{MANIFEST_NAME} is not job {job.pk}'s", MANIFEST_NAME)
+    checked = _checked_manifest(uploads[MANIFEST_NAME])
+    if checked.job_id != job.pk:
+        raise _refused(f"{MANIFEST_NAME} is not job {job.pk}'s but job {checked.job_id}'s", f"{MANIFEST_NAME}.job_id")
+    manifest = checked.stored()
     target = job_dir(job.pk)
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -72,7 +100,7 @@ def store(node: Node, job: Job, uploads: dict[str, UploadedFile]) -> JobArtifact
     try:
         for name in ARTIFACT_NAMES:
             got = _write_hashed(uploads[name], staging / name)
-            wanted = manifest["files"].get(name, got) if name != MANIFEST_NAME else got
+            wanted = manifest["files"][name] if name != MANIFEST_NAME else got
             if got != wanted:
                 raise _refused(f"{name} has sha256 {got}, the manifest says {wanted}", name)
             files[name] = {"size": uploads[name].size, "sha256": got}
@@ -84,8 +112,8 @@ def store(node: Node, job: Job, uploads: dict[str, UploadedFile]) -> JobArtifact
     row, _ = JobArtifacts.objects.update_or_create(
         job=job,
         defaults={
-            "step": int(manifest.get("step") or 0),
-            "ended": str(manifest.get("ended") or ""),
+            "step": checked.step,
+            "ended": checked.ended,
             "manifest": manifest,
             "files": files,
             "node": node.name,
@@ -102,6 +130,7 @@ def described(job: Job) -> dict[str, Any] | None:
     row = JobArtifacts.objects.filter(job=job).first()
     if row is None:
         return None
+    manifest = readable_manifest(row.manifest)
     return {
         "step": row.step,
         "ended": row.ended,
@@ -109,8 +138,9 @@ def described(job: Job) -> dict[str, Any] | None:
         "files": [
             {"name": name, **info, "url": f"/api/jobs/{job.pk}/artifacts/{name}"} for name, info in row.files.items()
         ],
-        "final": row.manifest.get("final"),
-        "bungee_version": row.manifest.get("bungee_version"),
+        "final": manifest.get("final") if manifest is not None else None,
+        "bungee_version": manifest.get("bungee_version") if manifest is not None else None,
+        "manifest_valid": manifest is not None,
     }
 
 

@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from ninja import Field, Schema
+from pydantic import StrictInt
 
 from elastic.spec import MAX_WORKERS_LIMIT
 
@@ -109,6 +110,10 @@ class ArtifactsOut(Schema):
     files: list[ArtifactFileOut]
     final: dict[str, Any] | None = Field(description="the last step's loss and the task's evaluation metrics")
     bungee_version: str | None
+    manifest_valid: bool = Field(
+        description="false for a manifest kept before manifests were checked that fails the check: its "
+        "final and bungee_version are then shown as null"
+    )
 
 
 class JobDetailOut(JobSummaryOut):
@@ -132,7 +137,7 @@ class JobDetailOut(JobSummaryOut):
 
 
 class ResizeIn(Schema):
-    workers: int | None = Field(
+    workers: StrictInt | None = Field(  # strict: JSON true is not a worker count
         ..., ge=1, le=MAX_WORKERS_LIMIT,
         description="the worker count to pin the job to, between the job's min_workers and max_workers "
         "(400 otherwise), or null to let the scheduler decide",
