@@ -221,10 +221,12 @@ def test_a_confinement_never_runs_a_job_as_root() -> None:
 NESTED = textwrap.dedent("""
     import ctypes, json, os, sys
     sys.path.insert(0, sys.argv[1])
+    import elastic.worker.confine as confining
     from elastic.worker.confine import CONFINED_ENV, Confinement, confine
     # As root here: first become the agent's uid (as an agent that is not root would be) ...
     confine(Confinement.from_json(sys.argv[2]))
     del os.environ[CONFINED_ENV]
+    confining._confined = False
     # ... then confine a job as that agent can: without root, in user namespaces.
     confine(Confinement.from_json(sys.argv[3]))
     base = sys.argv[4]
