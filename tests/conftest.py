@@ -65,6 +65,10 @@ def redis_client() -> Any:
 
     for stale in redis.scan_iter(f"{settings.BUNGEE.redis_prefix}:*"):
         redis.delete(stale)
+    # The users of the test's nodes and jobs (portal.redis_users), named under the same prefix.
+    users = [name for name in redis.acl_users() if name.startswith(f"{settings.BUNGEE.redis_prefix}:")]
+    if users:
+        redis.acl_deluser(*users)
 
 
 def cluster_registration(*running: RunningWorker) -> NodeRegistration:

@@ -51,7 +51,7 @@ from elastic.wire import (
 )
 from elastic.wording import counted
 from elastic.worker import USER_ERROR_LOG_PREFIX, user_error_summary
-from portal import dispatch
+from portal import dispatch, redis_users
 from portal.cluster.devices import ClusterDevices, device_id, node_of
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating, tell_to_leave
@@ -271,6 +271,7 @@ def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
             move_phase(generation, Phase.ENDED)
         request_schedule(f"job {job.pk} {target}")
     _stop_all(locked, stop_reason, allocated)
+    redis_users.remove_job_user(locked.pk)
     if target == JobState.FAILED:
         _ask_for_export(locked)
     broadcast.job_changed(locked)
@@ -501,6 +502,8 @@ def publish(job_id: int, planned: Planned | None = None) -> bool:
         return False
     record = membership_record(job, devices, live)
     joiners = [m for m in record.members if m.joiner]
+    # Before the generation moves on: with Redis away it stays planned, published by a later call.
+    workers_redis_url = redis_users.job_url(job.pk)
     with transaction.atomic():
         if not move_phase(
             generation,
@@ -533,6 +536,7 @@ def publish(job_id: int, planned: Planned | None = None) -> bool:
             spec=job.spec,
             run_dir=run_dir(job),
             coordination_key=dispatch.board(job.pk).key,
+            redis_url=workers_redis_url,
         )
         for node_name, (starting, members) in nodes.items()
     }

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import logging
 
+import redis
 from celery import shared_task
 
+from portal import redis_users
+from portal.cluster.models import Node
+from portal.jobs.models import Job
+from portal.jobs.states import ACTIVE_STATES
 from portal.redis import client, key
 from portal.scheduling.cycle import run_cycle
 
@@ -48,5 +53,13 @@ def schedule(reason: str = "") -> dict[str, list[int]]:
 
 @shared_task(name="portal.scheduling.tasks.tick", ignore_result=True)
 def tick() -> None:
-    """The beat: schedule, which first notices lost nodes and generations past their deadline."""
+    """The beat: the Redis users made again (a Redis that restarted empty lost them), then
+    schedule, which first notices lost nodes and generations past their deadline."""
+    try:
+        redis_users.sync(
+            Job.objects.filter(state__in=ACTIVE_STATES).values_list("pk", flat=True),
+            dict(Node.objects.exclude(redis_password_sha256="").values_list("name", "redis_password_sha256")),
+        )
+    except redis.RedisError as err:
+        log.warning("could not make the Redis users again: %s", err)
     schedule("tick")
