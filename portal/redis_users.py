@@ -7,15 +7,16 @@ deployment makes it: REDIS_URL carries it); that user makes the others here:
   node's keys (its command stream, elastic.wire.command_stream). The database keeps the
   password's SHA-256 (Node.redis_password_sha256), never the password: Redis takes the hash
   itself, so the user can be made again without it.
-- a job's user, made when a generation of the job is published and removed when the job ends:
+- a job's user, made when a generation of the job is published and removed once the job has
+  ended and none of its workers runs (portal.jobs.lifecycle):
   it may read and write the job's keys and channels only (its membership board,
   elastic.wire.coordination_key). Its password is derived from SECRET_KEY and the user's name,
   the same at every publish, so a worker that reconnects after Redis restarted finds it valid.
 
 Neither may list keys (SCAN, KEYS), read another user's keys, run admin commands or change
 users. Redis is transport: a Redis that restarted empty has lost these users, and the beat's
-tick makes every active job's and known node's user again from the database (`sync`), as a
-publish and a registration do for theirs.
+tick makes the users of every job that is active or still has running workers, and of every
+known node, again from the database (`sync`), as a publish and a registration do for theirs.
 """
 
 from __future__ import annotations
@@ -120,18 +121,19 @@ def new_node_user(node_name: str) -> tuple[str, str]:
     return _url_for(username, password), password_sha256
 
 
-def sync(active_jobs: Iterable[int], nodes: Mapping[str, str]) -> None:
-    """Makes the user of every job in `active_jobs` and of every node in `nodes` (name ->
-    password SHA-256) again, and removes the users of this deployment's jobs and nodes that are
-    not among them, in one round trip. Raises redis.RedisError if Redis does not answer."""
-    active_jobs = list(active_jobs)
+def sync(jobs: Iterable[int], nodes: Mapping[str, str]) -> None:
+    """Makes the user of every job in `jobs` (those whose workers may run) and of every node in
+    `nodes` (name -> password SHA-256) again, and removes the users of this deployment's jobs and
+    nodes that are not among them: two round trips (the users listed, then one pipeline). Raises
+    redis.RedisError if Redis does not answer."""
+    jobs = list(jobs)
     redis_client = client()
-    keep = {job_username(job_id) for job_id in active_jobs} | {node_username(name) for name in nodes}
+    keep = {job_username(job_id) for job_id in jobs} | {node_username(name) for name in nodes}
     prefixes = (f"{settings.BUNGEE.redis_prefix}:job:", f"{settings.BUNGEE.redis_prefix}:node:")
     users = [str(name) for name in redis_client.acl_users()]  # text: the portal's client decodes replies
     stale = [name for name in users if name.startswith(prefixes) and name not in keep]
     with redis_client.pipeline(transaction=False) as pipe:
-        for job_id in active_jobs:
+        for job_id in jobs:
             _set_job_user(pipe, job_id)
         for name, password_sha256 in nodes.items():
             _set_node_user(pipe, name, password_sha256)

@@ -2,12 +2,13 @@
 launch carries the URL of the job's own user, which reaches the job's keys and nothing else (no
 node's command stream, no other job, no Celery queue, no listing of keys); a node's user reads
 its own stream only; a re-registration changes the node's password and the old one stops
-working; a job's user goes when the job ends; the beat's tick makes every user again after Redis
+working; a job's user goes when the job has ended and its last worker stopped; the beat's tick makes every user again after Redis
 lost them."""
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -16,12 +17,13 @@ import pytest
 import redis
 from django.conf import settings
 
-from elastic.wire import LaunchCommand, coordination_key, parse_command
+from elastic.wire import AgentReport, LaunchCommand, WorkerEvent, coordination_key, parse_command
 from portal import redis_users
 from portal.cluster.ingest import register_node
 from portal.cluster.models import Node
 from portal.dispatch import stream_for
 from portal.jobs import lifecycle
+from portal.jobs.agents import ingest_report
 from portal.jobs.models import Job
 from portal.scheduling.cycle import run_cycle
 from portal.scheduling.tasks import tick
@@ -170,6 +172,35 @@ def test_a_jobs_user_goes_when_the_job_ends(api: dict, cluster: Node, redis_clie
         worker.get(f"{launch.coordination_key}:latest")
     with pytest.raises(redis.AuthenticationError):
         as_user(launch.redis_url).ping()
+
+
+def test_a_jobs_user_outlives_the_job_until_its_last_worker_stopped(
+    api: dict, cluster: Node, redis_client: redis.Redis, as_user: Any
+) -> None:
+    """A worker told to stop saves its state and leaves through its board: its user goes with the
+    last worker's exit, and the tick keeps it meanwhile."""
+    job, launch = submit_and_publish(api)
+    report(cluster, *(worker_event(job, "joined", rank, pid=1000 + rank, device_index=rank) for rank in (0, 1)))
+    stopping = as_user(launch.redis_url)
+    assert stopping.get(f"{launch.coordination_key}:latest") == "1"
+    assert lifecycle.cancel(job)
+    assert stopping.get(f"{launch.coordination_key}:latest") == "1", "a stopping worker lost its board"
+    tick()
+    assert stopping.get(f"{launch.coordination_key}:latest") == "1", "the tick took a stopping worker's board"
+    report(cluster, worker_event(job, "exited", 1, reason="stopped", exit_code=0, device_index=1))
+    assert stopping.get(f"{launch.coordination_key}:latest") == "1"
+    report(cluster, worker_event(job, "exited", 0, reason="stopped", exit_code=0, device_index=0))
+    assert redis_client.acl_getuser(redis_users.job_username(job.pk)) is None
+    with pytest.raises(redis.ConnectionError):
+        stopping.get(f"{launch.coordination_key}:latest")
+
+
+def worker_event(job: Job, kind: str, rank: int, **fields: Any) -> WorkerEvent:
+    return WorkerEvent(job_id=job.pk, generation=1, rank=rank, kind=kind, at=time.time(), **fields)
+
+
+def report(node: Node, *events: WorkerEvent) -> None:
+    ingest_report(node, AgentReport(node=node.name, events=list(events)))
 
 
 def test_the_tick_makes_every_user_again_after_redis_lost_them(
