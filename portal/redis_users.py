@@ -117,7 +117,7 @@ def new_node_user(node_name: str) -> tuple[str, str]:
     with client().pipeline(transaction=True) as pipe:
         _set_node_user(pipe, node_name, password_sha256)
         pipe.client_kill_filter(user=username, skipme=True)
-        pipe.execute(raise_on_error=False)
+        pipe.execute()
     return _url_for(username, password), password_sha256
 
 
