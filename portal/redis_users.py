@@ -27,6 +27,7 @@ import logging
 import re
 import secrets
 from collections.abc import Iterable, Mapping
+from functools import cache
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
@@ -37,13 +38,23 @@ from portal.redis import client
 
 log = logging.getLogger(__name__)
 
-_NO_LISTING = ["-@dangerous", "-@admin", "-scan", "-keys", "-randomkey", "-dbsize", "-pubsub", "-function"]
+_NO_LISTING = ["-@dangerous", "-@admin", "-scan", "-keys", "-randomkey", "-dbsize", "-pubsub"]
 """What no agent or job may run even on its own keys: listing the keyspace or the channels (the
-names of other nodes and jobs), admin commands (ACL, CONFIG, CLIENT KILL, ...) and functions
-(a library is shared by every user)."""
+names of other nodes and jobs) and admin commands (ACL, CONFIG, CLIENT KILL, ...)."""
+_NO_FUNCTIONS = ["-function"]
+"""Nor functions, whose libraries every user shares: Redis 7 and later (Redis 6, as `make demo`'s
+embedded one, has none, and refuses a rule that names them)."""
 JOB_COMMANDS = ["-@all", "+@read", "+@write", "+@scripting", "+@transaction", "+@connection", *_NO_LISTING]
 NODE_COMMANDS = ["-@all", "+@read", "+@connection", "+time", *_NO_LISTING]
-"""An agent reads its stream (XREAD, XREVRANGE) and Redis's clock (to place its first read)."""
+"""An agent reads its stream (XREAD, XREVRANGE) and Redis's clock (to place its first read): read
+commands only, so its keys' pattern needs no read-only selector (Redis 7's %R~)."""
+
+
+@cache
+def _denied_functions() -> list[str]:
+    """_NO_FUNCTIONS where the portal's Redis has functions. Raises redis.RedisError."""
+    version = str(client().info("server")["redis_version"])
+    return _NO_FUNCTIONS if int(version.split(".")[0]) >= 7 else []
 
 
 def _glob_literal(text: str) -> str:
@@ -72,21 +83,24 @@ def _job_password(username: str) -> str:
     return hmac.new(settings.SECRET_KEY.encode(), f"redis-user:{username}".encode(), hashlib.sha256).hexdigest()
 
 
+# Each user is made from scratch (reset) with no channel but those named: Redis 6's reset leaves
+# a user every channel (its acl-pubsub-default), hence resetchannels too.
+
+
 def _set_job_user(target: redis.Redis | redis.client.Pipeline, job_id: int) -> None:
     username = job_username(job_id)
     pattern = f"{_glob_literal(username)}:*"
     target.acl_setuser(
-        username, enabled=True, reset=True, passwords=[f"+{_job_password(username)}"],
-        keys=[pattern], channels=[pattern], commands=JOB_COMMANDS,
+        username, enabled=True, reset=True, reset_channels=True, passwords=[f"+{_job_password(username)}"],
+        keys=[pattern], channels=[pattern], commands=[*JOB_COMMANDS, *_denied_functions()],
     )
 
 
 def _set_node_user(target: redis.Redis | redis.client.Pipeline, node_name: str, password_sha256: str) -> None:
     username = node_username(node_name)
     target.acl_setuser(
-        username, enabled=True, reset=True, hashed_passwords=[f"+{password_sha256}"],
-        # Read-only (%R~): the agent takes commands from its stream; only the portal writes there.
-        keys=[f"%R~{_glob_literal(username)}:*"], commands=NODE_COMMANDS,
+        username, enabled=True, reset=True, reset_channels=True, hashed_passwords=[f"+{password_sha256}"],
+        keys=[f"{_glob_literal(username)}:*"], commands=[*NODE_COMMANDS, *_denied_functions()],
     )
 
 
