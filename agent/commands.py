@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from pydantic import ValidationError
@@ -61,6 +62,14 @@ def redis_client(url: str, block_s: float = 1.0) -> redis.Redis:
     return redis.Redis.from_url(
         url, decode_responses=True, socket_timeout=block_s + 5, socket_connect_timeout=5
     )
+
+
+def redis_location(url: str | None) -> str | None:
+    """`url` without its credentials: which Redis and database it names."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def last_entry_id(client: redis.Redis, stream: str) -> str:
@@ -109,13 +118,15 @@ class StreamMark:
             with redis_client(redis_url) as client:
                 last_id = last_entry_id(client, stream)
         except redis.RedisError as err:
-            log.warning("could not read the position of %s at %s: %s", stream, redis_url, err)
+            log.warning("could not read the position of %s at %s: %s", stream, redis_location(redis_url), err)
             return cls(taken_at)
         return cls(taken_at, redis_url, stream, last_id)
 
     def start_id(self, client: redis.Redis, redis_url: str, stream: str) -> str:
         """Returns the id to read `stream` at `redis_url` after. Raises redis.RedisError."""
-        if self.last_id is not None and (self.redis_url, self.stream) == (redis_url, stream):
+        # The agent's user gets a new password at each registration: the same Redis and stream
+        # under other credentials is the same position.
+        if self.last_id is not None and (redis_location(self.redis_url), self.stream) == (redis_location(redis_url), stream):
             return self.last_id
         return entry_id_at(client, self.taken_at)
 
@@ -123,21 +134,20 @@ class StreamMark:
 class CommandDispatcher:
     """Hands each kind of command to its handler: launch and stop to the supervisor, an export to
     the checkpoint exporter, a played owner to the device backend, a drain to the agent's drain
-    (while it drains, a launch starts no new worker here). A handler's failure is logged, never raised. `redis_url` is
-    the Redis the commands come from; the workers' membership board lives there too."""
+    (while it drains, a launch starts no new worker here). A handler's failure is logged, never raised. A launch's
+    workers reach their membership board with the Redis URL the launch carries (the job's own Redis user), never the
+    agent's, whose user reads this node's commands."""
 
     def __init__(
         self,
         supervisor: WorkerSupervisor,
         backend: DeviceBackend,
-        redis_url: str = "",
         report_now: Callable[[], None] | None = None,
         code: CodeCache | None = None,
         exporter: CheckpointExporter | None = None,
         drain: Drain | None = None,
         environments: Environments | None = None,
     ) -> None:
-        self.redis_url = redis_url
         self._environments = environments
         self._pythons: dict[int, str] = {}
         """Job id -> the interpreter of its environment, once one of its launches had it built: a
@@ -197,7 +207,7 @@ class CommandDispatcher:
                 return
         if declared is None:
             python = None if command.workers else self._pythons.get(command.job_id)
-            self._supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model, python)
+            self._supervisor.launch(command, self._backend, command.redis_url, code_dir, initial_model, python)
             return
         threading.Thread(
             target=self._launch_in_environment, args=(command, declared, code_dir, initial_model),
@@ -232,7 +242,7 @@ class CommandDispatcher:
         ))
         self._pythons[command.job_id] = str(environment.python)
         with self._environments.hold(environment.digest):
-            supervisor.launch(command, self._backend, self.redis_url, code_dir, initial_model, str(environment.python))
+            supervisor.launch(command, self._backend, command.redis_url, code_dir, initial_model, str(environment.python))
 
     def _start_drain(self, command: DrainCommand) -> None:
         if self._drain is None:
@@ -322,14 +332,14 @@ class CommandReader:
                 if failures == 1 or failures % 30 == 0:
                     log.warning(
                         "cannot read commands from %s (%d failures in a row): %s",
-                        self.redis_url,
+                        redis_location(self.redis_url),
                         failures,
                         err,
                     )
                 self._stopping.wait(min(5.0, 0.5 * failures))
                 continue
             if failures:
-                log.info("reading commands from %s again", self.redis_url)
+                log.info("reading commands from %s again", redis_location(self.redis_url))
                 failures = 0
             for _stream, entries in replies or []:
                 for entry_id, fields in entries:
@@ -344,7 +354,7 @@ class CommandReader:
         return start_id
 
     def _log_start(self) -> None:
-        log.info("reading commands from %s at %s after %s", self.stream, self.redis_url, self._last_id)
+        log.info("reading commands from %s at %s after %s", self.stream, redis_location(self.redis_url), self._last_id)
 
     def _receive(self, entry_id: str, fields: Mapping[str, str]) -> None:
         raw = fields.get(COMMAND_FIELD)

@@ -264,7 +264,6 @@ class Agent:
             if (self._reader.redis_url, self._reader.stream) == (url, stream):
                 return
             self._reader.stop()
-        self._dispatcher.redis_url = url
         self._reader = CommandReader(url, stream, mark, self._dispatcher.dispatch)
         self._reader.start()
 

@@ -99,7 +99,8 @@ class AgentSettings(EnvironSettings):
     redis_url: str | None = Field(
         None,
         validation_alias="BUNGEE_AGENT_REDIS_URL",
-        description="Redis URL for the command stream, instead of the one the portal hands out",
+        description="Redis URL for the command stream, instead of the one the portal hands out (with its node's "
+        "own Redis user); give it a user that may only read this node's stream (docs/operator/security.md)",
     )
     report_interval: float | None = Field(
         None,

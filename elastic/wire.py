@@ -257,6 +257,9 @@ class LaunchCommand(_Message):
     spec: dict[str, Any]
     run_dir: str = Field(description="where the job's periodic checkpoint lives")
     coordination_key: str = Field(description="Redis key prefix of the job's membership records")
+    redis_url: str = Field(
+        description="the Redis its workers connect to, as the job's own Redis user: it reaches the job's keys only"
+    )
 
 
 class StopCommand(_Message):

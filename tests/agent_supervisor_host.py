@@ -35,6 +35,7 @@ def main(state_dir: str, spec: str) -> None:
         spec=json.loads(spec),
         run_dir="/tmp/bungee-agent-test",
         coordination_key="bungee-agent-test:job:7",
+        redis_url=REDIS_URL,
     )
     supervisor.launch(command, SimulatedBackend(slots=1), REDIS_URL)
     while True:

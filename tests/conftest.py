@@ -61,6 +61,24 @@ def api(tokens: dict[str, str]) -> dict[str, ApiClient]:
     return {name: ApiClient(token) for name, token in tokens.items()} | {"anonymous": ApiClient(None)}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_redis_user_left() -> Iterator[None]:
+    """At the end of the run: no Redis user of this run's prefix left on the machine's Redis (a
+    registration or a publish made through the API, without the redis_client fixture, makes one)."""
+    yield
+    import redis
+    from django.conf import settings
+
+    from portal.redis import client
+
+    try:
+        made = [name for name in client().acl_users() if name.startswith(f"{settings.BUNGEE.redis_prefix}:")]
+        if made:
+            client().acl_deluser(*made)
+    except redis.RedisError:
+        pass  # Redis away at the end: nothing of this run there to remove
+
+
 @pytest.fixture
 def redis_client() -> Any:
     from portal.redis import client
@@ -71,6 +89,10 @@ def redis_client() -> Any:
 
     for stale in redis.scan_iter(f"{settings.BUNGEE.redis_prefix}:*"):
         redis.delete(stale)
+    # The users of the test's nodes and jobs (portal.redis_users), named under the same prefix.
+    users = [name for name in redis.acl_users() if name.startswith(f"{settings.BUNGEE.redis_prefix}:")]
+    if users:
+        redis.acl_deluser(*users)
 
 
 def cluster_registration(*running: RunningWorker) -> NodeRegistration:

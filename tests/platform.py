@@ -16,10 +16,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 import psycopg
@@ -168,29 +169,40 @@ def seed_users(group: ProcessGroup, agents: list[str]) -> dict[str, str]:
     return tokens
 
 
+PORTAL_USER_RIGHTS = ["~*", "&*", "+@all"]
+"""The portal's Redis user makes the users of nodes and jobs (portal.redis_users), so it holds the
+ACL commands, and with them every right: the deployments give it all (docs/operator/security.md)."""
+
+
 @dataclass
 class RedisServer:
-    """A redis-server of a test's own (on `host`, with a password, keeping nothing on disk), which
-    the test may kill and start again, empty, on the same port."""
+    """A redis-server of a test's own (on `host`, keeping nothing on disk), which the test may kill
+    and start again, empty, on the same port. As a deployment configures it: its default user
+    off, the portal's user (`url`) made by its configuration, so that it is there after a
+    restart; the portal makes the others."""
 
     host: str
     folder: Path
     port: int = field(default_factory=free_port)
     password: str = field(default_factory=lambda: secrets.token_hex(16))
     process: subprocess.Popen[bytes] | None = None
+    user: str = "bungee-portal"
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+        return f"redis://{self.user}:{self.password}@{self.host}:{self.port}/0"
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            ["redis-server", "--bind", self.host, "--port", str(self.port), "--requirepass", self.password,
+            ["redis-server", "--bind", self.host, "--port", str(self.port),
+             "--user", "default", "off", "--user", self.user, "on", f">{self.password}", *PORTAL_USER_RIGHTS,
              "--save", "", "--appendonly", "no", "--dir", str(self.folder),
              "--logfile", str(self.folder / "redis.log")],  # fmt: skip
         )
-        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_connect_timeout=1)
+        client = redis.Redis(
+            host=self.host, port=self.port, username=self.user, password=self.password, socket_connect_timeout=1
+        )
         deadline = time.monotonic() + 10
         while not _answers(client):
             log = (self.folder / "redis.log").read_text() if (self.folder / "redis.log").exists() else ""
@@ -271,6 +283,38 @@ def platform_database() -> Iterator[str]:
         _drop_database(database)
 
 
+@contextmanager
+def portal_redis_user(prefix: str) -> Iterator[str]:
+    """The portal's own user on the machine's Redis (whose password-less default user the tests
+    take as the admin that a deployment's configuration is), named under the platform's Redis
+    prefix so that parallel runs never share one; its URL. Removed at the end with every user the
+    portal made under that prefix (its nodes' and jobs')."""
+    admin = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    password = secrets.token_hex(16)
+    user = f"{prefix}:portal"
+    admin.acl_setuser(user, enabled=True, reset=True, passwords=[f"+{password}"], keys=["*"], channels=["*"],
+                      commands=["+@all"])
+    try:
+        parts = urlsplit(REDIS_URL)
+        yield urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{password}@{parts.netloc.rpartition('@')[2]}"))
+    finally:
+        made = [name for name in admin.acl_users() if name.startswith(f"{prefix}:")]
+        admin.acl_deluser(*made)
+        admin.close()
+
+
+@contextmanager
+def platform_redis(env: dict[str, str], extra_env: dict[str, str] | None) -> Iterator[None]:
+    """Sets `env`'s REDIS_URL to the portal's own user on the machine's Redis, unless the test
+    gave a Redis of its own (`extra_env`'s REDIS_URL)."""
+    if extra_env and "REDIS_URL" in extra_env:
+        yield
+        return
+    with portal_redis_user(env["BUNGEE_REDIS_PREFIX"]) as url:
+        env["REDIS_URL"] = url
+        yield
+
+
 def platform_env(
     tmp: Path, database_url: str, port: int, network: Network | None = None, extra_env: dict[str, str] | None = None
 ) -> dict[str, str]:
@@ -312,8 +356,10 @@ def running_platform(
     one address (portal.launcher.portal_command). `port`: the portal's (default: a free one),
     for a setting that must name it before the platform starts."""
     port = port or free_port()
-    with platform_database() as database_url:
+    with ExitStack() as stack:
+        database_url = stack.enter_context(platform_database())
         env = platform_env(tmp, database_url, port, network, extra_env)
+        stack.enter_context(platform_redis(env, extra_env))
         group = ProcessGroup(log_dir=tmp / "logs", env=env)
         try:
             tokens = seed_users(group, list(agents))
@@ -338,8 +384,10 @@ def running_portal(
     what the ASGI server itself does. `server` gives its command (after `python`) for a port:
     by default portal.launcher.portal_command, as a platform runs it."""
     port = free_port()
-    with platform_database() as database_url:
+    with ExitStack() as stack:
+        database_url = stack.enter_context(platform_database())
         env = platform_env(tmp, database_url, port, extra_env=extra_env)
+        stack.enter_context(platform_redis(env, extra_env))
         group = ProcessGroup(log_dir=tmp / "logs", env=env)
         try:
             command = server(port)

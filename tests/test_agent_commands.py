@@ -167,6 +167,7 @@ def test_the_dispatcher_hands_each_command_to_its_handler(tmp_path: Path) -> Non
                 spec={},
                 run_dir=str(tmp_path),
                 coordination_key="bungee-agent-test:job:2",
+                redis_url=REDIS_URL,
             )
         )
         events: list[WorkerEvent] = []
@@ -308,7 +309,8 @@ def test_a_job_in_its_own_environment_keeps_it_when_a_launch_starts_no_worker_he
                                    code=cast(CodeCache, Code()), environments=cast(Environments_, Environments()))
     command = LaunchCommand(job_id=3, generation=1, world_size=1, master_addr="127.0.0.1", master_port=29500,
                             workers=[WorkerAssignment(rank=0, device_index=0)], spec={"code": "c" * 64},
-                            run_dir=str(tmp_path), coordination_key="bungee-agent-test:job:3")
+                            run_dir=str(tmp_path), coordination_key="bungee-agent-test:job:3",
+                            redis_url=REDIS_URL)
     dispatcher.dispatch(command)
     assert done.wait(10)
     dispatcher.dispatch(command.model_copy(update={"generation": 2, "workers": []}))

@@ -223,6 +223,7 @@ def worker_launch(**spec: Any) -> LaunchCommand:
         spec=spec,
         run_dir="/tmp/bungee-agent-test",
         coordination_key="bungee-agent-test:job:11",
+        redis_url=REDIS_URL,
     )
 
 

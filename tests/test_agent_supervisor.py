@@ -91,6 +91,7 @@ def launch(
         spec=spec,
         run_dir="/tmp/bungee-agent-test",
         coordination_key=f"bungee-agent-test:job:{job_id}",
+        redis_url=REDIS_URL,
     )
 
 
@@ -636,6 +637,7 @@ def test_the_real_worker_trains_and_stops_on_a_cpu_slot(tmp_path: Path, start: s
         spec=spec,
         run_dir=str(tmp_path),
         coordination_key=key,
+        redis_url=REDIS_URL,
     )
     board = RedisBoard.connect(REDIS_URL, key)
     board.publish(

@@ -27,7 +27,7 @@ def test_compose_has_every_service() -> None:
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="Debian's docker-compose is not installed")
 def test_docker_compose_accepts_it() -> None:
-    secrets = {"SECRET_KEY": "k" * 50, "POSTGRES_PASSWORD": "p", "BUNGEE_AGENT_TOKEN": "t"}
+    secrets = {"SECRET_KEY": "k" * 50, "POSTGRES_PASSWORD": "p", "REDIS_PASSWORD": "r", "BUNGEE_AGENT_TOKEN": "t"}
     done = subprocess.run(["docker-compose", "config", "-q"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **secrets})
     assert done.returncode == 0, done.stderr
@@ -37,7 +37,7 @@ def test_no_secret_has_a_usable_default() -> None:
     """The portal's secrets are required (${VAR:?...}): compose refuses to start without them.
     The agent token defaults to empty, which the agent refuses (tests/test_agent_cli.py)."""
     text = (ROOT / "docker-compose.yml").read_text()
-    for variable in ("SECRET_KEY", "POSTGRES_PASSWORD"):
+    for variable in ("SECRET_KEY", "POSTGRES_PASSWORD", "REDIS_PASSWORD"):
         uses = [line for line in text.splitlines() if "${" + variable in line]
         assert uses, variable
         assert all("${" + variable + ":?" in line for line in uses), uses

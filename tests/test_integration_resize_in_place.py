@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -497,7 +498,9 @@ def test_no_password_or_token_in_any_log(platform: Platform) -> None:
     """After every test of this module (it runs last): the platform's logs, the agents' worker
     outputs and records hold no user's password, no user token and no agent token. The token
     files the agents read are the one place an agent token is written."""
-    secrets = [*platform.tokens.values(), "alice-pass", "bob-pass", platform.env["SECRET_KEY"]]
+    redis_password = urlsplit(platform.env["REDIS_URL"]).password
+    assert redis_password, "the platform's Redis asks for no password"
+    secrets = [*platform.tokens.values(), "alice-pass", "bob-pass", platform.env["SECRET_KEY"], redis_password]
     root = platform.group.log_dir.parent
     searched = 0
     for path in root.rglob("*"):

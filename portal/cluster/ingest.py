@@ -24,6 +24,7 @@ from portal.dispatch import stream_for
 from portal.live import broadcast
 from portal.live.samples import changed
 from portal.redis import client
+from portal.redis_users import new_node_user
 from portal.trigger import request_schedule
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,14 @@ def register_node(registration: NodeRegistration) -> tuple[Node, RegistrationRep
                                    ["uuid", "name", "kind", "memory_total_bytes", "present"], batch_size=1000)
         node.devices.exclude(index__in=reported).update(present=False)
         request_schedule(f"node {node.name} registered")
+    # After the node's row is written: a registration that fails there makes no user. A user
+    # made for a registration whose reply is lost is harmless (the next one resets its password).
+    commands_redis_url, password_sha256 = new_node_user(node.name)
+    Node.objects.filter(pk=node.pk).update(redis_password_sha256=password_sha256)
+    node.redis_password_sha256 = password_sha256
     reply = RegistrationReply(
         node_id=node.pk,
-        commands_redis_url=settings.REDIS_URL,
+        commands_redis_url=commands_redis_url,
         commands_stream=stream_for(node.name),
         report_interval_s=settings.BUNGEE.report_interval_s,
     )

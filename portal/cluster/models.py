@@ -35,6 +35,12 @@ class Node(models.Model):
         help_text="the agent token that registered the node: only it may register or report for it; "
         "deleting the token frees the node for another",
     )
+    redis_password_sha256 = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="SHA-256 of the password of the node's Redis user (portal.redis_users), made again from it "
+        "after Redis restarted; the password itself is never stored",
+    )
 
     class Meta:
         ordering = ["name"]

@@ -52,13 +52,13 @@ from elastic.wire import (
 )
 from elastic.wording import counted
 from elastic.worker import USER_ERROR_LOG_PREFIX, user_error_summary
-from portal import dispatch
+from portal import dispatch, redis_users
 from portal.cluster.devices import ClusterDevices, device_id, node_of
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating, tell_to_leave
 from portal.jobs.models import Allocation, Generation, Job, JobArtifacts, JobLog, ResizeEvent, Worker
 from portal.jobs.restarts import RestartBudget
-from portal.jobs.states import ACTIVE_STATES, JobState
+from portal.jobs.states import ACTIVE_STATES, FINAL_STATES, JobState
 from portal.live import broadcast
 from portal.trigger import request_schedule
 
@@ -286,12 +286,22 @@ def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
             move_phase(generation, Phase.ENDED)
         request_schedule(f"job {job.pk} {target}")
     _stop_all(locked, stop_reason, allocated)
+    _remove_redis_user_once_stopped(locked)
     if target == JobState.FAILED:
         _ask_for_export(locked)
     broadcast.job_changed(locked)
     broadcast.allocation_changed(allocation_rows())
     job.refresh_from_db()
     return True
+
+
+def _remove_redis_user_once_stopped(job: Job) -> None:
+    """Removes an ended job's Redis user once none of its workers runs: a worker told to stop
+    still uses its board until it has saved and exited (without its user it failed instead of
+    stopping). Called at the end and at each exit after it; the beat's tick removes a user left
+    behind by workers that never said they exited (portal.redis_users.sync)."""
+    if not Worker.objects.filter(job=job, state=Worker.State.RUNNING).exists():
+        redis_users.remove_job_user(job.pk)
 
 
 def _ask_for_export(job: Job) -> None:
@@ -516,6 +526,8 @@ def publish(job_id: int, planned: Planned | None = None) -> bool:
         return False
     record = membership_record(job, devices, live)
     joiners = [m for m in record.members if m.joiner]
+    # Before the generation moves on: with Redis away it stays planned, published by a later call.
+    workers_redis_url = redis_users.job_url(job.pk)
     with transaction.atomic():
         if not move_phase(
             generation,
@@ -548,6 +560,7 @@ def publish(job_id: int, planned: Planned | None = None) -> bool:
             spec=job.spec,
             run_dir=run_dir(job),
             coordination_key=dispatch.board(job.pk).key,
+            redis_url=workers_redis_url,
         )
         for node_name, (starting, members) in nodes.items()
     }
@@ -720,6 +733,8 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
                 f"worker on {node.name}/{device_index} {event.reason} although its device is still "
                 f"the job's; planning again",
             )
+    if job.state in FINAL_STATES:
+        _remove_redis_user_once_stopped(job)
     generation = current(job)
     if generation is not None:
         _maybe_settle(job, generation)

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import logging
 
+import redis
 from celery import shared_task
+from django.db.models import Q
 
+from portal import redis_users
+from portal.cluster.models import Node
+from portal.jobs.models import Job, Worker
+from portal.jobs.states import ACTIVE_STATES
 from portal.redis import client, key
 from portal.scheduling.cycle import run_cycle
 
@@ -48,5 +54,16 @@ def schedule(reason: str = "") -> dict[str, list[int]]:
 
 @shared_task(name="portal.scheduling.tasks.tick", ignore_result=True)
 def tick() -> None:
-    """The beat: schedule, which first notices lost nodes and generations past their deadline."""
+    """The beat: the Redis users made again (a Redis that restarted empty lost them) and those of
+    jobs that ended and stopped removed, then schedule, which first notices lost nodes and
+    generations past their deadline."""
+    try:
+        # An ended job's workers that still run (stopping, saving) keep their user.
+        redis_users.sync(
+            Job.objects.filter(Q(state__in=ACTIVE_STATES) | Q(workers__state=Worker.State.RUNNING))
+            .distinct().values_list("pk", flat=True),
+            dict(Node.objects.exclude(redis_password_sha256="").values_list("name", "redis_password_sha256")),
+        )
+    except redis.RedisError as err:
+        log.warning("could not make the Redis users again: %s", err)
     schedule("tick")
