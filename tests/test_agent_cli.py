@@ -54,6 +54,8 @@ def test_the_flags() -> None:
         "--slurm-pool",
         "--slurm-signal",
         "--liveness-file",
+        "--isolation",
+        "--job-uid-base",
     }
 
 
@@ -68,7 +70,10 @@ def test_the_exit_codes() -> None:
 
 
 def test_defaults_need_only_a_token() -> None:
-    assert parse_config(["--token", "t"], {}) == AgentConfig(
+    config = parse_config(["--token", "t"], {})
+    # auto: what this machine allows (tests/test_agent_isolation.py pins how it is chosen)
+    assert config.isolation in ("uid", "namespaces", "none")
+    assert config == AgentConfig(
         portal_url="http://127.0.0.1:8000",
         token="t",
         node_name=socket.gethostname(),
@@ -83,6 +88,8 @@ def test_defaults_need_only_a_token() -> None:
         state_dir=ROOT / "var" / "agent" / socket.gethostname(),
         standbys=8,
         prepared_standbys=2,
+        isolation=config.isolation,
+        data_dir=ROOT / "var",
     )
 
 
@@ -114,6 +121,9 @@ ENVIRONMENT = {
     "BUNGEE_SLURM": "off",
     "BUNGEE_SLURM_SIGNAL_S": "90",
     "BUNGEE_LIVENESS_FILE": "/tmp/bungee/alive",
+    "BUNGEE_AGENT_ISOLATION": "none",
+    "BUNGEE_AGENT_JOB_UID_BASE": "300000",
+    "BUNGEE_DATA_DIR": "/srv/bungee",
 }
 
 
@@ -137,6 +147,9 @@ def test_every_flag_falls_back_to_its_environment_variable() -> None:
         sim_pace=2.5,
         slurm_signal_s=90.0,
         liveness_file=Path("/tmp/bungee/alive"),
+        isolation="none",
+        job_uid_base=300_000,
+        data_dir=Path("/srv/bungee"),
     )
 
 
