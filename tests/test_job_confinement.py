@@ -1,9 +1,13 @@
 """Jobs confined on a node whose agent runs as root (elastic.worker.confine, agent.isolation): a
-stranger's task, uploaded as a user would, tries from inside its running job to reach the agent's
-memory, environment and token, its state directory, the data directory, another job's code and the
-machine's /tmp, and gets none of them, while it trains; a strict job grown from a warm standby and
-shrunk again inside its confinement ends with the fixed-size run's model, bit for bit. Whole
-platform: API, Celery, a real agent with warm standbys, real torch workers."""
+stranger's task with packages of its own, uploaded as a user would, tries from inside its running
+job to reach the agent's memory, environment and token, its state directory, the data directory,
+another job's code and the machine's /tmp, and gets none of them, while it trains; another
+(tests/tasks/redis_probe), with the Redis URL its worker is given, tries to write a stop and a
+drain to its node's command stream, read and write another job's keys, touch Celery's queue, list
+keys and make a user: Redis refuses every try (NOPERM), the other job trains on, and once the
+stranger ends its Redis user is gone; a strict job grown from a standby prepared for it and shrunk
+again inside its confinement ends with the fixed-size run's model, bit for bit. Whole platform:
+API, Celery, a real agent with warm standbys, real torch workers."""
 
 from __future__ import annotations
 
@@ -14,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 
 from tests.code_support import RINGS, directory_files, tar_gz
 from tests.environment_support import TINY, tiny_wheelhouse
-from tests.platform import FAST_PROGRESS_ENV, Platform, running_platform
+from tests.platform import FAST_PROGRESS_ENV, REDIS_URL, Platform, running_platform
 
 pytestmark = [
     pytest.mark.slow,
@@ -116,10 +121,15 @@ def test_a_jobs_code_reaches_no_secret_of_the_platform_and_no_other_job(platform
                                       "steps": 10_000_000}, workers=1)
         [worker] = live(settled(platform, neighbour, 1))
         assert uid_of(worker["pid"]) == UID_BASE + neighbour, "the job's worker runs as the job's own uid"
-        files = {**directory_files(RINGS), **directory_files(HOSTILE)}
+        # With packages of its own: its workers start from its environment's interpreter, whose
+        # packages may run code as it starts (a .pth file): confined before that interpreter runs,
+        # its environment built as the builder's uid.
+        files = {**directory_files(RINGS), **directory_files(HOSTILE), "requirements.txt": f"{TINY}==2.0\n".encode(),
+                 "tiny_hostile.py": b"import bungeetiny\nfrom hostile import HostileRings\n\n\n"
+                                    b"class TinyHostile(HostileRings):\n    pass\n"}
         hostile = submit(platform, {**RINGS_SPEC, "name": "hostile", "code": upload(platform, files),
-                                    "entrypoint": "hostile:HostileRings", "max_workers": 1, "steps": 30})
-        platform.wait_for("the hostile job's end", lambda: platform.job(hostile)["state"] in ENDED, timeout_s=120)
+                                    "entrypoint": "tiny_hostile:TinyHostile", "max_workers": 1, "steps": 30})
+        platform.wait_for("the hostile job's end", lambda: platform.job(hostile)["state"] in ENDED, timeout_s=180)
     finally:
         MARKER.unlink(missing_ok=True)
     probe = probe_of(platform, hostile)
@@ -131,27 +141,15 @@ def test_a_jobs_code_reaches_no_secret_of_the_platform_and_no_other_job(platform
     assert "token file" in probe, probe
     assert probe["environs holding the token variable"] == [], probe
     state = probe["state dir"]
-    assert state.startswith("refused") or state == "listed ['jobs']", state  # its own directory's way in only
+    # Only the way in to its own directory and its environment (the rest of the directory covered).
+    assert state.startswith("refused") or state in ("listed ['jobs']", "listed ['environments', 'jobs']"), state
     assert probe["workers' records"].startswith("refused"), probe
     assert probe["other jobs' code read"] == [], probe
     assert probe["own code"].startswith("listed"), probe
     assert probe["outside /tmp marker"].startswith("refused"), probe
     assert probe["own /tmp"] == "got 1 bytes", probe
+    assert [line for line in logs(platform, hostile) if line.startswith("built the environment")]
     print(json.dumps(probe, indent=1))
-
-
-def test_a_job_with_its_own_packages_runs_confined_in_its_environment(platform: Platform) -> None:
-    """Its workers start from its environment's interpreter, whose packages may run code as it
-    starts (a .pth file): confined before that interpreter runs, built as the builder's uid."""
-    task = b"import bungeetiny\nfrom hostile import HostileRings\n\n\nclass TinyHostile(HostileRings):\n    pass\n"
-    files = {**directory_files(RINGS), **directory_files(HOSTILE), "requirements.txt": f"{TINY}==2.0\n".encode(),
-             "tiny_hostile.py": task}
-    job_id = submit(platform, {**RINGS_SPEC, "name": "own-packages", "code": upload(platform, files),
-                               "entrypoint": "tiny_hostile:TinyHostile", "max_workers": 1, "steps": 20})
-    platform.wait_for("the job's end", lambda: platform.job(job_id)["state"] in ENDED, timeout_s=180)
-    probe = probe_of(platform, job_id)
-    assert probe["uid"] == UID_BASE + job_id and probe["token file"].startswith("refused"), probe
-    assert [line for line in logs(platform, job_id) if line.startswith("built the environment")]
 
 
 def test_a_strict_job_resized_inside_its_confinement_ends_with_the_fixed_runs_model(
@@ -193,3 +191,64 @@ def test_a_strict_job_resized_inside_its_confinement_ends_with_the_fixed_runs_mo
 
 def alice_resize(platform: Platform, job_id: int, workers: int) -> bool:
     return platform.api("alice").post(f"/api/jobs/{job_id}/resize", json={"workers": workers}).status_code == 200
+
+
+# --- Redis: a job's worker is given a Redis user of its own job (portal.redis_users) ------------
+
+PROBE = Path(__file__).parent / "tasks" / "redis_probe"
+ENDLESS = 10_000_000
+
+
+def submit_one(platform: Platform, spec: dict[str, Any]) -> int:
+    reply = platform.api("alice").post("/api/jobs", json={"min_workers": 1, "max_workers": 1, **spec})
+    assert reply.status_code == 201, reply.text
+    return int(reply.json()["id"])
+
+
+def training(platform: Platform, job_id: int, past: int = 0) -> dict[str, Any]:
+    return platform.wait_for(
+        f"job {job_id} training past step {past}",
+        lambda: (job := platform.job(job_id))["state"] == "running" and job["steps_done"] > past and job,
+        timeout_s=120,
+    )
+
+
+def probe_line(platform: Platform, job_id: int) -> dict[str, str]:
+    def found() -> dict[str, str] | None:
+        reply = platform.api("alice").get(f"/api/jobs/{job_id}/logs")
+        lines = [entry["line"] for entry in reply.json()] if reply.status_code == 200 else []
+        probed = [line.split("redis probe: ", 1)[1] for line in lines if "redis probe: " in line]
+        return json.loads(probed[0]) if probed else None
+
+    return platform.wait_for(f"job {job_id}'s probe", found, timeout_s=120)
+
+
+def test_a_jobs_code_reaches_no_other_job_no_node_stream_and_no_celery_queue(platform: Platform) -> None:
+    prefix, queue = platform.env["BUNGEE_REDIS_PREFIX"], platform.env["BUNGEE_CELERY_QUEUE"]
+    victim = submit_one(platform, {"name": "victim", "workload": "digits-mlp", "steps": ENDLESS})
+    before = training(platform, victim)
+    alice = platform.api("alice")
+    reply = alice.post("/api/code", files={"file": ("probe.tar.gz", tar_gz(directory_files(PROBE), top="probe/"),
+                                                    "application/gzip")})
+    assert reply.status_code == 201, reply.text
+    stranger = submit_one(platform, {
+        "name": "stranger", "code": reply.json()["digest"], "entrypoint": "task:RedisProbeTask", "steps": ENDLESS,
+        "hyperparameters": {"batch_size": 8, "victim_key": f"{prefix}:job:{victim}:latest", "celery_queue": queue},
+    })
+    answers = probe_line(platform, stranger)
+    assert len(answers) == 10, answers
+    allowed = {what: answer for what, answer in answers.items() if "NoPermissionError" not in answer
+               and "no permissions" not in answer}
+    assert allowed == {}, f"the job's code could {allowed}"
+    training(platform, stranger)
+    after = training(platform, victim, before["steps_done"] + 10)
+    assert after["generation"] == before["generation"] and after["restarts"] == 0, "the victim was disturbed"
+    [node] = alice.get("/api/cluster").json()["nodes"]
+    assert node["state"] == "online", node
+
+    user = f"{prefix}:job:{stranger}"
+    admin = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    assert admin.acl_getuser(user) is not None
+    assert alice.post(f"/api/jobs/{stranger}/cancel").status_code == 200
+    platform.wait_for("the stranger's Redis user removed", lambda: admin.acl_getuser(user) is None)
+    assert alice.post(f"/api/jobs/{victim}/cancel").status_code == 200

@@ -1,5 +1,5 @@
 """A job's code that tries what a stranger's job would do with the Redis URL of its worker's
-configuration (tests/test_integration_redis_users.py): before it trains, it tries to write a stop
+configuration (tests/test_job_confinement.py): before it trains, it tries to write a stop
 and a drain to its node's command stream, read and write another job's keys, read and push to
 Celery's queue, list the keys and make a user, and prints one line, "redis probe: " and a JSON
 object of each try and what Redis answered. Then it trains like any task."""
