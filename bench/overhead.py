@@ -50,7 +50,7 @@ without (BUNGEE_BUCKET_MB=0). On these 2 cores it brought nothing measurable (pe
 backward passes already take both cores, so the all-reduce finds none idle.
 Single pairs of long runs then read as -13% or +25% depending on the hour: that figure
 said nothing. The method above (rotated order, per-round ratios, their spread) is what makes a
-figure readable; on the loaded machine of issue 14 (load 7 to 10 from other work) the rounds
+figure readable; on a loaded machine (load 7 to 10 from other work) the rounds
 still disagreed by tens of points (README), and by 45 points on a quiet 2-core VM.
 
 In turns, the figure to read (`turns_overhead_pct`, `turns_overhead_vs_bucket_view_pct`). Runs

@@ -1,4 +1,4 @@
-"""What reading a step's items costs a job once they are read ahead (issue 37): a task whose
+"""What reading a step's items costs a job once they are read ahead: a task whose
 `__getitem__` takes, over a step's items, as long as the step's compute, trained by the real
 Trainer (world size 1) three ways, interleaved in rounds:
 

@@ -1,4 +1,4 @@
-"""How often strict mode's predicted scales are rejected (issue 37): fallbacks per step.
+"""How often strict mode's predicted scales are rejected: fallbacks per step.
 
     python bench/strict_fallbacks.py                      # three tasks, 1..8 and 16 virtual workers, 60 steps
     python bench/strict_fallbacks.py --steps 15 --virtual-workers 3,4

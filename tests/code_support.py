@@ -6,6 +6,7 @@ import io
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 RINGS = Path(__file__).parent / "tasks" / "rings"
 
@@ -93,3 +94,13 @@ def evaluate_without_bungee(model: Path, manifest: Path) -> dict[str, float]:
     assert done.returncode == 0, done.stderr
     result: dict[str, float] = json.loads(done.stdout)
     return result
+
+
+def upload_code(token: str, files: dict[str, bytes]) -> Any:
+    """POST /api/code through Django's test client, with `token`: a task.py and `files`, as a
+    tar.gz."""
+    from django.core.files.uploadedfile import SimpleUploadedFile
+    from django.test import Client
+
+    archive = SimpleUploadedFile("code.tar.gz", tar_gz({"task.py": b"x = 1\n", **files}))
+    return Client().post("/api/code", {"file": archive}, HTTP_AUTHORIZATION=f"Bearer {token}")

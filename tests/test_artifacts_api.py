@@ -187,7 +187,7 @@ def test_a_job_starts_from_a_kept_model_of_its_owner_only(tokens: dict, ran_here
 
 def test_a_failed_job_says_the_step_its_artifacts_hold_everywhere(tokens: dict, ran_here: Job, cluster: Any) -> None:
     # Progress reports come every few seconds: the last was at step 94, the code failed in step
-    # 100 and rank 0 exported the state after step 99 (issue 36: the page said 94, the manifest 99).
+    # 100 and rank 0 exported the state after step 99 (the page once said 94, the manifest 99).
     def event(kind: str, **fields: Any) -> WorkerEvent:
         return WorkerEvent(job_id=ran_here.pk, generation=ran_here.generation, rank=0, kind=kind, at=time.time(),
                            **fields)

@@ -1,6 +1,6 @@
 """Bad input gets a 4xx in the one error shape, with the field and the offending value (cut when
-long), in bounded time and memory, and nothing is stored: each case of the outside probe of
-issue 12 (deep nesting, YAML alias bombs, NaN, NUL characters, booleans for numbers, steps past
+long), in bounded time and memory, and nothing is stored: each case of an outside probe
+(deep nesting, YAML alias bombs, NaN, NUL characters, booleans for numbers, steps past
 the cap, the wrong Content-Type, Django's own 404 and 405 pages under /api/)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Defects seen on the pages, each kept fixed in real Chromium: the job page's "Lift pin" shows
 only while the job is pinned and has not ended (the stylesheet's `button` display used to win
-over the `hidden` attribute, so it showed on every job). Issue 13's: a queued job has no stub
+over the `hidden` attribute, so it showed on every job). And: a queued job has no stub
 bar; job colours stay distinct and readable far beyond a dozen jobs, in both themes; simulated
 readings say so; the board fits a 380 px window; counts read "1 worker"; a hybrid job shows one
 global batch; the 403 and 404 pages are the site's, with the reason; a jobs filter naming no
@@ -44,7 +44,7 @@ def facts(page: Any) -> dict[str, str]:
 
 
 def test_an_ended_job_shows_how_it_ended_and_nothing_live(browser_platform: Any, chromium: Any) -> None:
-    """Issue 36, defects 8 and 11: empty charts say "no data yet"; when the job ends its live
+    """Empty charts say "no data yet"; when the job ends its live
     controls go (the page of an ended job has none) and the facts say how it ended and for how long."""
     # More workers than the cluster has: the job stays queued and trains nothing.
     job_id = submit_job(browser_platform, "alice", name="never-ran", min_workers=5, max_workers=5)
@@ -146,7 +146,7 @@ def test_board_queued_job_colours_simulated_readings_and_a_narrow_window(browser
     assert "empty" in (waiting.get_attribute("class") or "") and waiting.inner_text() == "queued: no workers yet"
     assert waiting.evaluate("b => getComputedStyle(b).backgroundColor") == "rgba(0, 0, 0, 0)", "no stub of a bar"
     assert page.locator(f'.job-row[data-job="{running}"] .bar').inner_text() == "1 worker"
-    # Issue 36, defect 12: a job's track has a cell per worker it may have, not one per device.
+    # A job's track has a cell per worker it may have, not one per device.
     cells = "(t) => getComputedStyle(t).getPropertyValue('--cells').trim()"
     assert page.locator(f'.job-row[data-job="{running}"] .track').evaluate(cells) == "1"
     assert page.locator(f'.job-row[data-job="{queued}"] .track').evaluate(cells) == "4"

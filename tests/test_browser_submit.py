@@ -48,7 +48,7 @@ def shows_it_training(page: Page) -> None:
 def test_submit_with_an_error_then_fixed(browser_platform: Any, chromium: Any) -> None:
     page = log_in(chromium, browser_platform, "alice")
     page.click("nav >> text=Submit")
-    # Issue 36, defect 13: what to train is the form's first choice, your own code one of its
+    # What to train is the form's first choice, your own code one of its
     # two answers (not an entry at the end of the workload list), and Priority follows the
     # field above it without a gap the height of the consistency modes.
     choice = page.locator(".submit-form > fieldset.source-choice")

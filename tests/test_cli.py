@@ -104,7 +104,7 @@ def test_a_new_user_trains_their_code_and_takes_the_model_home(browser_platform:
     job_id = int(followed.stdout.split("submitted job ")[1].split()[0])
 
     fetched = as_json(bungee(tmp_path, "download", str(job_id), "-d", str(tmp_path / "model"), "-o", "json"))
-    # -d: the files under their own names, as the README says (issue 36: they were job-N-model.pt).
+    # -d: the files under their own names, as the README says (they were once job-N-model.pt).
     model = tmp_path / "model" / "model.pt"
     assert {Path(f["path"]).name for f in fetched["files"]} == {"model.pt", "checkpoint.pt", "manifest.json"}
     assert fetched["step"] == 150

@@ -1,4 +1,4 @@
-"""The documentation's shape (issue 36): a short README that a code host shows whole, lines a
+"""The documentation's shape: a short README that a code host shows whole, lines a
 reader can read without scrolling sideways, every relative link and anchor landing somewhere,
 and every page under docs/ reachable from the index. Pure file reads: no platform."""
 

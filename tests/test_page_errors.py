@@ -1,4 +1,4 @@
-"""What a person sees when something is wrong (issue 13): every error the submit form's banner
+"""What a person sees when something is wrong: every error the submit form's banner
 counts is shown, a rule across hyperparameters beside them; the 403 and 404 pages are the site's
 own, with the reason, while the API's stay JSON; a jobs filter naming no user says so (400, never
 a 500); a refusal is logged as one line, without a traceback, and a quiet live socket is not

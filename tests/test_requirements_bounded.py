@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.core.files.uploadedfile import SimpleUploadedFile
-from django.test import Client
 
 from elastic.requirements import (
     MAX_FILE_BYTES,
@@ -24,7 +22,7 @@ from elastic.requirements import (
     declared_in_directory,
     declaring_file,
 )
-from tests.code_support import tar_gz
+from tests.code_support import upload_code
 
 pytestmark = pytest.mark.django_db
 
@@ -39,8 +37,7 @@ def code_dir(settings: Any, tmp_path: Path) -> Path:
 
 
 def upload(token: str, files: dict[str, bytes]) -> Any:
-    return Client().post("/api/code", {"file": SimpleUploadedFile("code.tar.gz", tar_gz({"task.py": b"x = 1\n", **files}))},
-                         HTTP_AUTHORIZATION=f"Bearer {token}")
+    return upload_code(token, files)
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.core.files.uploadedfile import SimpleUploadedFile
-from django.test import Client
 
 from agent.environments import BuildFailed, Environments, EnvironmentSettings
 from elastic.requirements import Declared, RequirementsError, declared_in, declared_in_directory
-from tests.code_support import tar_gz
+from tests.code_support import upload_code
 
 LOCAL = [
     "mylib @ /home/me/mylib",
@@ -51,8 +49,7 @@ def code_dir(settings: Any, tmp_path: Path) -> Path:
 
 
 def upload(token: str, files: dict[str, bytes]) -> Any:
-    return Client().post("/api/code", {"file": SimpleUploadedFile("code.tar.gz", tar_gz({"task.py": b"x = 1\n", **files}))},
-                         HTTP_AUTHORIZATION=f"Bearer {token}")
+    return upload_code(token, files)
 
 
 @pytest.mark.django_db

@@ -469,7 +469,7 @@ def test_a_job_that_fails_after_training_has_its_checkpoint_exported(
 
 def ended_job_page(job: Job) -> str:
     """The page of `job`, which has ended, as its owner gets it: nothing live left on it (no
-    Workers box, no Resize or Cancel: issue 36, defect 8)."""
+    Workers box, no Resize or Cancel, as the page once showed)."""
     client = Client()
     client.force_login(job.owner)
     reply = client.get(f"/jobs/{job.pk}/")

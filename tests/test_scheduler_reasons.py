@@ -288,7 +288,7 @@ def test_a_waiting_job_knows_its_place_who_holds_its_devices_and_when_it_starts(
 def test_a_waiting_jobs_free_devices_are_those_the_listing_shows_free(api: dict, cluster: Any) -> None:
     # A shrink that must wait for the resize in flight: the plan gives the hog 1 device, but it
     # holds 3 until that resize lands. The waiting job said "3 free" beside a listing of 3 of the
-    # 4 devices held (issue 36).
+    # 4 devices held.
     hog = submit(api, name="hog", min_workers=1, max_workers=4)
     assert api["alice"].post(f"/api/jobs/{hog}/resize", {"workers": 4}).status_code == 200
     settle(cluster)

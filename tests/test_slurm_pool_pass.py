@@ -6,7 +6,7 @@ cancelled; a Slurm command that fails is an error on the Scheduler page.
 
 The agents here reach no portal (a closed port), so they stay "starting" until the test puts
 their nodes in the database as registration would (the pool credential that lets pool agents
-register is another part of issue 35; the end-to-end test of agents in Slurm comes with it)."""
+register is tested with the pool token; the end-to-end test of agents in Slurm comes with it)."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def test_strict_mode_trains_alike_with_one_reader_or_two(bound: list[BoundTask],
         )
         for step in range(6):
             if entrypoint == "NoisyOneReader":
-                trainer.readahead.drop()  # each item read in its step, not ahead (issue 37)
+                trainer.readahead.drop()  # each item read in its step, not ahead
             trainer.step(step, stop_requested=False)
         assert (trainer.readahead.hits > 0) == (entrypoint == "Noisy")
         states.append({k: v.clone() for k, v in task.model.state_dict().items()})

@@ -1,5 +1,5 @@
 """Counts read as English wherever people read them: "1 worker", "2 workers", in the scheduler's
-reasons, its pin problems and the portal's refusals (issue 13: "pinned to 1 workers")."""
+reasons, its pin problems and the portal's refusals (once: "pinned to 1 workers")."""
 
 from __future__ import annotations
 

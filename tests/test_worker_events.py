@@ -55,7 +55,7 @@ def test_progress_is_rate_limited_except_first_and_forced() -> None:
 
 def test_a_flush_reports_the_last_step_recorded_once() -> None:
     # A job whose code fails ends at its last applied step, which the rate limit may have kept
-    # back (issue 36: the page said step 94, the manifest 99).
+    # back (the page once said step 94, the manifest 99).
     stream = io.StringIO()
     reporter = ProgressReporter(
         EventWriter(CONFIG, stream), total_steps=300, batch_size=4, samples_per_epoch=8, every_s=3600

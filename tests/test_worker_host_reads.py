@@ -1,4 +1,4 @@
-"""A step reads the device back once (issue 37): metrics stay tensors on the device until they
+"""A step reads the device back once: metrics stay tensors on the device until they
 are reported, and the step's agreed statistics are its one device-to-host read (a strict step
 votes on the device as on a GPU, bit for bit as on the host; on a CPU it reads its magnitudes
 before the collectives too). And reading the next step's items ahead

@@ -165,7 +165,7 @@ def test_a_bug_in_loss_fails_the_worker_once_with_the_traceback(tmp_path: Path) 
     assert all(torch.equal(model[name], saved.model[name]) for name in model)
     assert [e.step for e in outputs[0].of_kind("artifacts")] == [3]
     # The last progress it reported is that step too, whatever the rate limit held back: the
-    # job fails at the step its artifacts hold (issue 36: the page said 94, the manifest 99).
+    # job fails at the step its artifacts hold (the page once said 94, the manifest 99).
     assert outputs[0].of_kind("progress")[-1].step == 3
 
 

@@ -19,7 +19,7 @@ the standby
 3. runs the worker module as `python -m` would (runpy), and exits with its exit code.
 
 A standby serves one worker and ends with it: it never returns to waiting, so no job's modules
-(issue 8's user code) are ever imported into a process that serves another job. Unprepared, it
+(users' own code) are ever imported into a process that serves another job. Unprepared, it
 imports no job code, reads no job's data, and holds no job's state while it waits; prepared,
 it holds one job's freshly built model (never its training state, which reaches the worker from
 the others' memory once it joins). What the job's code prints while it is prepared goes to the

@@ -6,7 +6,7 @@ The step rate is exponentially weighted over time: a second of training `age` se
 with weight exp(-age / RATE_WINDOW_S), so the rate is the decayed steps over the decayed seconds.
 A resize's pause, a slow report or a burst moves it by its share of the window only: the last
 report's throughput alone swung a job's estimate from 10 min to 1 h to 8 min within two minutes
-(issue 36). The estimate is shown only once the window holds STABLE_AFTER_S of training. A gap
+(seen on the job page). The estimate is shown only once the window holds STABLE_AFTER_S of training. A gap
 of more than GAP_S between two reports (workers report every half second) is not training time:
 the job waited in the queue or its workers restarted; it is left out, and so is a report of a step
 before the last one (a restart from a checkpoint)."""
