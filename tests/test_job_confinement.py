@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,11 +162,12 @@ def test_a_strict_job_resized_inside_its_confinement_ends_with_the_fixed_runs_mo
     one = settled(platform, job_id, 1)
     # The grow from a standby prepared for the job (its model built, confined as the job already).
     agent_log = platform.group.log_dir / "agent-node-a.log"
-    platform.wait_for("a standby prepared for the job",
-                      lambda: "preparing -> prepared" in agent_log.read_text(), timeout_s=120)
+    platform.wait_for("a standby prepared for the job", lambda: prepared_for(agent_log, job_id), timeout_s=120)
     assert alice_resize(platform, job_id, 2)
     two = settled(platform, job_id, 2, one["generation"])
-    assert "prepared -> taken" in agent_log.read_text()
+    [taken] = [line for line in agent_log.read_text().splitlines() if "prepared -> taken" in line
+               and f"(by job {job_id})" in line]
+    assert any(f"(pid {pid})" in taken for pid in prepared_for(agent_log, job_id)), taken
     assert not [w for w in two["workers_history"] if w["state"] == "exited" and w["reason"] == "failed"], two
     assert {w["pid"] for w in live(one)} <= {w["pid"] for w in live(two)}, "the survivor was not restarted"
     assert all(uid_of(w["pid"]) == UID_BASE + job_id for w in live(two))
@@ -187,6 +189,16 @@ def test_a_strict_job_resized_inside_its_confinement_ends_with_the_fixed_runs_mo
     resized, fixed = models
     assert resized.keys() == fixed.keys()
     assert [name for name in fixed if not torch.equal(resized[name], fixed[name])] == []
+
+
+def prepared_for(agent_log: Path, job_id: int) -> list[int]:
+    """The pids of the standbys the agent's log says it prepared for job `job_id` (earlier jobs'
+    on the same platform are not its)."""
+    lines = agent_log.read_text().splitlines()
+    preparing = {int(m.group(1)) for line in lines
+                 if (m := re.search(r"\(pid (\d+)\): warm -> preparing .*\(for job (\d+)\)", line))
+                 and int(m.group(2)) == job_id}
+    return sorted(pid for pid in preparing if any(f"(pid {pid}): preparing -> prepared" in line for line in lines))
 
 
 def alice_resize(platform: Platform, job_id: int, workers: int) -> bool:
