@@ -240,6 +240,9 @@ class CommandDispatcher:
             if environment.built_s is not None else
             f"the environment {environment.digest[:12]} is in this node's cache"
         ))
+        own_packages = environment.own_packages()
+        if own_packages is not None:
+            supervisor.job_environment(command, own_packages)
         self._pythons[command.job_id] = str(environment.python)
         with self._environments.hold(environment.digest):
             supervisor.launch(command, self._backend, command.redis_url, code_dir, initial_model, str(environment.python))
@@ -311,13 +314,21 @@ class CommandReader:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stops reading; waits up to `timeout_s` for the thread (a blocking read ends within
-        `block_s`)."""
+        `block_s`). With 0, returns at once: an agent on its way out has nothing to wait for, and
+        the thread, a daemon, closes its client when its read ends."""
         self._stopping.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and timeout_s > 0:
             self._thread.join(timeout=timeout_s)
-        self._client.close()
+        if not self._thread.is_alive():
+            self._client.close()
 
     def _run(self) -> None:
+        try:
+            self._read()
+        finally:
+            self._client.close()
+
+    def _read(self) -> None:
         failures = 0
         while not self._stopping.is_set():
             try:

@@ -47,15 +47,17 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from packaging.utils import canonicalize_name
 
 from agent.isolation import JobIsolation, interpreter_paths, take_back
 from elastic.requirements import Declared, RequirementsError, checked_again
+from elastic.wire import OWN_PACKAGES_FILE, OwnPackages
 from elastic.worker import confine as confine_module
 from elastic.worker.confine import CONFINEMENT_ENV, Confinement
 
@@ -70,6 +72,10 @@ LOG_FILE = "bungee-build.log"
 NODE_PTH = "_bungee_node.pth"
 _PLACEHOLDER_INSTALLER = "bungee-node-placeholder"
 _POLL_S = 0.1
+TORCH_PACKAGES_DOC = "docs/operator/environments.md#packages-built-against-torch"
+"""Where an operator reads how a package built against torch meets the node's torch build."""
+_CHECKING = "bungee-import-check "
+"""How the import check's lines start (the package's own output may come between them)."""
 
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
               "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy",
@@ -95,6 +101,53 @@ print(json.dumps({
     "distributions": names,
 }))
 """
+
+_IMPORT_CHECK = """
+import importlib, importlib.metadata, json, re, sys
+site_packages = sys.argv[1]
+say = lambda what, **told: print("%s%s %s" % (MARK, what, json.dumps(told)), flush=True)
+
+def needs_torch(dist):
+    for line in dist.requires or ():
+        name, _, marker = line.partition(";")
+        bare = re.match(r"[A-Za-z0-9._-]+", name.strip())
+        if bare and re.sub(r"[-_.]+", "-", bare.group(0)).lower() == "torch" and "extra" not in marker:
+            return True
+    return False
+
+def modules(dist):
+    top = dist.read_text("top_level.txt")
+    names = top.split() if top else []
+    if not names:
+        for path in dist.files or ():
+            first = path.parts[0] if path.parts else ""
+            if len(path.parts) > 1 and not first.endswith((".dist-info", ".data")) and first not in ("..", "__pycache__"):
+                names.append(first)
+            elif len(path.parts) == 1 and first.endswith((".py", ".so")):
+                names.append(first.split(".", 1)[0])
+    return sorted({name for name in names if name.isidentifier() and not name.startswith("_")})
+
+installed = list(importlib.metadata.distributions(path=[site_packages]))
+say("installed", packages={dist.metadata["Name"]: dist.version for dist in installed if dist.metadata["Name"]})
+checked = [dist for dist in installed if needs_torch(dist)]
+if checked:
+    import torch
+    say("torch", version=torch.__version__, cuda=torch.version.cuda)
+for dist in checked:
+    for module in modules(dist):
+        say("importing", package=dist.metadata["Name"], version=dist.version, module=module)
+        try:
+            importlib.import_module(module)
+        except BaseException as err:
+            said = (str(err).strip().splitlines() or [""])[0][:500]
+            say("failed", package=dist.metadata["Name"], version=dist.version, module=module,
+                error=type(err).__name__ + (": " + said if said else ""))
+            sys.exit(0)
+say("passed")
+"""
+"""Run by an environment's interpreter once it is built: imports every module of each of the
+environment's own distributions that requires torch (unconditionally), after the node's torch.
+It says what it does on lines of its own, so that a crash names the package it was importing."""
 
 
 class BuildFailed(Exception):  # noqa: N818 - a condition, reported as the job's failure
@@ -147,6 +200,14 @@ class Environment:
     def python(self) -> Path:
         return self.path / "bin" / "python"
 
+    def own_packages(self) -> OwnPackages | None:
+        """What the environment holds, as its build recorded it; None for one built before
+        builds recorded it, or whose record cannot be read."""
+        try:
+            return OwnPackages.model_validate_json((self.path / OWN_PACKAGES_FILE).read_bytes())
+        except (OSError, ValueError):
+            return None
+
 
 def uv_binary() -> str:
     """The uv that builds environments: the one the `uv` package installed beside the agent's
@@ -186,6 +247,9 @@ class Environments:
         self._base: NodeBase | None = None
         self._lock = threading.Lock()
         self._held: Counter[str] = Counter()
+        self._interpreters: Callable[[], Iterable[str]] = set
+        """The interpreters of processes the machine's process list may not show by their command
+        line yet (the agent's standbys, agent.spawn.WorkerSpawner.standby_interpreters)."""
 
     # --- what an environment is ------------------------------------------------------------
 
@@ -201,7 +265,7 @@ class Environments:
         """The digest of the environment `declared` gets on this node. Raises BuildFailed."""
         base = self.base()
         key = {
-            "layout": 1,
+            "layout": 2,
             "requirements": declared.lines(),
             "interpreter": list(base.interpreter),
             "sites": list(base.sites),
@@ -251,14 +315,22 @@ class Environments:
                 if not self._held[digest]:
                     del self._held[digest]
 
+    def count_in_use(self, interpreters: Callable[[], Iterable[str]]) -> None:
+        """Counts the environments whose interpreters `interpreters()` names as in use too: a
+        standby started in a job's environment holds it from the moment it is asked for (its
+        command line names the node's interpreter while it is confined, before it runs the
+        environment's)."""
+        self._interpreters = interpreters
+
     def in_use(self) -> set[str]:
-        """The digests held, or that a process of this machine runs from."""
+        """The digests held, that a process of this machine runs from, or whose interpreter
+        count_in_use's callable names."""
         envs = str(self.root / "envs") + os.sep
+        commands = [process.info.get("cmdline") or [] for process in psutil.process_iter(["cmdline"])]
         used = set()
-        for process in psutil.process_iter(["cmdline"]):
-            command = process.info.get("cmdline") or []
-            if command and command[0].startswith(envs):
-                used.add(command[0][len(envs):].split(os.sep, 1)[0])
+        for program in [command[0] for command in commands if command] + list(self._interpreters()):
+            if program.startswith(envs):
+                used.add(program[len(envs):].split(os.sep, 1)[0])
         with self._lock:
             return used | set(self._held)
 
@@ -355,6 +427,10 @@ class Environments:
             (site_packages / NODE_PTH).write_text(
                 "".join(f"import site; site.addsitedir({directory!r})\n" for directory in base.sites)
             )
+            output, installed = self._check_imports(building, site_packages, started, progress, confinement)
+            (building / OWN_PACKAGES_FILE).write_text(
+                OwnPackages.fitted(digest, declared.source, declared.lines(), installed).model_dump_json()
+            )
             (building / LOG_FILE).write_text(output)
             (building / SIZE_FILE).write_text(str(_size(building)))
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -362,6 +438,64 @@ class Environments:
         finally:
             shutil.rmtree(building, ignore_errors=True)
         log.info("built environment %s in %.1f s", digest, time.monotonic() - started)
+
+    def _check_imports(
+        self, building: Path, site_packages: Path, started: float, progress: Callable[[float], None] | None,
+        confinement: Confinement | None,
+    ) -> tuple[str, dict[str, str]]:
+        """Imports, in the environment built in `building` and confined as its build, the modules
+        of its distributions that require torch (_IMPORT_CHECK); returns the check's output and
+        the environment's own distributions (name -> version). A package built for another torch
+        installs and resolves but fails here, and not in the job's first worker. Raises
+        BuildFailed naming the package and the node's torch build, or the package whose import
+        was under way at the build's deadline."""
+        check = [str(building / "bin" / "python"), "-I", "-c", f"MARK = {_CHECKING!r}\n{_IMPORT_CHECK}", str(site_packages)]
+        torch_build = "this node's torch"
+        try:
+            output = self._run(check, started, progress, confinement)
+        except BuildFailed as err:
+            output, crashed = err.output, str(err)
+            past_deadline = time.monotonic() >= started + self.settings.build_deadline_s
+        else:
+            crashed, past_deadline = "", False
+        said: dict[str, dict[str, Any]] = {}
+        for line in output.splitlines():
+            if line.startswith(_CHECKING):
+                what, _, told = line.removeprefix(_CHECKING).partition(" ")
+                with contextlib.suppress(ValueError):
+                    if isinstance(found := json.loads(told), dict):
+                        said[what] = found
+        if past_deadline:
+            importing = said.get("importing")
+            raise BuildFailed(crashed + (
+                f", importing package {importing.get('package')} {importing.get('version')} (import "
+                f"{importing.get('module')}) beside this node's torch" if importing else ""
+            ), output)
+        if "torch" in said:
+            version, cuda = said["torch"].get("version"), said["torch"].get("cuda")
+            torch_build = f"this node's torch {version} ({f'CUDA {cuda}' if cuda else 'CPU'} build)"
+        if "passed" in said and not crashed:
+            packages = said.get("installed", {}).get("packages")
+            packages = packages if isinstance(packages, dict) else {}
+            return output, {str(name): str(version) for name, version in packages.items()}
+        if "failed" in said:
+            failed = said["failed"]
+            error = failed.get("error")
+        elif "importing" in said:
+            last = [line for line in output.splitlines() if line.strip() and not line.startswith(_CHECKING)]
+            failed, error = said["importing"], f"an error that ended the interpreter ({(last or [crashed])[-1][:500]})"
+        else:
+            raise BuildFailed(f"the environment's interpreter failed before it imported any package: {crashed}",
+                              output)
+        raise BuildFailed(
+            f"package {failed.get('package')} {failed.get('version')} installed but does not import beside "
+            f"{torch_build}: import {failed.get('module')} raised {error}. It was built for another torch: "
+            "take a build made for the node's torch from a wheelhouse that holds it (the agent's --env-find-links, "
+            "BUNGEE_ENV_FIND_LINKS) or an index that serves it (the agent's UV_INDEX_URL or UV_EXTRA_INDEX_URL; "
+            "or a line --extra-index-url in the job's requirements.txt, where the operator allows index options: "
+            f"--env-index-options, BUNGEE_ENV_INDEX_OPTIONS); see {TORCH_PACKAGES_DOC}",
+            output,
+        )
 
     def _show_base(self, site_packages: Path, base: NodeBase) -> list[Path]:
         """Writes a placeholder .dist-info for each node distribution into `site_packages`, so

@@ -26,6 +26,7 @@ _CLASS = {
     "exited": _LIFECYCLE,
     "form_failed": _LIFECYCLE,
     "artifacts": _LIFECYCLE,
+    "environment": _LIFECYCLE,
 }
 
 

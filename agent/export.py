@@ -5,7 +5,6 @@ thread per command; every wait has a deadline."""
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
@@ -17,9 +16,10 @@ from pathlib import Path
 from agent.code import CodeCache, CodeUnavailable
 from agent.environments import BuildFailed, Environments
 from agent.spawn import process_environment, python_path
-from elastic.membership.codec import decode
 from elastic.requirements import RequirementsError, declared_in_directory
-from elastic.wire import ExportCommand, RunningWorker, WorkerEvent
+from elastic.wire import ExportCommand, ExportConfig, RunningWorker, WorkerEvent
+from elastic.worker import EXPORT_CONFIG_ENV
+from elastic.worker.event_codec import decode
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ class CheckpointExporter:
                 return
             time.sleep(0.2)
         python = self._python
-        config = {
-            "job_id": command.job_id, "generation": command.generation, "spec": command.spec, "run_dir": command.run_dir,
-        }
+        config = ExportConfig(
+            job_id=command.job_id, generation=command.generation, spec=command.spec, run_dir=command.run_dir,
+        )
         digest = command.spec.get("code")
         if digest:
             if self._code is None:
@@ -102,13 +102,12 @@ class CheckpointExporter:
             except CodeUnavailable as err:
                 log.error("job %d: cannot export: %s", command.job_id, err)
                 return
-            config["code_dir"] = str(code_dir)
-            config["entrypoint"] = command.spec.get("entrypoint")
+            config = config.model_copy(update={"code_dir": str(code_dir), "entrypoint": command.spec.get("entrypoint")})
             found = self._python_for(command.job_id, code_dir)
             if found is None:
                 return
             python = found
-        env = {**process_environment(), "BUNGEE_EXPORT_CONFIG": json.dumps(config), "PYTHONPATH": python_path()}
+        env = {**process_environment(), EXPORT_CONFIG_ENV: config.model_dump_json(), "PYTHONPATH": python_path()}
         argv = [python, "-m", "elastic.worker.export"]
         if self._confined is not None:
             try:

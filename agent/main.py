@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -137,6 +138,7 @@ class Agent:
             index_options=config.env_index_options,
             isolation=isolation,
         ))
+        self.environments.count_in_use(supervisor.standby_interpreters)
         self._dispatcher = CommandDispatcher(
             supervisor,
             backend,
@@ -173,6 +175,7 @@ class Agent:
         adopted = self.supervisor.adopt()
         if adopted:
             log.info("took back %d workers an earlier agent of this node left running", len(adopted))
+        self._warm_up()
         try:
             reply = self._register()
             if reply is None:
@@ -267,6 +270,21 @@ class Agent:
         self._reader = CommandReader(url, stream, mark, self._dispatcher.dispatch)
         self._reader.start()
 
+    def _warm_up(self) -> None:
+        """Starts the node's standbys (and its fork server's imports) before it registers, on the
+        devices no owner uses: a node that has just arrived is asked for a worker as soon as it
+        is registered, and that worker then finds them under way (a standby still starting, or
+        a fork server halfway through its imports) rather than importing torch from scratch."""
+        ours: dict[int, tuple[int | None, int]] = {
+            w.pid: (w.job_id, w.device_index) for w in self.supervisor.running() if w.pid is not None
+        }
+        try:
+            samples = self.backend.sample(ours)
+        except DeviceError as err:
+            log.warning("could not sample the devices: %s", err)
+            return
+        self.supervisor.keep_standbys(self.backend, {s.index for s in samples if s.owner_present})
+
     # --- reports -----------------------------------------------------------------------------
 
     def _report(self) -> None:
@@ -358,7 +376,9 @@ class Agent:
 
     def _shut_down(self) -> None:
         if self._reader is not None:
-            self._reader.stop()
+            # Without waiting for its blocking read (up to a second): a drained agent leaves as
+            # soon as its last report is sent, and an owner's job waits for that.
+            self._reader.stop(timeout_s=0)
         running = self.supervisor.running()
         if running:
             log.info("stopping %d workers", len(running))
@@ -380,7 +400,26 @@ class Agent:
                 self._delivered()
         self.backend.close()
         self.client.close()
+        self._remove_state_dir()
         log.info("agent stopped")
+
+    def _remove_state_dir(self) -> None:
+        """Removes the state directory of a Slurm job's node once it drained (no later agent
+        serves that node: its name holds the job's id, and a job that leaves on its own is not
+        requeued) with no worker left and no upload waiting in it. Anywhere else the next agent
+        of the node takes over what it holds."""
+        state_dir = self.supervisor.state_dir
+        if not self.config.state_dir_of_one_job or self.drain.notice is None or self.supervisor.running():
+            return
+        if any((state_dir / "pending-artifacts").glob("job-*.json")):
+            log.warning("keeping %s: artifacts wait there for an upload", state_dir)
+            return
+        try:
+            shutil.rmtree(state_dir)
+        except OSError as err:
+            log.warning("could not remove the node's state directory %s: %s", state_dir, err)
+        else:
+            log.info("removed the node's state directory %s", state_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -404,15 +443,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if signum == signal.SIGTERM and config.on_term == "drain" and not terms:
             terms.append(signum)
             # What the TERM means may ask Slurm (squeue, bounded): not in the handler.
-            threading.Thread(target=start_drain, name="drain", daemon=True).start()
+            threading.Thread(target=start_drain, args=(time.monotonic(),), name="drain", daemon=True).start()
             return
         log.info("%s: stopping", signal.Signals(signum).name)
         stopping.set()
         report_now.set()
 
-    def start_drain() -> None:
+    def start_drain(term_at: float) -> None:
         lead = config.slurm_signal_s if config.slurm_signal_s is not None else config.drain_deadline_s
-        drain.ask(term_cause(os.environ, lead), config.drain_deadline_s)
+        cause = term_cause(config.slurm_job_id, os.environ, lead)
+        # The deadline counts from the TERM: the time squeue took is spent.
+        drain.ask(cause, max(0.0, config.drain_deadline_s - (time.monotonic() - term_at)))
         report_now.set()
 
     signal.signal(signal.SIGTERM, on_signal)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from elastic.wire import UserError
+
 log = logging.getLogger(__name__)
 
 RECORD_SUFFIX = ".json"
@@ -52,6 +54,8 @@ class WorkerRecord(BaseModel):
     """Its exit status, once the supervisor that started it reaped it."""
     announced_exit: int | None = None
     """The code its "exiting" event announced, if it wrote one."""
+    announced_user_error: UserError | None = None
+    """What its "exiting" event said the job's own code raised, if it did."""
     last_step: int | None = None
     total_steps: int | None = None
 

@@ -325,12 +325,14 @@ class AgentSettings(EnvironSettings):
             standby_start=self.standby_start,
             gpus=slurm_job.gpu_selection(allocation, backend),
             state_dir=(self.state_dir or self.data_dir / "agent" / name).resolve(),
+            state_dir_of_one_job=allocation is not None and self.state_dir is None and name == allocation.node_name,
             env_dir=self.env_dir.resolve() if self.env_dir else None,
             env_find_links=tuple(self.env_find_links.split()),
             env_build_deadline_s=self.env_build_deadline,
             env_cache_bytes=int(self.env_cache_gb * 1024**3),
             env_index_options=self.env_index_options,
             slurm_signal_s=self.slurm_signal,
+            slurm_job_id=allocation.job_id if allocation is not None else None,
             liveness_file=self.liveness_file,
             isolation=self._isolation(),
             job_uid_base=self.job_uid_base,
@@ -430,6 +432,9 @@ class AgentConfig:
     worker_module: str
     log_level: str
     state_dir: Path
+    state_dir_of_one_job: bool = False
+    """The state directory is the default one of a Slurm job's node (named after the job): no
+    later agent uses it, so a drained agent removes it on its way out."""
     standbys: int = DEFAULT_STANDBYS
     """The most warm standby workers the node keeps (0: none)."""
     prepared_standbys: int = DEFAULT_PREPARED
@@ -456,6 +461,9 @@ class AgentConfig:
     """Jobs' requirements may name where packages come from (as the portal's setting of the same name)."""
     slurm_signal_s: float | None = None
     """In a Slurm job: how long before its time limit Slurm signals it; None: drain_deadline_s."""
+    slurm_job_id: str | None = None
+    """The Slurm job the agent serves (agent.slurm.detect); None: it serves none, and a TERM is
+    not Slurm's to explain."""
     liveness_file: Path | None = None
     """The file the agent's loops touch for an exec probe (elastic.liveness); None: none."""
     isolation: str = "none"

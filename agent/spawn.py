@@ -39,6 +39,7 @@ from elastic.worker import WORKER_CONFIG_ENV
 from elastic.worker import confine as confine_module
 from elastic.worker.confine import CONFINEMENT_ENV
 from elastic.worker.forkserver import ForkedProcess
+from elastic.worker.stop import AGENT_PID_ENV
 
 if TYPE_CHECKING:
     from agent.settings import SupervisorConfig
@@ -126,6 +127,7 @@ class WorkerSpawner:
                 config.standbys,
                 config.prepared_per_job,
                 fork=config.fork_standbys,
+                confined_argv=self.confined_argv,
             )
             if config.standbys > 0
             else None
@@ -136,6 +138,8 @@ class WorkerSpawner:
         self._pids_lock = threading.Lock()
         self._standby_pids: dict[int, int] = {}
         """pid -> device index of the pool's standbys as its last use left them (under `_pids_lock`)."""
+        self._standby_interpreters: set[str] = set()
+        """The interpreters those standbys run (under `_pids_lock`)."""
         self._handing_over: dict[int, int] = {}
         """pid -> device index of the standbys a spawn took whose worker the supervisor does not
         list as running yet (under `_pids_lock`): told as standbys until then, so that a report
@@ -150,6 +154,9 @@ class WorkerSpawner:
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": python_path(),
+            # The agent signals its workers itself (the fork server's and standbys' too): its
+            # SIGTERM is the only one a worker obeys while it lives (elastic.worker.stop).
+            AGENT_PID_ENV: str(os.getpid()),
         }
 
     def worker_config(
@@ -234,9 +241,9 @@ class WorkerSpawner:
             raise SpawnError(f"cannot make the job's directories: {err}") from err
         argv = self.confined_argv([launch.python or self.config.python, "-m", self.config.worker_module], env)
         output_path = self._records.output_path(stem)
-        # Standbys and the fork server run the node's environment: a job with its own starts a
-        # new interpreter of it (docs/operator/environments.md: what a grow costs).
-        pool = self.standbys if launch.python is None else None
+        # A job with an environment of its own takes a standby started in it, if its device has
+        # one; the fork server runs the node's environment only.
+        pool = self.standbys
         how = ""
         from_standby = False  # a warm standby placed itself (its cores included) when it warmed
         try:
@@ -254,7 +261,8 @@ class WorkerSpawner:
                     with self._pool_lock:
                         try:
                             standby = pool.take(
-                                assignment.device_index, placement, standby_output, env, launch.command.job_id
+                                assignment.device_index, placement, standby_output, env, launch.command.job_id,
+                                launch.python,
                             )
                             if standby is not None:
                                 with self._pids_lock:
@@ -263,7 +271,7 @@ class WorkerSpawner:
                             self._publish_standby_pids()
                         if standby is not None:
                             process, how, from_standby = standby.process, " (a warm standby)", True
-                        else:
+                        elif launch.python is None:
                             process = pool.fork_worker(
                                 self.config.worker_module, placement, output.fileno(), env
                             )
@@ -307,9 +315,11 @@ class WorkerSpawner:
         prepared_env: Callable[[int, int, WorkerPlacement], dict[str, str]],
         quiet: Callable[[], bool],
         starting: Callable[[], AbstractSet[int]],
+        pythons: Callable[[], Mapping[int, str]] = dict,
     ) -> None:
         """Keeps a standby on each device of `placements()` (the free devices, asked once the pool
-        is free) and prepares them for the jobs `growing()` (agent.standby), leaving alone the
+        is free) and prepares them for the jobs `growing()` (agent.standby; those in `pythons()`,
+        asked after it, in their own environments' interpreters), leaving alone the
         devices `starting()` (a worker listed there has yet to take the pool: its standby waits
         for it). Skipped, as the next call does it, while a spawn is using the pool: the report
         loop never waits for a spawn. Does nothing once close_standbys has run."""
@@ -320,7 +330,8 @@ class WorkerSpawner:
                 free = placements()
                 # Asked after the free devices: a worker listed in between is in `starting`, and
                 # the standby its spawn will take stays.
-                self.standbys.keep(free, self.worker_env(), growing(), prepared_env, quiet(), starting())
+                jobs = growing()
+                self.standbys.keep(free, self.worker_env(), jobs, prepared_env, quiet(), starting(), pythons())
         finally:
             self._publish_standby_pids()
             self._pool_lock.release()
@@ -333,6 +344,12 @@ class WorkerSpawner:
         with self._pids_lock:
             return {**self._standby_pids, **self._handing_over}
 
+    def standby_interpreters(self) -> set[str]:
+        """The interpreters the standbys waiting run, as the pool's last use left them (a job's
+        environment that one of them runs is in use). Never waits for a spawn."""
+        with self._pids_lock:
+            return set(self._standby_interpreters)
+
     def handed_over(self, pid: int) -> None:
         """The supervisor lists the worker of process `pid` as running now: if that process was a
         standby, standby_pids stops telling it."""
@@ -343,9 +360,9 @@ class WorkerSpawner:
         """Publishes the pool's standbys for standby_pids. Call under the pool lock, after each use
         of the pool that may start, take, kill or forget a standby."""
         assert self.standbys is not None
-        pids = self.standbys.pids()
+        pids, interpreters = self.standbys.pids(), self.standbys.interpreters()
         with self._pids_lock:
-            self._standby_pids = pids
+            self._standby_pids, self._standby_interpreters = pids, interpreters
 
     def close_standbys(self) -> None:
         """Kills the standbys, for good: keep_standbys starts none after this."""

@@ -60,8 +60,8 @@ from pathlib import Path
 
 from agent.devices import WorkerPlacement
 from elastic.transitions import InvalidMove, check_move
-from elastic.worker.forkserver import ForkedProcess, ForkServer, ForkServerError
-from elastic.worker.standby import PREPARATION_FAILED_LINE, PREPARED_LINE, READY_LINE, Assignment, Preparation
+from elastic.worker.forkserver import READY_TIMEOUT_S, ForkedProcess, ForkServer, ForkServerError
+from elastic.worker.standby import Assignment, Preparation, PreparationFailed, Prepared, Ready, said
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,11 @@ class StandbyState(enum.StrEnum):
                                     started there cold), or the agent shut down
         starting   -> died          it exited on its own (logged with its output's tail; its device
                                     gets no new standby for RESTART_BACKOFF_S)
-        warm       -> preparing     it was sent a job's Preparation (a job that may grow here)
+        warm       -> preparing     it was sent a job's Preparation (a job that may grow here; one
+                                    started in a job's own environment is only ever sent that
+                                    job's)
         warm       -> taken
-        warm       -> killed
+        warm       -> killed        also to start one in a job's own environment on its device
         warm       -> died
         preparing  -> prepared      it said PREPARED_LINE: the job's model is built
         preparing  -> build-failed  it said PREPARATION_FAILED_LINE: still that job's only (its
@@ -126,6 +128,10 @@ class StandbyState(enum.StrEnum):
         build-failed -> died
 
 taken, killed and died are final: a standby serves one worker and ends with it.
+
+A standby started in a job's own environment (its interpreter is the environment's) is that job's
+from its start: `job` is set while it is still starting, it is started confined as that job's
+process where jobs are confined, and it is handed that job's worker or killed, like a prepared one.
 """
 
     STARTING = "starting"
@@ -175,7 +181,10 @@ class Standby:
     output: Path
     """Its own output until it is assigned (then the worker's file takes over)."""
     job: int | None = None
-    """The job it was prepared for, if any: it serves no other."""
+    """The job it was prepared (or, in a job's own environment, started) for, if any: it serves
+    no other."""
+    python: str | None = None
+    """The interpreter of the job's own environment it runs; None: the node's."""
     state: StandbyState = StandbyState.STARTING
     since: float = field(default_factory=time.monotonic)
     """When it entered its state (time.monotonic)."""
@@ -203,7 +212,14 @@ class StandbyPool:
     """The node's standbys. Not thread-safe: its owner (the spawner) calls it under its pool lock."""
 
     def __init__(
-        self, directory: Path, python: str, worker_module: str, limit: int, prepared_per_job: int = 0, fork: bool = False
+        self,
+        directory: Path,
+        python: str,
+        worker_module: str,
+        limit: int,
+        prepared_per_job: int = 0,
+        fork: bool = False,
+        confined_argv: Callable[[list[str], Mapping[str, str]], list[str]] | None = None,
     ) -> None:
         self.directory = directory
         self.fork = fork
@@ -215,7 +231,11 @@ class StandbyPool:
         """The most standbys prepared for one job (0: none are)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self.python = python
+        """The node's interpreter: that of every standby not started in a job's own environment."""
         self.worker_module = worker_module
+        self._confined_argv = confined_argv
+        """The argv a process of a job starts with where jobs are confined (agent.spawn): a standby
+        started in a job's own environment runs none of its packages' code unconfined."""
         self._standbys: dict[int, Standby] = {}
         self._dying: list[Standby] = []
         self._backoff_until: dict[int, float] = {}
@@ -230,6 +250,7 @@ class StandbyPool:
         prepare_env: Callable[[int, int, WorkerPlacement], dict[str, str]] | None = None,
         quiet: bool = True,
         starting: AbstractSet[int] = frozenset(),
+        pythons: Mapping[int, str] | None = None,
     ) -> None:
         """Makes the standbys match `free`, the free devices and their placements: a standby on
         each, lowest index first, up to `limit` (started with its placement and the environment
@@ -240,7 +261,9 @@ class StandbyPool:
         imports, none starts. Then prepares
         standbys for the jobs in `growing` (most wanted first), a worker of job J on device D
         having the environment `prepare_env(J, D, placement)`, and kills those prepared for a
-        job not in it. Unless the node is `quiet` (no resize under way here), nothing is
+        job not in it. A job of `growing` in `pythons` runs an environment of its own (that
+        interpreter): its standbys are started in it (agent.standby.StandbyPool._prepare_own).
+        Unless the node is `quiet` (no resize under way here), nothing is
         prepared: a build, even at idle priority, competes for memory bandwidth with the resize's
         transfer and first step. A device in `starting` (a worker is being started there, and
         its spawn has yet to take the pool) is left as it is: its standby, which the spawn takes,
@@ -255,13 +278,16 @@ class StandbyPool:
                 self._kill(index, "its device is not free")
             elif standby.job is not None and standby.job not in growing:
                 self._kill(index, f"job {standby.job}, which it was prepared for, does not grow here any more")
-            elif standby.state is StandbyState.PREPARING and now - standby.since > PREPARE_TIMEOUT_S:
-                assert standby.job is not None
+            elif (
+                standby.job is not None
+                and standby.state in (StandbyState.STARTING, StandbyState.PREPARING)
+                and now - standby.since > PREPARE_TIMEOUT_S
+            ):
                 self._unpreparable.add(standby.job)
                 self._kill(index, f"building job {standby.job} took more than {PREPARE_TIMEOUT_S:.0f} s; not preparing it again")
         warming = any(standby.state is StandbyState.STARTING for standby in self._standbys.values())
         if self.fork and self._forkserver is None and any(p.device == "cpu" for p in free.values()):
-            self._forkserver = ForkServer(env, self.python)
+            self._forkserver = ForkServer(env, self.python, self.worker_module)
             log.info("fork server for standbys: pid %d, importing the worker runtime", self._forkserver.process.pid)
         # While the fork server imports (the node's one warm-up), the CPU slots wait for it.
         importing = self._forkserver is not None and not self._forkserver_lost() and not self._forkserver.ready
@@ -278,7 +304,7 @@ class StandbyPool:
                 if started is None or not isinstance(started.process, ForkedProcess):
                     break
         if quiet and prepare_env is not None:
-            self._prepare(growing, prepare_env, starting)
+            self._prepare(growing, prepare_env, starting, pythons or {})
         self._reap()
 
     def _forkserver_lost(self) -> bool:
@@ -298,32 +324,65 @@ class StandbyPool:
         growing: Sequence[int],
         prepare_env: Callable[[int, int, WorkerPlacement], dict[str, str]],
         starting: AbstractSet[int],
+        pythons: Mapping[int, str],
     ) -> None:
-        """Prepares the warm, unprepared standby of the lowest free device (not in `starting`) for the job in
-        `growing` with the fewest prepared standbys (the first such on a tie), if some job has
-        fewer than prepared_per_job and no other standby is preparing."""
+        """Prepares one standby, if no other is being prepared (or started for a job): a warm one
+        started in a growing job's own environment first (it is that job's already); else, for
+        the job in `growing` with the fewest prepared standbys (the first such on a tie), if one
+        has fewer than prepared_per_job, the warm, unprepared standby of the lowest free device
+        (not in `starting`), or, for a job that runs an environment of its own (in `pythons`),
+        one started in that environment in its place (_prepare_own)."""
         standbys = self._standbys.values()
-        if not growing or not self.prepared_per_job or any(s.state is StandbyState.PREPARING for s in standbys):
+        busy = any(
+            s.state is StandbyState.PREPARING or (s.state is StandbyState.STARTING and s.job is not None)
+            for s in standbys
+        )
+        if not growing or not self.prepared_per_job or busy:
             return
-        counts = Counter(standby.job for standby in standbys if standby.job is not None)
-        wanting = [job for job in growing if counts[job] < self.prepared_per_job and job not in self._unpreparable]
-        candidates = [
-            i for i in sorted(self._standbys) if self._standbys[i].state is StandbyState.WARM and i not in starting
-        ]
-        if not wanting or not candidates:
-            return
-        job = min(wanting, key=lambda j: (counts[j], growing.index(j)))
+        # One started in a job's environment is warm: it is that job's to prepare, first.
+        own = [i for i in sorted(self._standbys) if (s := self._standbys[i]).job is not None
+               and s.state is StandbyState.WARM and s.job in growing and i not in starting]
+        if own:
+            candidates, job = own, self._standbys[own[0]].job
+        else:
+            counts = Counter(standby.job for standby in standbys if standby.job is not None)
+            wanting = [j for j in growing if counts[j] < self.prepared_per_job and j not in self._unpreparable]
+            if not wanting:
+                return
+            job = min(wanting, key=lambda j: (counts[j], growing.index(j)))
+            candidates = [
+                i for i in sorted(self._standbys)
+                if (s := self._standbys[i]).state is StandbyState.WARM and s.job is None and i not in starting
+            ]
+            if not candidates:
+                return
+        assert job is not None
+        python = pythons.get(job)
         index = candidates[0]
         standby = self._standbys[index]
         try:  # the environment makes the job's directories where jobs are confined: OSError
-            line = Preparation(env=prepare_env(job, index, standby.placement)).model_dump_json().encode() + b"\n"
-            self._send(standby, line)
+            env = prepare_env(job, index, standby.placement)
+            if standby.python != python:
+                self._prepare_own(index, job, python, env)
+                return
+            self._send(standby, Preparation(env=env).model_dump_json().encode() + b"\n")
         except OSError as err:
             log.warning("could not prepare device %d's standby (pid %d) for job %d: %s", index, standby.pid, job, err)
             self._kill(index, "it could not be prepared")
             return
         standby.job = job
         self._move(standby, StandbyState.PREPARING, f"for job {job}")
+
+    def _prepare_own(self, index: int, job: int, python: str | None, env: Mapping[str, str]) -> None:
+        """Replaces device `index`'s warm, unprepared standby of the node's environment by one
+        started in job `job`'s own environment (`python`, with `env`, the environment of the
+        worker the job would start there next: confined as that job's where jobs are). It is the
+        job's from its start; once warm, the next keep prepares it (so the job's model is built
+        in the interpreter its worker runs). One that cannot start is logged, and its device
+        waits RESTART_BACKOFF_S."""
+        placement = self._standbys[index].placement
+        self._kill(index, f"job {job}, which may grow here, runs an environment of its own")
+        self._start(index, placement, env, python=python, job=job)
 
     @staticmethod
     def _send(standby: Standby, line: bytes) -> None:
@@ -340,12 +399,18 @@ class StandbyPool:
             raise OSError(f"only {written} of {len(line)} bytes went through")
 
     def take(
-        self, index: int, placement: WorkerPlacement, output: Path, env: Mapping[str, str], job: int
+        self,
+        index: int,
+        placement: WorkerPlacement,
+        output: Path,
+        env: Mapping[str, str],
+        job: int,
+        python: str | None = None,
     ) -> Standby | None:
-        """Hands device `index`'s standby the worker of job `job` whose output file is `output`
-        and whose environment is `env`; returns it, or None (the worker then starts cold) if
-        the device has no live standby started with `placement` and unprepared or prepared for
-        that job."""
+        """Hands device `index`'s standby the worker of job `job` whose output file is `output`,
+        whose environment is `env` and whose interpreter is `python` (None: the node's); returns
+        it, or None (the worker then starts cold) if the device has no live standby started with
+        `placement` and that interpreter, unprepared or prepared for that job."""
         self._observe()
         standby = self._standbys.get(index)
         if standby is None:
@@ -355,6 +420,9 @@ class StandbyPool:
             return None
         if standby.job is not None and standby.job != job:
             self._kill(index, f"it was prepared for job {standby.job}, not job {job}")
+            return None
+        if standby.python != python:
+            self._kill(index, "it runs another environment than the worker's")
             return None
         line = Assignment(output=str(output), env=dict(env)).model_dump_json().encode() + b"\n"
         assert standby.process.stdin is not None
@@ -375,6 +443,11 @@ class StandbyPool:
         """pid -> device index of every standby waiting."""
         return {standby.pid: index for index, standby in self._standbys.items()}
 
+    def interpreters(self) -> set[str]:
+        """The interpreters of jobs' environments that standbys waiting run (an environment one of
+        them runs must not be evicted)."""
+        return {standby.python for standby in self._standbys.values() if standby.python is not None}
+
     def standbys(self) -> list[Standby]:
         """The standbys waiting, their states as of now."""
         self._observe()
@@ -394,13 +467,13 @@ class StandbyPool:
                 )
                 standby.output.unlink(missing_ok=True)
             elif standby.state is StandbyState.STARTING:
-                if READY_LINE.encode() in standby.said()[:_TAIL_BYTES]:
+                if any(isinstance(line, Ready) for line in said(standby.said()[:_TAIL_BYTES])):
                     self._move(standby, StandbyState.WARM)
             elif standby.state is StandbyState.PREPARING:
-                said = standby.said()
-                if PREPARED_LINE.encode() in said:
+                told = said(standby.said())
+                if any(isinstance(line, Prepared) for line in told):
                     self._move(standby, StandbyState.PREPARED)
-                elif PREPARATION_FAILED_LINE.encode() in said:
+                elif any(isinstance(line, PreparationFailed) for line in told):
                     self._move(standby, StandbyState.BUILD_FAILED, standby.output_tail())
 
     @staticmethod
@@ -434,21 +507,32 @@ class StandbyPool:
             self._forkserver.close()
             self._forkserver = None
 
-    def _start(self, index: int, placement: WorkerPlacement, env: Mapping[str, str]) -> None:
+    def _start(
+        self,
+        index: int,
+        placement: WorkerPlacement,
+        env: Mapping[str, str],
+        python: str | None = None,
+        job: int | None = None,
+    ) -> None:
+        """Starts a standby on device `index` with `env` plus the placement's, run by `python`
+        (a job's environment's; None: the node's, forked from the fork server where it can be)
+        and, if `job` is given, that job's from its start."""
         output = self.directory / f"device{index}-{uuid.uuid4().hex[:8]}.out"
         args = ["--module", self.worker_module, "--device", placement.device]
+        env = {**env, **placement.env}
         process: subprocess.Popen[bytes] | ForkedProcess | None = None
         try:
-            if self._forkserver is not None and self._forkserver.ready and placement.device == "cpu":
-                process = self._fork(output, args, {**env, **placement.env}, placement)
+            ready = self._forkserver is not None and self._forkserver.ready
+            if ready and placement.device == "cpu" and python is None:
+                process = self._fork(output, args, env, placement)
             if process is None:
+                argv = [python or self.python, "-m", "elastic.worker.standby", *args]
+                if self._confined_argv is not None:
+                    argv = self._confined_argv(argv, env)
                 with output.open("ab") as sink:
                     process = subprocess.Popen(
-                        [self.python, "-m", "elastic.worker.standby", *args],
-                        env={**env, **placement.env},
-                        stdin=subprocess.PIPE,
-                        stdout=sink,
-                        stderr=subprocess.STDOUT,
+                        argv, env=env, stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
                 if placement.cpu_affinity:
@@ -472,17 +556,32 @@ class StandbyPool:
             fcntl.fcntl(process.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         except OSError as err:  # the system's pipe-max-size is lower: the default 64 KiB stays
             log.debug("could not grow a standby's pipe to %d bytes: %s", PIPE_BYTES, err)
-        self._standbys[index] = Standby(index, placement, process, output)
-        log.info("standby on device %d: pid %d%s", index, process.pid, " (forked)" if isinstance(process, ForkedProcess) else "")
+        self._standbys[index] = Standby(index, placement, process, output, job, python)
+        log.info(
+            "standby on device %d: pid %d%s%s", index, process.pid,
+            " (forked)" if isinstance(process, ForkedProcess) else "",
+            f" in job {job}'s own environment ({python})" if python is not None else "",
+        )
 
     def fork_worker(self, module: str, placement: WorkerPlacement, output: int, env: Mapping[str, str]) -> ForkedProcess | None:
         """A worker that no standby serves (none on its device, or one that may not serve it),
         forked from the fork server all the same: `python -m module` in its own session, its
-        output the descriptor `output`, stdin /dev/null. None (the caller starts it as a new
-        interpreter) if the pool forks nothing, its server is not ready, or the slot is a GPU's."""
+        output the descriptor `output`, stdin /dev/null. A server still importing (a node that
+        has just arrived, whose first worker is asked for at once) is waited for, up to its own
+        deadline: the rest of its imports take less than a new interpreter's whole, which would
+        also compete with it for the cores. None (the caller starts it as a new interpreter) if
+        the pool forks nothing, its server did not get ready, or the slot is a GPU's."""
         server = self._forkserver
-        if server is None or not server.ready or placement.device != "cpu":
+        if server is None or placement.device != "cpu" or self._forkserver_lost():
             return None
+        if not server.ready:
+            waited = time.monotonic()
+            log.info("waiting for the fork server's imports (%.1f s in) to fork a worker",
+                     waited - server.started_at)
+            if not server.wait_ready(max(0.0, READY_TIMEOUT_S - (waited - server.started_at))):
+                log.warning("the fork server did not get ready; starting the worker on its own")
+                return None
+            log.info("the fork server got ready after %.1f s more", time.monotonic() - waited)
         null = os.open(os.devnull, os.O_RDONLY)
         try:
             return server.spawn(

@@ -1,8 +1,8 @@
 """Which warm standbys this node keeps (agent.standby), decided from what its supervisor knows: one
 on each free device (no worker of ours runs there, its owner is not there), none once the
 supervisor is shut down, and, while no resize is under way here, some prepared for each job that
-may grow (its newest generation here has fewer workers than its most, and it runs the node's
-environment, which is the one a standby has). The keeper reads the supervisor's ledger through
+may grow (its newest generation here has fewer workers than its most); a job that runs an
+environment of its own gets its standbys started in that environment. The keeper reads the supervisor's ledger through
 NodeWorkers, a narrow read-only view, and hands its decisions to the spawner, which owns the pool
 (agent.spawn); it asks the view only once the pool is free, so that a worker listed meanwhile
 keeps its device.
@@ -88,7 +88,12 @@ class StandbyKeeper:
         def prepared_env(job_id: int, device_index: int, placement: WorkerPlacement) -> dict[str, str]:
             return self._prepared_env(launches[job_id], device_index, placement)
 
-        self._spawner.keep_standbys(placements, jobs_growing, prepared_env, self.quiet, self._workers.starting_devices)
+        def pythons() -> dict[int, str]:
+            return {job_id: launch.python for job_id, launch in launches.items() if launch.python is not None}
+
+        self._spawner.keep_standbys(
+            placements, jobs_growing, prepared_env, self.quiet, self._workers.starting_devices, pythons
+        )
 
     def quiet(self) -> bool:
         """Whether no resize is under way on this node: every worker here has joined its
@@ -101,8 +106,7 @@ class StandbyKeeper:
         return {
             job_id: launch
             for job_id, launch in self._workers.newest_launches().items()
-            if launch.python is None  # a standby runs the node's environment, not the job's
-            and launch.command.world_size < int(launch.command.spec.get("max_workers", 0))
+            if launch.command.world_size < int(launch.command.spec.get("max_workers", 0))
         }
 
     def _prepared_env(self, launch: Launch, device_index: int, placement: WorkerPlacement) -> dict[str, str]:
@@ -117,4 +121,4 @@ class StandbyKeeper:
             generation=command.generation + 1,
             world_size=command.world_size + 1,
         )
-        return self._spawner.env_of(config, placement)
+        return self._spawner.env_of(config, placement, launch.python)

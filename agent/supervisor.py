@@ -14,7 +14,7 @@ happens to each worker; the mechanisms live beside it:
 Each worker is `python -m elastic.worker` in its own session, told what to do by a WorkerConfig
 in its environment, its stdout and stderr appended to a file (never a pipe: nothing the agent
 holds can kill it, so it trains on when its agent dies). Each line becomes an event
-(elastic.membership.codec: a structured one, or a log line); the supervisor adds "started" right
+(elastic.worker.event_codec: a structured one, or a log line); the supervisor adds "started" right
 after the spawn and "exited" once the process and its output are gone.
 
 Commands are versioned by the job's generation. Per job the supervisor remembers the highest
@@ -57,8 +57,16 @@ from agent.spawn import Launch, SpawnError, WorkerSpawner
 from agent.standby_keeper import StandbyKeeper
 from agent.worker_events import WorkerEvents
 from agent.worker_process import WorkerProcess, WorkerState
-from elastic.membership.codec import decode
-from elastic.wire import ExitReason, LaunchCommand, RunningWorker, StopCommand, WorkerAssignment, WorkerEvent
+from elastic.wire import (
+    ExitReason,
+    LaunchCommand,
+    OwnPackages,
+    RunningWorker,
+    StopCommand,
+    WorkerAssignment,
+    WorkerEvent,
+)
+from elastic.worker.event_codec import decode
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +202,11 @@ class WorkerSupervisor:
         with self._lock:
             self._events.job_log(command, line)
 
+    def job_environment(self, command: LaunchCommand, own_packages: OwnPackages) -> None:
+        """Reports the environment of its own that `command`'s job has on this node."""
+        with self._lock:
+            self._events.job_environment(command, own_packages)
+
     def stop(self, command: StopCommand) -> int:
         """Asks the job's workers here whose generation is below `command.before_generation`
         (on `command.devices`, if given) to stop (SIGTERM; SIGKILL after the grace period; one
@@ -265,6 +278,10 @@ class WorkerSupervisor:
     def standby_pids(self) -> dict[int, int]:
         """pid -> device index of the standbys waiting: processes of ours, not an owner's."""
         return self._spawner.standby_pids()
+
+    def standby_interpreters(self) -> set[str]:
+        """The interpreters the standbys waiting run (a job's environment among them is in use)."""
+        return self._spawner.standby_interpreters()
 
     def confined(
         self, job_id: int, run_dir: str, argv: list[str], env: Mapping[str, str]

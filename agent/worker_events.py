@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 from agent.events import EventBuffer
 from agent.records import RecordStore
 from agent.worker_process import ExitOutcome, WorkerProcess
-from elastic.wire import ExitReason, LaunchCommand, WorkerAssignment, WorkerEvent
+from elastic.wire import ExitReason, LaunchCommand, OwnPackages, WorkerAssignment, WorkerEvent
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +53,19 @@ class WorkerEvents:
 
     def job_log(self, command: LaunchCommand, line: str) -> None:
         """Adds `line` to the log of `command`'s job, as its first worker here."""
+        self._as_first_worker(command, "log", message=line)
+
+    def job_environment(self, command: LaunchCommand, own_packages: OwnPackages) -> None:
+        """Tells the portal which environment of its own `command`'s job has on this node, as its
+        first worker here (the portal takes it only from a node the job was placed on)."""
+        self._as_first_worker(command, "environment", own_packages=own_packages)
+
+    def _as_first_worker(self, command: LaunchCommand, kind: Literal["log", "environment"], **fields: Any) -> None:
+        """Adds an event of `kind` about `command`'s job, as its first worker here (none if the
+        command starts no worker here)."""
         if command.workers:
-            self.add(
-                WorkerEvent(
-                    job_id=command.job_id,
-                    generation=command.generation,
-                    rank=command.workers[0].rank,
-                    kind="log",
-                    at=time.time(),
-                    message=line,
-                )
-            )
+            self.add(WorkerEvent(job_id=command.job_id, generation=command.generation, rank=command.workers[0].rank,
+                                 kind=kind, at=time.time(), **fields))
 
     def start_failed(
         self, command: LaunchCommand, assignment: WorkerAssignment, message: str, reason: ExitReason
@@ -96,6 +99,7 @@ class WorkerEvents:
                 reason=outcome.reason,
                 step=worker.last_step,
                 message=outcome.message,
+                user_error=worker.announced_user_error if outcome.reason == "user_error" else None,
             )
         )
         self._ended.append(worker)

@@ -30,7 +30,7 @@ from typing import Any
 
 from agent.records import WorkerRecord
 from elastic.transitions import InvalidMove, check_move
-from elastic.wire import ExitReason, RunningWorker, WorkerEvent
+from elastic.wire import ExitReason, RunningWorker, UserError, WorkerEvent
 from elastic.worker import COMPLETED_EXIT_CODE, LEFT_EXIT_CODE, STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
 from elastic.worker.forkserver import ForkedProcess
 
@@ -225,6 +225,7 @@ class WorkerProcess:
         self.last_step: int | None = None
         self.total_steps: int | None = None
         self.announced_exit: int | None = None
+        self.announced_user_error: UserError | None = None
         self.exit_code: int | None = None
         """Its exit status, once this supervisor (or the one that started it) reaped it."""
         self.read_offset = 0
@@ -250,6 +251,7 @@ class WorkerProcess:
         worker.stop_requested = record.stop_requested
         worker.last_step, worker.total_steps = record.last_step, record.total_steps
         worker.announced_exit, worker.exit_code = record.announced_exit, record.exit_code
+        worker.announced_user_error = record.announced_user_error
         worker.read_offset = worker.delivered_offset = record.offset
         return worker
 
@@ -309,6 +311,7 @@ class WorkerProcess:
             stop_requested=self.stop_requested,
             exit_code=self.exit_code,
             announced_exit=self.announced_exit,
+            announced_user_error=self.announced_user_error,
             last_step=self.last_step,
             total_steps=self.total_steps,
         )
@@ -370,7 +373,7 @@ class WorkerProcess:
         new generation and rank (`said_joined`; the event reported carries its pid and device).
         Returns the event to report."""
         if event.kind == "exiting":
-            self.announced_exit = event.exit_code
+            self.announced_exit, self.announced_user_error = event.exit_code, event.user_error
             return None
         if event.kind == "progress" and event.step is not None:
             self.last_step = event.step

@@ -5,6 +5,7 @@
     python bench/consistency.py --quick --step-time-only   # part 1 alone
     python bench/consistency.py --quick --task DIR --entrypoint task:MyTask --hyperparameters '{"batch_size": 32}'
                                            # parts 1 and 2 on a user's task (elastic.tasks)
+    python bench/consistency.py --quick --precision bf16   # every arm's forward and loss in bf16 autocast
 
 1. Step time of strict mode against plain DDP-style averaging, same model, same global batch,
    same world size, pairs of short runs of the real worker (elastic.worker.local.LocalJob), the
@@ -437,6 +438,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         )
         result.update(hybrid_against_strict(args, work))
     result["device"] = DEVICE
+    result["precision"] = args.precision
     result["conditions"] = conditions
     result["wall_s"] = round(time.monotonic() - began, 1)
     return result
@@ -453,7 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hyperparameters", default='{"batch_size": 64}', help="the task's hyperparameters as JSON (batch_size required)"
     )
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16"], default="fp32",
+        help="every job's spec precision: bf16 autocasts each forward and loss, strict's included",
+    )
     args = parser.parse_args(argv)
+    for spec in (OVERHEAD_SPEC, CNN_SPEC):
+        spec["precision"] = args.precision
     args.task_spec = None
     global DEVICE, TASK
     DEVICE = args.device
@@ -462,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         TASK = model.task
         args.task_spec = {
             "name": "bench-task", "code": model.digest, "entrypoint": args.entrypoint, "max_workers": 4,
-            "seed": SEED, "hyperparameters": model.hyperparameters,
+            "seed": SEED, "hyperparameters": model.hyperparameters, "precision": args.precision,
         }
     result = report(args)
     ordered = {

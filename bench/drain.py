@@ -58,6 +58,7 @@ class Bench:
 
     def signal_b(self) -> float:
         [agent] = [p for p in self.platform.group.processes if p.name == "agent-node-b"]
+        self.platform.agent_may_leave("node-b")
         sent = time.time()
         agent.process.send_signal(signal.SIGTERM)
         return sent

@@ -11,7 +11,9 @@ written into a wheelhouse of its own (tests.environment_support). Each repeat of
 starts from an empty environment cache *and* an empty uv cache (the first job with these
 requirements on a fresh node: uv unpacks every wheel); "cold, uv cache warm" keeps uv's cache
 (a node that built environments with these packages before, then evicted them); a cache hit is
-`ensure` on the built environment (what every later job pays). Last line: one JSON object.
+`ensure` on the built environment (what every later job pays). A small package that requires
+torch shows what the import check after the install costs (it imports torch and the package in
+the new environment). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.environments import Environments, EnvironmentSettings, uv_binary  # noqa: E402
 from bench.conditions import machine, show, spread  # noqa: E402
 from elastic.requirements import Declared, declared_in  # noqa: E402
-from tests.environment_support import TINY, tiny_wheelhouse  # noqa: E402
+from tests.environment_support import TINY, tiny_wheelhouse, write_wheel  # noqa: E402
+
+TORCH_DEPENDENT = "bungeetorchdependent"
 
 
 def cache(root: Path, wheelhouse: Path, uv_cache: Path) -> Environments:
@@ -87,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bungee-bench-environments-"))
     results = {"small": measure("one small package", _declared(f"{TINY}==2.0"), tiny_wheelhouse(work / "tiny"),
                                 repeats, work)}
+    write_wheel(work / "torch-dependent", TORCH_DEPENDENT, "1.0", requires=("torch",), code="import torch")
+    results["torch_dependent"] = measure("one small package that requires torch (the import check imports it)",
+                                         _declared(f"{TORCH_DEPENDENT}==1.0"), work / "torch-dependent", repeats, work)
     if args.wheelhouse and not args.quick:
         results["realistic"] = measure("a realistic set", _declared("\n".join(args.requirements.split())),
                                        args.wheelhouse, repeats, work)

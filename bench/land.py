@@ -2,11 +2,14 @@
 platform (tests.platform: PostgreSQL, Redis, the portal, the Celery scheduler, one agent with four
 simulated devices, real torch workers), in three arms: warm standby workers, some prepared for
 the job (ours, the agent's default), warm standbys none of which is prepared (the agent with
---prepared-standbys 0: the baseline for the prepared build), and none at all (cold starts).
+--prepared-standbys 0: the baseline for the prepared build), and none at all (cold starts); on
+request a fourth, `environment`: the same job as code of its own with a requirements.txt, whose
+standbys start and are prepared in its own environment (compare it with `standbys`).
 
     python bench/land.py              # 5 rounds each arm on the 25.6M model
     python bench/land.py --quick      # 2 rounds each arm
     python bench/land.py --arms standbys   # one arm (for profiling: no baseline)
+    python bench/land.py --arms standbys environment   # own packages against none
 
 `bench/resize.py` runs it too and puts `land_median_s` (standbys), `land_median_s_unprepared`
 and `land_median_s_cold` in its JSON line. A job (the 25.6M digits MLP, strict, 1 to 4 workers, pinned through the API) goes,
@@ -137,7 +140,8 @@ ARMS = ("standbys", "unprepared", "cold")
 """Standbys prepared for the job (ours), standbys none of which is prepared, no standbys."""
 ENVIRONMENT = "environment"
 """The arm (only on request, --arms) of the same task as the job's own code with a requirements.txt:
-its workers start from its environment's interpreter, never from a standby (agent.environments)."""
+its workers start from its environment's interpreter (agent.environments), the joiners from
+standbys started and prepared in that environment, as in the first arm."""
 ALL_ARMS = (*ARMS, ENVIRONMENT)
 
 
@@ -163,7 +167,7 @@ class LandRun:
         self.model = model
         self.arm = arm
         self.standbys = arm != "cold"
-        self.prepared = DEFAULT_PREPARED if arm == "standbys" else 0
+        self.prepared = DEFAULT_PREPARED if arm in ("standbys", ENVIRONMENT) else 0
         """Standbys the agent prepares for the job."""
         self.times = LandTimes(arm)
         self.seen_log = 0
@@ -308,7 +312,7 @@ def run_land(
     env = {
         "BUNGEE_AGENT_ISOLATION": isolation,
         "BUNGEE_STANDBYS": "off" if arm == "cold" else "on",
-        "BUNGEE_PREPARED_STANDBYS": str(DEFAULT_PREPARED if arm == "standbys" else 0),
+        "BUNGEE_PREPARED_STANDBYS": str(DEFAULT_PREPARED if arm in ("standbys", ENVIRONMENT) else 0),
         "BUNGEE_PROGRESS_EVERY_S": "0.2",
         "BUNGEE_CHECKPOINT_EVERY_S": "86400",
         "BUNGEE_PG_TIMEOUT_S": "60",

@@ -8,6 +8,18 @@ every second. Prints min/p50/p95/max per approach and the portal's CPU use; the 
 JSON object.
 
     python bench/live.py [--devices 256] [--sockets 20] [--seconds 30] [--quick]
+
+`--burst`: how far the boards fall behind a burst of submissions. N jobs submitted in T s (each
+needs more devices than the one agent has, so every job waits in the queue and each new one
+moves every queued one's place), S board sockets; per (socket, job) the delay from the job's
+201 to the first socket message carrying it, min/p50/p95/max, the messages each socket was
+sent that carried job states, and the CPU the portal and the Celery worker used. Side by side in one run: a platform
+with BUNGEE_LIVE_COALESCE off (a message per job change, each written to every socket as it
+comes: the code before) and one with it on, `--repeats` bursts each (the jobs cancelled and the
+platform settled between). After each burst every socket must end showing exactly what a fresh
+socket's snapshot shows of every job (`converged`).
+
+    python bench/live.py --burst [--jobs 200] [--over 10] [--sockets 50] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -21,7 +33,9 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -150,6 +164,161 @@ def measure(platform: Platform, run: object) -> tuple[list[float], float]:
     return delays, 100 * (cpu_seconds(processes) - before) / wall
 
 
+BURST_DEVICES = 4
+WAITING_SPEC = {"name": "burst", "workload": "digits-mlp", "min_workers": BURST_DEVICES + 1,
+                "max_workers": BURST_DEVICES + 1, "steps": 50}
+"""A job that waits in the queue of the burst's one agent for as long as it is not cancelled."""
+
+
+def job_states(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job summaries a board message carries: one in `job`, several in `jobs`."""
+    if message.get("type") == "job":
+        return [message["job"]]
+    if message.get("type") == "jobs":
+        return list(message["jobs"])
+    return []
+
+
+async def burst(platform: Platform, jobs: int, over_s: float, sockets: int) -> dict[str, Any]:
+    """One burst: `jobs` submissions spread over `over_s` with `sockets` board sockets open.
+    Returns the delays, the messages per socket and whether every socket converged."""
+    from websockets.asyncio.client import connect
+
+    url = platform.base_url.replace("http", "ws") + "/ws/live/"
+    headers = {"Authorization": f"Bearer {platform.tokens['alice']}"}
+    first_seen: list[dict[int, float]] = [{} for _ in range(sockets)]
+    newest: list[dict[int, dict[str, Any]]] = [{} for _ in range(sockets)]
+    counts = [0] * sockets
+    created: dict[int, float] = {}
+    refused: list[str] = []
+    ready = asyncio.Barrier(sockets + 1)
+    done = asyncio.Event()
+
+    async def board(index: int) -> None:
+        # No keepalive pings: a portal that is behind answers them late, and the client closed
+        # the socket in the middle of the burst.
+        async with connect(url, additional_headers=headers, origin="http://127.0.0.1", max_size=2**26,  # type: ignore[arg-type]
+                           ping_interval=None) as ws:
+            snapshot = json.loads(await asyncio.wait_for(ws.recv(), timeout=60))
+            newest[index].update({job["id"]: job for job in snapshot["cluster"]["jobs"]})
+            await ready.wait()
+            while not done.is_set():
+                try:
+                    raw = await asyncio.wait_for(ws.recv(), timeout=0.5)
+                except TimeoutError:
+                    continue
+                arrived = time.time()
+                states = job_states(json.loads(raw))
+                counts[index] += bool(states)
+                for job in states:
+                    first_seen[index].setdefault(job["id"], arrived)
+                    newest[index][job["id"]] = job
+
+    async def submit(client: httpx.AsyncClient, at: float) -> None:
+        await asyncio.sleep(max(0.0, at - time.time()))
+        reply = await client.post("/api/jobs", json=WAITING_SPEC)
+        answered = time.time()
+        if reply.status_code != 201:  # a portal that is behind answers 503 (its database pool waited too long)
+            refused.append(f"{reply.status_code} {reply.text[:200]}")
+            return
+        created[reply.json()["id"]] = answered
+
+    async def run() -> None:
+        boards = [asyncio.ensure_future(board(i)) for i in range(sockets)]
+        await asyncio.wait_for(ready.wait(), timeout=120)
+        start = time.time()
+        async with httpx.AsyncClient(base_url=platform.base_url, timeout=120, limits=httpx.Limits(max_connections=jobs),
+                                     headers={"Authorization": f"Bearer {platform.tokens['alice']}"}) as client:
+            await asyncio.gather(*(submit(client, start + i * over_s / jobs) for i in range(jobs)))
+        # Every socket has had every job, and then no job state for 3 s: what they show is final.
+        deadline = time.time() + 300
+        while time.time() < deadline and not all(set(created) <= set(seen) for seen in first_seen):
+            await asyncio.sleep(0.2)
+        quiet = -1
+        while time.time() < deadline and quiet != sum(counts):
+            quiet = sum(counts)
+            await asyncio.sleep(3)
+        done.set()
+        await asyncio.gather(*boards)
+
+    cpu_of = {name: [p for p in platform.group.processes if p.name == name][0].process.pid for name in ("portal", "worker")}
+    processes = {name: [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)] for name, pid in cpu_of.items()}
+    before = {name: cpu_seconds(ps) for name, ps in processes.items()}
+    started = time.time()
+    await run()
+    wall = time.time() - started
+    cpu = {name: round(100 * (cpu_seconds(ps) - before[name]) / wall, 1) for name, ps in processes.items()}
+
+    async with connect(url, additional_headers=headers, origin="http://127.0.0.1", max_size=2**26) as ws:  # type: ignore[arg-type]
+        truth = {job["id"]: job for job in json.loads(await asyncio.wait_for(ws.recv(), timeout=60))["cluster"]["jobs"]}
+    converged = sum(all(shown.get(job_id) == job for job_id, job in truth.items()) for shown in newest)
+    delays = [seen[job_id] - at for seen in first_seen for job_id, at in created.items() if job_id in seen]
+    missing = sum(job_id not in seen for seen in first_seen for job_id in created)
+    return {"delays": delays, "missing": missing, "messages_per_socket": statistics.median(counts),
+            "converged": converged, "cpu_pct": cpu, "job_ids": sorted(created), "refused": refused}
+
+
+def has_devices(platform: Platform, count: int) -> bool:
+    return sum(len(n["devices"]) for n in platform.api("alice").get("/api/cluster").json()["nodes"]) == count
+
+
+def cancel_all(platform: Platform, job_ids: list[int]) -> None:
+    api = platform.api("alice")
+    for job_id in job_ids:
+        api.post(f"/api/jobs/{job_id}/cancel")
+    platform.wait_for("the jobs cancelled", lambda: not api.get("/api/jobs", params={"state": "queued"}).json(), timeout_s=120)
+
+
+def burst_main(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()
+    results: dict[str, dict[str, Any]] = {}
+    modes = (("before: a message per job change", "false"), ("coalesced (ours)", "true"))
+    for mode, coalesce in [m for m in modes if args.only is None or m[1] == {"before": "false", "coalesced": "true"}[args.only]]:
+        delays: list[float] = []
+        p95s: list[float] = []
+        per_socket: list[float] = []
+        converged: list[int] = []
+        missing = 0
+        cpu: list[dict[str, float]] = []
+        with tempfile.TemporaryDirectory() as tmp, running_platform(
+                Path(tmp), {"bench-node": BURST_DEVICES}, {"BUNGEE_STANDBYS": "off", "BUNGEE_LIVE_COALESCE": coalesce}) as platform:
+            platform.wait_for("the devices", partial(has_devices, platform, BURST_DEVICES), timeout_s=90)
+            for repeat in range(args.repeats):
+                outcome = asyncio.run(burst(platform, args.jobs, args.over, args.sockets))
+                delays += outcome["delays"]
+                p95s.append(percentile(outcome["delays"], 95) * 1000)
+                per_socket.append(outcome["messages_per_socket"])
+                converged.append(outcome["converged"])
+                missing += outcome["missing"]
+                cpu.append(outcome["cpu_pct"])
+                print(f"{mode}, repeat {repeat + 1}: p50 {statistics.median(outcome['delays']) * 1000:.0f} ms, "
+                      f"p95 {p95s[-1]:.0f} ms, max {max(outcome['delays']) * 1000:.0f} ms; "
+                      f"{outcome['messages_per_socket']:.0f} job messages per socket; {outcome['converged']} of "
+                      f"{args.sockets} sockets converged; CPU {outcome['cpu_pct']}; "
+                      f"{len(outcome['refused'])} submissions refused {outcome['refused'][:1]}", flush=True)
+                cancel_all(platform, outcome["job_ids"])
+                print(f"{mode}, repeat {repeat + 1}: the jobs cancelled; the portal settled in {settle(platform):.0f} s", flush=True)
+        results[mode] = {**summary(delays), "p95_per_repeat_ms": [round(p, 1) for p in p95s],
+                         "messages_per_socket": per_socket, "converged_sockets": converged, "missing": missing,
+                         "portal_cpu_pct": [c["portal"] for c in cpu], "celery_cpu_pct": [c["worker"] for c in cpu]}
+    load_after = os.getloadavg()
+    conditions = (
+        f"{host.node()}: {psutil.cpu_count()} cores, Python {host.python_version()}; {args.jobs} submissions in "
+        f"{args.over:.0f} s, each waiting in the queue of one agent's {BURST_DEVICES} simulated devices; {args.sockets} "
+        f"board sockets; {args.repeats} bursts per mode; one uvicorn process; Redis and PostgreSQL on the same machine; "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
+    print(f"\nconditions: {conditions}")
+    print(f"{'mode':<36} {'n':>7} {'min':>8} {'p50':>8} {'p95':>8} {'max':>8}  job messages/socket  converged")
+    for mode, r in results.items():
+        print(f"{mode:<36} {r['n']:>7} {r['min_ms']:>6.0f}ms {r['p50_ms']:>6.0f}ms {r['p95_ms']:>6.0f}ms {r['max_ms']:>6.0f}ms"
+              f"  {r['messages_per_socket']}  {r['converged_sockets']} of {args.sockets}")
+    print(json.dumps({"bench": "live-burst", "jobs": args.jobs, "over_s": args.over, "sockets": args.sockets,
+                      "repeats": args.repeats, "before": results.get("before: a message per job change"),
+                      "coalesced": results.get("coalesced (ours)"),
+                      "load_average": [round(load_before[0], 2), round(load_after[0], 2)]}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=256)
@@ -159,7 +328,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10 s per phase, one repeat")
     parser.add_argument("--no-polling", action="store_true", help="measure the push alone")
     parser.add_argument("--portals", type=int, default=1, help="portal processes on the one address (uvicorn's workers when > 1)")
+    parser.add_argument("--burst", action="store_true", help="the boards during a burst of submissions (the docstring)")
+    parser.add_argument("--jobs", type=int, default=200, help="--burst: submissions")
+    parser.add_argument("--over", type=float, default=10, help="--burst: seconds the submissions are spread over")
+    parser.add_argument("--only", choices=("before", "coalesced"), help="--burst: one mode alone")
     args = parser.parse_args()
+    if args.burst:
+        burst_main(args)
+        return
     if args.quick:
         args.seconds, args.repeats = 10, 1
 

@@ -40,8 +40,8 @@ autotuner for the loops, deterministic algorithms for strict); on CUDA the proce
 CUBLAS_WORKSPACE_CONFIG=:4096:8 for every arm, since strict mode needs it before cuBLAS starts.
 Threads: `--threads` (default: the worker's setting, BUNGEE_WORKER_THREADS or 1) for every arm.
 
-`--precision bf16` runs every arm's forward and loss under bf16 autocast (Bungee's plain arm
-through the spec's `precision`; strict refuses it, so the strict arm is then left out).
+`--precision bf16` runs every arm's forward and loss under bf16 autocast (Bungee's arms through
+the spec's `precision`, strict's as well).
 
 Needs torch and pydantic; neither Redis, nor Django, nor a server. The last line is one JSON
 object: torch_step_ms, floor_step_ms, plain_step_ms, strict_step_ms (medians over the rounds),
@@ -306,9 +306,6 @@ def main() -> int:
     arms = [arm for arm in args.arms.split(",") if arm]
     if unknown := set(arms) - set(ARMS):
         parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
-    if args.precision == "bf16" and "strict" in arms:
-        arms.remove("strict")
-        print("strict mode refuses bf16: the strict arm is left out", flush=True)
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: strict needs it

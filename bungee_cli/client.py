@@ -14,7 +14,9 @@ from typing import Any
 
 import httpx
 
-URL_ENV, TOKEN_ENV, CONFIG_ENV = "BUNGEE_URL", "BUNGEE_TOKEN", "BUNGEE_CONFIG"
+from bungee_cli.settings import CliSettings
+
+URL_ENV, TOKEN_ENV = "BUNGEE_URL", "BUNGEE_TOKEN"
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 
 
@@ -29,10 +31,7 @@ class CliError(Exception):
 
 def config_path() -> Path:
     """$BUNGEE_CONFIG, or bungee/config.json under $XDG_CONFIG_HOME (default ~/.config)."""
-    if os.environ.get(CONFIG_ENV):
-        return Path(os.environ[CONFIG_ENV])
-    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    return base / "bungee" / "config.json"
+    return CliSettings().config_path()
 
 
 @dataclass(frozen=True)
@@ -54,10 +53,11 @@ class Login:
     @classmethod
     def load(cls) -> Login:
         """$BUNGEE_URL and $BUNGEE_TOKEN, else the saved config. Raises CliError if neither."""
-        url, token = os.environ.get(URL_ENV), os.environ.get(TOKEN_ENV)
+        settings = CliSettings()
+        url, token = settings.url, settings.token
         if url and token:
             return cls(url.rstrip("/"), token)
-        path = config_path()
+        path = settings.config_path()
         try:
             saved = json.loads(path.read_text())
         except FileNotFoundError:
@@ -70,14 +70,22 @@ class Login:
 
 
 def describe_error(reply: httpx.Response) -> str:
-    """The API's error shape as lines: the message, then each field with its value."""
+    """The API's error shape as lines: the message, then what each field adds to it. A field whose
+    message the headline already says adds only its value, if the headline lacks that; a value the
+    refusal does not have (null: the field was absent) is not shown."""
     try:
         error = reply.json()["error"]
     except (ValueError, KeyError, TypeError):
         return f"HTTP {reply.status_code}: {reply.text[:300]}"
-    lines = [f"{error.get('message', 'refused')} (HTTP {reply.status_code}, {error.get('code', 'error')})"]
+    message = str(error.get("message") or "refused")
+    lines = [f"{message} (HTTP {reply.status_code}, {error.get('code', 'error')})"]
     for field in error.get("fields") or []:
-        lines.append(f"  {field.get('field')}: {field.get('message')} (value: {field.get('value')!r})")
+        name, said, value = field.get("field"), str(field.get("message") or ""), field.get("value")
+        shown = "" if value is None else repr(value)
+        if said and said not in message:
+            lines.append(f"  {name}: {said}" + (f" (value: {shown})" if shown else ""))
+        elif shown and shown not in message and str(value) not in message:
+            lines.append(f"  {name} was {shown}")
     return "\n".join(lines)
 
 
@@ -92,6 +100,15 @@ class Portal:
         self.url = login.url
         self.http = httpx.Client(
             base_url=login.url, headers={"Authorization": f"Bearer {login.token}"}, timeout=TIMEOUT
+        )
+
+    def token_refused(self) -> str:
+        """What to tell a user whose token the portal does not know, and how to get a new one."""
+        return (
+            f"the portal at {self.url} does not take your API token: it is wrong, or it has expired (an "
+            "operator revoked it). Get a new one from an operator (they run `python manage.py create_token "
+            f"YOUR_NAME`; `make demo` prints one as it starts), then run `bungee login {self.url}` (or set "
+            f"{TOKEN_ENV} to it)"
         )
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -134,6 +151,8 @@ class Portal:
             raise CliError(f"the portal at {self.url} is unreachable: {err}") from None
 
     def _checked(self, reply: httpx.Response) -> httpx.Response:
+        if reply.status_code == 401:
+            raise CliError(self.token_refused())
         if reply.status_code >= 400:
             try:
                 body = reply.json()

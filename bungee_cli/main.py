@@ -127,6 +127,40 @@ def _pack(directory: Path) -> tuple[bytes, Packed]:
     return buffer.getvalue(), packed
 
 
+LARGEST_SHOWN = 5
+"""How many of its largest files a refusal of code too big to upload names."""
+
+
+def _size(count: int) -> str:
+    """Bytes for people: 1.1 MiB, 195.3 KiB, 14 bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
+
+
+def _check_fits(directory: Path, archive_size: int, packed: Packed, limits: dict[str, int]) -> None:
+    """Raises CliError, before anything is sent, if the packed code passes a limit the portal gave
+    (`limits`: the dry run's code_limits), naming the directory's largest files and how to leave
+    files out."""
+    members = len(packed.files) + len({str(parent) for name in packed.files for parent in Path(name).parents} - {"."})
+    passed = [
+        f"it {what} {shown(have)}; the portal takes at most {shown(limit)} ({setting})"
+        for what, have, limit, setting, shown in (
+            ("packs to", archive_size, limits["max_bytes"], "BUNGEE_CODE_MAX_BYTES", _size),
+            ("unpacks to", packed.unpacked_bytes, limits["max_unpacked_bytes"], "BUNGEE_CODE_MAX_UNPACKED_BYTES", _size),
+            ("holds", members, limits["max_files"], "BUNGEE_CODE_MAX_FILES", "{} files and directories".format),
+        )
+        if have > limit
+    ]
+    if not passed:
+        return
+    sizes = sorted(((directory / name).stat().st_size, name) for name in packed.files)[::-1][:LARGEST_SHOWN]
+    largest = ", ".join(f"{name} ({_size(size)})" for size, name in sizes)
+    raise CliError(f"--code {directory} is too big to upload: {'; '.join(passed)}. Its largest files: {largest}; "
+                   f"{LEAVE_OUT_ADVICE}")
+
+
 def _upload(portal: Portal, archive: bytes, name: str, quiet: bool) -> dict[str, Any]:
     with Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -191,6 +225,8 @@ def submit(
         spec["code"] = packed.digest
     checked = portal.post("/api/jobs/validate", spec)  # a bad spec stops here: nothing uploaded
     if code is not None and archive is not None and not checked["code_uploaded"]:
+        if checked.get("code_limits"):  # a portal that does not say them refuses code over them itself
+            _check_fits(code, len(archive), packed, checked["code_limits"])
         _check_entrypoint(archive, spec)
         uploaded = _upload(portal, archive, f"{code.resolve().name}.tar.gz", quiet=output is Output.JSON)
         spec["code"] = uploaded["digest"]
@@ -212,7 +248,7 @@ def _check_entrypoint(archive: bytes, spec: dict[str, Any]) -> None:
     try:
         check_entrypoint(io.BytesIO(archive), entrypoint)
     except EntrypointError as error:
-        raise CliError(f"the job spec has 1 invalid field\n  entrypoint: {error} (value: {entrypoint!r})") from None
+        raise CliError(f"the job spec's entrypoint points at nothing in --code: {error}") from None
 
 
 def _follow(
@@ -280,29 +316,94 @@ def list_jobs(
     output: OutputOption = Output.TEXT,
 ) -> None:
     """Everyone's jobs, newest first (as squeue shows them)."""
+    _list(owner, state, limit, output)
+
+
+def _why(job: dict[str, Any]) -> str:
+    """A list's "why" for a job: why it ended (a failed or cancelled job of yours), else the
+    scheduler's note."""
+    return str(job.get("reason") or job.get("schedule_note") or "")
+
+
+def _list(owner: str | None, state: str | None, limit: int, output: Output) -> None:
     jobs, total = _portal().listing("/api/jobs", limit, owner=owner, state=state)
     table = Table("id", "name", "owner", "state", "workers", "steps", "why", box=None)
     for job in jobs:
         cells = (job["id"], job["name"], job["owner"], job["state"],
                  f"{job['workers']} of {job['min_workers']}-{job['max_workers']}",
-                 f"{job['steps_done']}/{job['total_steps']}", job.get("schedule_note") or "")  # fmt: skip
+                 f"{job['steps_done']}/{job['total_steps']}", _why(job))  # fmt: skip
         table.add_row(*(escape(str(cell)) for cell in cells))
     if len(jobs) < total:
         table.caption = f"the newest {len(jobs)} of {total} jobs; --limit shows more"
     _emit(output, jobs, table if jobs else "no jobs")
 
 
+STATUS_ROWS = ("id", "name", "owner", "state", "workers", "pinned_workers", "generation", "steps_done", "total_steps",
+               "last_loss", "samples_per_s", "attained_service_s", "restarts", "reason", "message", "schedule_note")
+
+
+def seconds(value: float) -> str:
+    """A duration for people: 42.6 s, 12 min 5 s, 3 h 20 min."""
+    if value < 60:
+        return f"{value:.1f} s"
+    if value < 3600:
+        return f"{value // 60:.0f} min {value % 60:.0f} s"
+    return f"{value // 3600:.0f} h {value % 3600 // 60:.0f} min"
+
+
+def rate(value: float) -> str:
+    """A rate for people: three significant digits below 100, whole numbers above (thousands grouped)."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+STATUS_FORMATS: dict[str, Callable[[Any], str]] = {
+    "last_loss": lambda value: f"{value:.4g}",
+    "samples_per_s": lambda value: f"{rate(value)} samples/s",
+    "attained_service_s": seconds,
+}
+"""How `status` shows a number that is no count: a loss with 4 significant digits, a rate, seconds."""
+
+
+def status_cell(key: str, value: Any) -> str:
+    """One value of `status`'s table as text (empty for none)."""
+    if value is None:
+        return ""
+    if key in STATUS_FORMATS and isinstance(value, (int, float)):
+        return STATUS_FORMATS[key](value)
+    return str(value)
+
+
+OptionalJobId = Annotated[int | None, typer.Argument(help="the job's number; none: the newest jobs, as `list`", min=1)]
+
+
 @app.command()
-def status(job_id: JobId, output: OutputOption = Output.TEXT) -> None:
-    """One job: state, size, progress, the scheduler's reason."""
+def status(job_id: OptionalJobId = None, output: OutputOption = Output.TEXT) -> None:
+    """One job: state, size, progress, the scheduler's reason, why it ended; without a job, the
+    newest jobs as `list` shows them."""
+    if job_id is None:
+        _list(None, None, 100, output)
+        return
     job = _portal().get(f"/api/jobs/{job_id}")
     table = Table(show_header=False, box=None)
-    for key in ("id", "name", "owner", "state", "workers", "pinned_workers", "generation", "steps_done",
-                "total_steps", "last_loss", "samples_per_s", "restarts", "message", "schedule_note"):  # fmt: skip
-        table.add_row(key, "" if job.get(key) is None else escape(str(job.get(key))))
-    for key, value in standing(job):
+    for key in STATUS_ROWS:
+        table.add_row(key, escape(status_cell(key, job.get(key))))
+    for key, value in [*standing(job), *own_packages_rows(job)]:
         table.add_row(key, escape(value))
     _emit(output, job, table)
+
+
+def own_packages_rows(job: dict[str, Any]) -> list[tuple[str, str]]:
+    """The job's own packages, if it has them: its requirements as given, where its environment
+    was built, and every package installed in it with its version."""
+    own = job.get("own_packages")
+    if not own:
+        return []
+    left_out = f"; {own['left_out']} left out for their size" if own.get("left_out") else ""
+    return [
+        ("own packages", f"{', '.join(own['requirements'])} (from {own['source']}; environment "
+                         f"{own['digest'][:12]} on {own['node']}{left_out})"),
+        ("installed", ", ".join(f"{name}=={version}" for name, version in own["packages"].items())),
+    ]
 
 
 def _in(unix_time: float) -> str:
@@ -417,6 +518,36 @@ def artifacts_listing(
         sleep(ARTIFACTS_EVERY_S)
 
 
+LOCK_NAME = "requirements.lock"
+
+
+def lock_text(job_id: int, manifest: Any) -> str | None:
+    """The requirements.lock of a job that had packages of its own, from its manifest: a line
+    `name==version` for each package its environment held (after the index lines the job gave),
+    below comments saying which Python and torch build they went with (the node's, not in the
+    lock) and the requirements as given; None for a job without own packages (or a manifest
+    that does not say)."""
+    environment = manifest.get("environment") if isinstance(manifest, dict) else None
+    if not isinstance(environment, dict) or not isinstance(own := environment.get("own_packages"), dict):
+        return None
+    cuda = environment.get("torch_cuda")
+    python = " ".join(str(environment.get("python", "")).split()[:1])
+    lines = [
+        f"# The packages of job {job_id}'s own environment ({str(own.get('digest', ''))[:12]}), pinned.",
+        f"# They ran beside the node's Python {python} and torch {environment.get('torch')} "
+        f"({f'CUDA {cuda}' if cuda else 'CPU'} build), which this file does not install.",
+        "# Rebuild: a virtual environment of that Python with that torch, then",
+        "#   pip install -r requirements.lock",
+        f"# The job's requirements, as given in its {own.get('source')}:",
+        *(f"#   {line}" for line in own.get("requirements", [])),
+    ]
+    if own.get("left_out"):
+        lines.append(f"# Incomplete: {own['left_out']} requirements and packages were left out for their size.")
+    lines += [line for line in own.get("requirements", []) if line.startswith("-")]  # the job's index lines
+    lines += [f"{name}=={version}" for name, version in sorted(own.get("packages", {}).items())]
+    return "\n".join(lines) + "\n"
+
+
 @app.command()
 def download(
     job_id: JobId,
@@ -429,7 +560,10 @@ def download(
     ] = ARTIFACTS_WAIT_S,
     output: OutputOption = Output.TEXT,
 ) -> None:
-    """Fetch a finished job's model, checkpoint and manifest; checks each file's sha256."""
+    """Fetch a finished job's model, checkpoint and manifest; checks each file's sha256.
+
+    A job that had packages of its own also gets a requirements.lock beside them: the packages
+    pinned, to build its environment again."""
     portal = _portal()
     listed = artifacts_listing(portal, job_id, wait)
     if output_dir is not None:
@@ -456,6 +590,12 @@ def download(
                 )
             partial.replace(target)
             saved.append({"name": entry["name"], "path": str(target), "sha256": digest.hexdigest()})
+    manifest = next((Path(s["path"]) for s in saved if s["name"] == "manifest.json"), None)
+    lock = lock_text(job_id, json.loads(manifest.read_text())) if manifest is not None else None
+    if lock is not None:
+        target = download_target(job_id, LOCK_NAME, output_dir)
+        target.write_text(lock)
+        saved.append({"name": LOCK_NAME, "path": str(target), "sha256": hashlib.sha256(lock.encode()).hexdigest()})
     _emit(output, {"job": job_id, "step": listed["step"], "files": saved},
           escape("\n".join(f"{s['path']} (sha256 {s['sha256'][:12]})" for s in saved)))  # fmt: skip
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 if TYPE_CHECKING:
-    from elastic.environ_settings import EnvironSettings
+    from pydantic_settings import BaseSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
@@ -167,12 +167,14 @@ def _field_bounds(field: Any) -> str:
     return ", ".join(parts)
 
 
-def settings_rows(cls: type[EnvironSettings], flag: Callable[[str], str] | None = None) -> list[Setting]:
-    """One row per field of a settings class: its variable (or, given `flag`, its flag and its
-    variable), default, bounds and description."""
+def settings_rows(cls: type[BaseSettings], flag: Callable[[str], str] | None = None) -> list[Setting]:
+    """One row per field of a settings class: its variable (its alias: or, given `flag`, its flag
+    and its variable), default, bounds and description."""
     rows = []
     for name, field in cls.model_fields.items():
-        variable = cls.variable(name)
+        variable = field.validation_alias
+        if not isinstance(variable, str):
+            raise TypeError(f"{cls.__name__}.{name} names no environment variable (validation_alias)")
         shown, environment = (flag(name), variable) if flag else (variable, "")
         default, bounds = _field_default(field.default), _field_bounds(field)
         rows.append(Setting(shown, default, field.description or "", environment, bounds))
@@ -199,6 +201,13 @@ def simulate_flags() -> list[Setting]:
     from agent.simulate import SimulateSettings
 
     return settings_rows(SimulateSettings, SimulateSettings.flag)
+
+
+def cli_settings() -> list[Setting]:
+    """The `bungee` command's environment variables (CliSettings)."""
+    from bungee_cli.settings import CliSettings
+
+    return settings_rows(CliSettings)
 
 
 def worker_settings() -> list[Setting]:
@@ -228,6 +237,12 @@ CONFIGURATION: tuple[tuple[str, str, Callable[[], list[Setting]]], ...] = (
         "Each worker reads these from the environment it inherits from its agent "
         "(`elastic/worker/settings.py`); set them in the agent's environment.",
         worker_settings,
+    ),
+    (
+        "The command line",
+        "`bungee` (`bungee_cli/settings.py`, CliSettings) reads these; `bungee login` saves the "
+        "address and token to the config file, which every command reads unless both variables are set.",
+        cli_settings,
     ),
     (
         "Playing a device's owner",

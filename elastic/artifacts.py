@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
+from elastic.wire import OwnPackages
+
 ARTIFACTS_DIR = "artifacts"
 """Under the job's run directory on rank 0's node."""
 MODEL_NAME = "model.pt"
@@ -63,6 +65,19 @@ class Files(BaseModel):
     checkpoint: Sha256 = Field(alias=CHECKPOINT_NAME)
 
 
+class TrainedWith(BaseModel):
+    """What the job was trained with on rank 0's node: its Python and torch build, and its own
+    packages (None: it had none, and ran in the node's packages alone)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    python: ShortText
+    torch: ShortText
+    torch_cuda: ShortText | None = None
+    """The CUDA version torch was built for; None: a CPU build."""
+    own_packages: OwnPackages | None = None
+
+
 class Manifest(BaseModel):
     """What a job's manifest.json holds (elastic.worker.artifacts writes it; the agent uploads it;
     the portal checks it against this before it keeps it and shows it). Other keys (the spec, the
@@ -80,6 +95,8 @@ class Manifest(BaseModel):
     bungee_version: ShortText | None = None
     torch_version: ShortText | None = None
     created_at: float | None = None
+    environment: TrainedWith | None = None
+    """Absent from the manifests of jobs that ended before it was recorded."""
 
     def stored(self) -> dict[str, Any]:
         """The manifest as JSON, with the files under their own names."""

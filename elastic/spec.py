@@ -25,10 +25,13 @@ CODE_DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 _CODE_EPOCHS_RULE = "a job with its own code gives steps: the size of its data set is known only on the nodes"
 _HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size")
-_STRICT_PRECISION_RULE = (
-    "strict jobs train in fp32: bf16 autocast kernels are not guaranteed to give the same bits when a "
-    "batch is split otherwise, so the bit-for-bit promise could not hold; choose consistency hybrid for bf16"
+_SHARDING_NOT_BUILT = (
+    "fsdp is not available yet: the workers can shard a model with fully_shard and re-cut it in place, "
+    "but a sharded job does not yet run through the platform (the worker's restore and switch, hand-over "
+    "by leaving workers, checkpoints and exports); use none"
 )
+_SHARD_REPLICAS_NOT_BUILT = "2 is not available yet: every shard lives on one worker; use 1"
+_SHARD_REPLICAS_ONLY_SHARDED = "only sharded jobs (sharding: fsdp) keep replicas of their shards"
 
 
 class JobSpec(BaseModel):
@@ -42,7 +45,9 @@ class JobSpec(BaseModel):
     - `max_workers` is at least `min_workers`;
     - strict jobs: `virtual_workers` is at least `max_workers` and at most the global batch size;
       `batch_per_worker`, `min_batch_size` and `max_batch_size` belong to hybrid jobs only;
-    - hybrid jobs have no `virtual_workers`; `max_batch_size` is at least `min_batch_size`.
+    - hybrid jobs have no `virtual_workers`; `max_batch_size` is at least `min_batch_size`;
+    - `sharding` is none: fsdp is refused until a sharded job runs end to end; `shard_replicas`
+      is 1, and above 1 only with sharding and at least as many workers.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -109,8 +114,18 @@ class JobSpec(BaseModel):
     )
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",
-        description="bf16: the task's forward and loss run under torch.autocast in bfloat16 (consistency hybrid "
-        "only: strict refuses it); fp32: no autocast",
+        description="bf16: the task's forward and loss run under torch.autocast in bfloat16, the weights, "
+        "gradients and optimiser in fp32 (strict keeps its bit-for-bit promise: each virtual worker's forward "
+        "sees the same shapes wherever it runs); fp32: no autocast",
+    )
+    sharding: Literal["none", "fsdp"] = Field(
+        "none",
+        description="none: every worker holds the whole model, its gradients and its optimiser state; fsdp "
+        "(not available yet): each worker holds a 1/N shard of them (torch's fully_shard)",
+    )
+    shard_replicas: int = Field(
+        1, ge=1, le=2,
+        description="sharded jobs: on how many workers each shard lives (2, not available yet: a crash loses no step)",
     )
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="global steps to train (or give epochs)")
     epochs: float | None = Field(
@@ -145,8 +160,10 @@ class JobSpec(BaseModel):
             raise ValueError(_CODE_EPOCHS_RULE)
         if self.virtual_workers is not None and self.virtual_workers < self.max_workers:
             raise ValueError(_VIRTUAL_WORKERS_RULE.format(v=self.virtual_workers, w=self.max_workers))
-        if self.consistency == "strict" and self.precision != "fp32":
-            raise ValueError(_STRICT_PRECISION_RULE)
+        if self.sharding != "none":
+            raise ValueError(f"sharding: {_SHARDING_NOT_BUILT}")
+        if self.shard_replicas != 1:
+            raise ValueError(f"shard_replicas: {_SHARD_REPLICAS_ONLY_SHARDED}")
         return self
 
     def virtual_worker_count(self) -> int:
@@ -280,7 +297,7 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
         errors.append(
             FieldError(
                 "max_workers",
-                f"must be at least min_workers ({data.get('min_workers')})",
+                f"must be at least min_workers ({data.get('min_workers', 1)})",
                 data.get("max_workers"),
             )
         )
@@ -294,6 +311,29 @@ def _cross_field_errors(data: dict[str, Any]) -> list[FieldError]:
         errors.append(FieldError("steps", "give exactly one of steps and epochs", None))
     errors.extend(_mode_errors(data, high))
     errors.extend(_task_errors(data, has_epochs))
+    errors.extend(_sharding_errors(data, high))
+    return errors
+
+
+def _sharding_errors(data: dict[str, Any], max_workers: float | None) -> list[FieldError]:
+    """Sharding and its replicas, each refusal with its own message on its own field."""
+    errors = []
+    sharding = data.get("sharding")
+    if sharding == "fsdp":
+        errors.append(FieldError("sharding", _SHARDING_NOT_BUILT, sharding))
+    replicas = data.get("shard_replicas")
+    if replicas != 2 or isinstance(replicas, bool):
+        return errors  # absent, 1, or out of range: the field's own check speaks
+    if sharding != "fsdp":
+        errors.append(FieldError("shard_replicas", _SHARD_REPLICAS_ONLY_SHARDED, replicas))
+    elif max_workers is not None and max_workers < replicas:
+        errors.append(FieldError(
+            "shard_replicas",
+            f"keeps each shard on {replicas} workers, but max_workers is {data.get('max_workers', 1)}",
+            replicas,
+        ))
+    else:
+        errors.append(FieldError("shard_replicas", _SHARD_REPLICAS_NOT_BUILT, replicas))
     return errors
 
 
@@ -340,9 +380,6 @@ def _mode_errors(data: dict[str, Any], max_workers: float | None) -> list[FieldE
             for name in _HYBRID_FIELDS
             if name in given
         )
-    precision = data.get("precision")
-    if not hybrid and precision == "bf16":
-        errors.append(FieldError("precision", _STRICT_PRECISION_RULE, precision))
     virtual = _as_number(given.get("virtual_workers"))
     if virtual is not None and max_workers is not None and 1 <= virtual < max_workers:
         errors.append(

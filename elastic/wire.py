@@ -74,6 +74,67 @@ class DeviceSample(_Message):
 # --- agent to portal -------------------------------------------------------------------------
 
 
+OWN_PACKAGES_FILE = "bungee-own-packages.json"
+"""An OwnPackages as JSON, in the top directory of the environment it describes (the sys.prefix
+of its interpreter): how a worker knows that it runs in a job's own environment, and which."""
+OWN_PACKAGES_MAX_CHARS = 64 * 1024
+"""The most characters a record of a job's own packages holds, all its strings together: it rides
+in a worker event (a report) and in the job's manifest."""
+
+
+class OwnPackages(_Message):
+    """A job's own environment on a node (agent.environments): the requirements the job declared
+    (`source`: the file they came from) as uv was given them (elastic.requirements.Declared.lines:
+    the index lines, then each requirement, normalised and sorted), every package uv installed
+    with its version, and the environment's digest. `left_out`: how many requirements and
+    packages did not fit in OWN_PACKAGES_MAX_CHARS (dropped from the end; `fitted` drops them)."""
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    source: str = Field("requirements.txt", max_length=100)
+    requirements: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=MAX_LIST)
+    packages: dict[Annotated[str, Field(min_length=1, max_length=200)], Annotated[str, Field(max_length=200)]] = Field(
+        default_factory=dict, max_length=MAX_LIST
+    )
+    left_out: int = Field(0, ge=0, le=2**31)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> OwnPackages:
+        if _chars(self.requirements, self.packages) > OWN_PACKAGES_MAX_CHARS:
+            raise ValueError(f"the requirements and packages hold over {OWN_PACKAGES_MAX_CHARS} characters")
+        return self
+
+    @classmethod
+    def fitted(cls, digest: str, source: str, requirements: list[str], packages: dict[str, str]) -> OwnPackages:
+        """The record of these, with what does not fit in its bounds left out from the end (the
+        packages first, sorted by name), and counted in `left_out`. Raises ValueError for a
+        digest or source that is not one."""
+        given = len(requirements) + len(packages)
+        requirements = [line[:4096] for line in requirements[:MAX_LIST]]
+        named = sorted((name[:200], version[:200]) for name, version in packages.items() if name)[:MAX_LIST]
+        total = _chars(requirements, dict(named))
+        while named and total > OWN_PACKAGES_MAX_CHARS:
+            name, version = named.pop()
+            total -= len(name) + len(version)
+        while requirements and total > OWN_PACKAGES_MAX_CHARS:
+            total -= len(requirements.pop())
+        left_out = given - len(requirements) - len(named)
+        return cls(digest=digest, source=source, requirements=requirements, packages=dict(named), left_out=left_out)
+
+
+def _chars(requirements: list[str], packages: dict[str, str]) -> int:
+    return sum(map(len, requirements)) + sum(len(name) + len(version) for name, version in packages.items())
+
+
+class UserError(_Message):
+    """The job's own code failed (elastic.tasks.UserCodeError): what raised, in the error's own
+    words, and the traceback of the job's own files (innermost last). The worker announces it
+    with its exit; the agent reports it with the worker's "exited" event; the portal quotes it in
+    the failed job's message."""
+
+    error: str = Field(max_length=2000)
+    traceback: str = Field("", max_length=8000)
+
+
 class WorkerKey(_Message):
     job_id: int = Field(ge=1, le=2**31 - 1)
     generation: int = Field(ge=0, le=2**31 - 1)
@@ -150,23 +211,27 @@ class WorkerEvent(WorkerKey):
     - evaluation (rank 0): step, metrics, the task's `evaluate` over its eval_data (every
       spec.eval_every_steps, and at the end)
     - log: message
-    - exited: exit_code, reason (completed, stopped, left, failed, user_error), step (last completed step)
+    - exited: exit_code, reason (completed, stopped, left, failed, user_error), step (last completed step);
+      user_error, what the job's code raised, where it announced one
     - step_times (every rank): step_times, its compute seconds (step start to all-reduce) of
       its latest steps, oldest first: the portal finds stragglers from them
     - exiting (worker to agent only): exit_code, the code the worker is about to exit with, its
-      last line. The agent keeps it and reports "exited": it is how an agent that is not the
-      worker's parent (one that re-adopted it) learns the code, and what a worker cut short by a
-      signal during its teardown meant to say.
+      last line, and user_error where the job's own code failed. The agent keeps them and
+      reports "exited": it is how an agent that is not the worker's parent (one that re-adopted
+      it) learns the code, and what a worker cut short by a signal during its teardown meant to
+      say.
     - form_failed: the group of generation `failed_generation` did not form within its
       rendezvous deadline (message says why); the portal expires that generation at once
     - artifacts (rank 0): the job's model, checkpoint and manifest after `step` steps are in the
       directory `message` on the worker's node (elastic.worker.artifacts); the agent uploads
       them to the portal before it reports the event
+    - environment (agent only): own_packages, the job's own environment on this node, which the
+      agent built or found in its cache before it started the worker of rank `rank` in it
     """
 
     kind: Literal[
         "started", "joined", "resized", "progress", "log", "exited", "step_times", "exiting", "form_failed",
-        "artifacts", "evaluation",
+        "artifacts", "evaluation", "environment",
     ]
     at: float = Field(ge=0, le=LATEST_AT)
     pid: int | None = Field(None, ge=0, le=2**31)
@@ -193,18 +258,29 @@ class WorkerEvent(WorkerKey):
     metrics: dict[str, float] | None = Field(
         None, max_length=64, description="progress: the task's named training metrics; evaluation: its evaluation metrics"
     )
+    own_packages: OwnPackages | None = Field(None, description="environment: the job's own packages on the node")
+    user_error: UserError | None = Field(None, description="exiting, exited: what the job's own code raised")
 
 
-DrainCause = Literal["slurm_preemption", "slurm_time_limit", "slurm_pool_idle", "pod_eviction", "operator", "agent_stop"]
+DrainCause = Literal[
+    "slurm_preemption", "slurm_time_limit", "slurm_pool_idle", "slurm_cancel", "slurm_term", "pod_eviction",
+    "operator", "agent_stop",
+]
 DRAIN_CAUSES: dict[str, str] = {
     "slurm_preemption": "node preempted by Slurm",
     "slurm_time_limit": "Slurm time limit",
     "slurm_pool_idle": "idle, given back to Slurm",
+    "slurm_cancel": "node's Slurm job cancelled",
+    "slurm_term": "Slurm TERM: preemption, limit or cancel",
     "pod_eviction": "pod evicted",
     "operator": "node drained by an operator",
     "agent_stop": "node's agent stopped",
 }
-"""Why a node drains, as a job's timeline names it (each at most 40 characters, a resize reason)."""
+"""Why a node drains, as a job's timeline names it (each at most 40 characters, a resize reason).
+slurm_term: a TERM from Slurm that the agent could not tell apart (squeue did not say)."""
+SLURM_GIVE_BACK_COMMENT = "bungee_pool_idle"
+"""The comment the portal's Slurm pool puts on an agent job it cancels because it is idle, just
+before its scancel: the agent reads it (squeue's %k) to tell that TERM from an operator's cancel."""
 MAX_DRAIN_S = 86_400.0
 
 
@@ -285,6 +361,19 @@ class ExportCommand(_Message):
     generation: int = Field(ge=1)
     spec: dict[str, Any]
     run_dir: str
+
+
+class ExportConfig(_Message):
+    """What `python -m elastic.worker.export` exports: the ExportCommand's job, with the job's own
+    code where it has some (`code_dir`, as the agent fetched it, and its `entrypoint`). The
+    agent (agent.export) passes it as JSON in BUNGEE_EXPORT_CONFIG."""
+
+    job_id: int = Field(ge=1)
+    generation: int = Field(ge=1)
+    spec: dict[str, Any]
+    run_dir: str
+    code_dir: str | None = None
+    entrypoint: str | None = None
 
 
 class SimulateOwnerCommand(_Message):

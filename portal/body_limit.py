@@ -37,6 +37,8 @@ class Bound:
     advice: str = ""
     stall_s: float = 30.0
     min_rate_bytes_s: int = 256 * 1024
+    subject: str = "the request body"
+    """What the body is, as a refusal names it ("the code upload")."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ def _too_large(size: int | None, bound: Bound) -> bytes:
     advice = f"; {bound.advice}" if bound.advice else ""
     return json.dumps({"error": {
         "status": 413, "code": "too_large",
-        "message": f"the request body is {said}; at most {bound.limit} bytes are taken ({bound.setting}){advice}",
+        "message": f"{bound.subject} is {said}; at most {bound.limit} bytes are taken ({bound.setting}){advice}",
         "fields": [{"field": "body", "message": f"at most {bound.limit} bytes ({bound.setting})", "value": size}],
     }}).encode()
 

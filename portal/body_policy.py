@@ -5,7 +5,7 @@ so that a stranger gets no more than a login form's worth of the portal's memory
 - an agent's artifacts (`POST /api/agent/jobs/N/artifacts`): only a node's agent token, and only
   for a job that has a worker on that node: BUNGEE_ARTIFACT_MAX_BYTES;
 - a code upload (`POST /api/code`, the submit page): a user token or a signed-in session:
-  BUNGEE_CODE_MAX_BYTES and the form's other fields;
+  BUNGEE_CODE_MAX_BYTES and the multipart form around it;
 - any other body: BUNGEE_BODY_MAX_BYTES with a valid token or session, else
   BUNGEE_ANONYMOUS_BODY_MAX_BYTES;
 - a body to a path that is no route: 404 before it is read.
@@ -130,8 +130,9 @@ def _code_upload(scope: Scope) -> Bound | Refusal:
     code = settings.BUNGEE.code_max_bytes
     return _bound(
         code + UPLOAD_OVERHEAD_BYTES,
-        f"BUNGEE_CODE_MAX_BYTES={code}, and {UPLOAD_OVERHEAD_BYTES} for the form's other fields",
+        f"code of at most BUNGEE_CODE_MAX_BYTES={code} bytes, and {UPLOAD_OVERHEAD_BYTES} for the multipart form around it",
         LEAVE_OUT_ADVICE,
+        "the code upload",
     )
 
 
@@ -147,8 +148,10 @@ def _anonymous() -> Bound:
     )
 
 
-def _bound(limit: int, setting: str, advice: str = "") -> Bound:
-    return Bound(limit, setting, advice, settings.BUNGEE.body_timeout_s, settings.BUNGEE.body_min_rate_bytes_s)
+def _bound(limit: int, setting: str, advice: str = "", subject: str = "the request body") -> Bound:
+    return Bound(
+        limit, setting, advice, settings.BUNGEE.body_timeout_s, settings.BUNGEE.body_min_rate_bytes_s, subject
+    )
 
 
 def _sends_body(scope: Scope) -> bool:

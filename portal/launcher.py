@@ -40,6 +40,8 @@ class ManagedProcess:
     restart: bool = False
     restarted_at: list[float] = field(default_factory=list)
     """When it was started again (time.monotonic()), the last RESTART_WINDOW_S."""
+    ends_by_itself: bool = False
+    """Asked to end on its own (an agent told to drain): its exit is no death."""
 
 
 @dataclass
@@ -82,14 +84,14 @@ class ProcessGroup:
         return done.stdout
 
     def dead(self) -> list[ManagedProcess]:
-        """The processes that have exited and stay down. One started with `restart` is started
-        again here instead (its log says so), unless it already was RESTART_BURST times in the
-        last RESTART_WINDOW_S."""
+        """The processes that have exited and stay down (not those asked to end by themselves).
+        One started with `restart` is started again here instead (its log says so), unless it
+        already was RESTART_BURST times in the last RESTART_WINDOW_S."""
         now = time.monotonic()
         down = []
         for p in self.processes:
             code = p.process.poll()
-            if code is None:
+            if code is None or p.ends_by_itself:
                 continue
             p.restarted_at = [at for at in p.restarted_at if now - at < RESTART_WINDOW_S]
             if not p.restart or len(p.restarted_at) >= RESTART_BURST:

@@ -25,11 +25,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
-from elastic.worker import STOPPED_EXIT_CODE, WORKER_CONFIG_ENV
+from elastic.wire import WORKER_EVENT_PREFIX, UserError, WorkerConfig, WorkerEvent
+from elastic.worker import STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE, WORKER_CONFIG_ENV
 from elastic.worker.events import announce_exit
 
+STANDBY_IMPORTS: tuple[str, ...] = ()
+"""What a standby for this worker imports before it is ready (elastic.worker.standby.warm_modules):
+nothing, as this worker needs no torch, so that the agent's tests wait for no import of it."""
+
 JOINS_ENV = "FAKE_WORKER_JOINS"
+FAILURES: list[UserError] = []
+"""What "its code" raised, announced with its exit (spec: user_error_at_step)."""
 """Set: the worker says "joined" (its own generation) after its first step, whatever its spec."""
 
 
@@ -84,6 +90,9 @@ def main() -> int:
             time.sleep(step_s)
         if spec.get("exit_file") and os.path.exists(spec["exit_file"]):
             return int(spec.get("exit_code", 0))
+        if spec.get("user_error_at_step") == step:
+            FAILURES.append(UserError(error="loss() raised ValueError: fake", traceback='  File "task.py", line 9'))
+            return USER_ERROR_EXIT_CODE
         if spec.get("crash_at_step") == step:
             print("fake worker crashing", flush=True)
             return int(spec.get("crash_code", 3))
@@ -101,7 +110,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     code = main()
-    announce_exit(code)
+    announce_exit(code, user_error=FAILURES[0] if FAILURES else None)
     teardown_s = float(
         WorkerConfig.model_validate_json(os.environ[WORKER_CONFIG_ENV]).spec.get("teardown_s", 0)
     )

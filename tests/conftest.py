@@ -16,6 +16,44 @@ os.environ.setdefault("BUNGEE_AGENT_ISOLATION", "none")
 if TYPE_CHECKING:
     from elastic.wire import NodeRegistration, RunningWorker
 
+LONGEST_FIRST = (
+    "test_integration_slurm.py",
+    "test_integration_resize_in_place.py",
+    "test_integration_warm_up.py",
+    "test_faults.py",
+    "test_api_fuzz.py",
+    "test_integration_drain.py",
+    "test_job_confinement.py",
+    "test_integration_backbone.py",
+    "test_environment_import_check.py",
+    "test_agent_standby.py",
+    "test_browser_queue.py",
+    "test_integration_slurm_on_demand.py",
+    "test_worker_hybrid.py",
+    "test_multihost.py",
+    "test_slurm_preemption.py",
+    "test_slurm_pool_pass.py",
+    "test_slurm_confinement.py",
+    "test_agent_process.py",
+    "test_integration_agent_restart.py",
+    "test_integration_stragglers.py",
+    "test_integration_reclaim.py",
+    "test_task_readers.py",
+    "test_history_pruning.py",
+    "test_worker_build.py",
+    "test_agent_drain.py",
+    "test_cli.py",
+)
+"""The suite's longest files (the CI log's slowest durations say which), in about that order:
+run first, so that the xdist workers (`--dist loadfile --no-loadscope-reorder`, the
+Makefile's) end together instead of one running the longest file alone at the end."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The LONGEST_FIRST files' tests first, in that order; the others after, as collected."""
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture
 def users(db: Any) -> dict[str, Any]:

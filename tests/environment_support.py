@@ -19,17 +19,23 @@ def _record_line(name: str, data: bytes) -> str:
     return f"{name},sha256={digest},{len(data)}"
 
 
-def write_wheel(wheelhouse: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
-    """A wheel of the package `name` (its module says VERSION) in `wheelhouse`."""
+def write_wheel(
+    wheelhouse: Path, name: str, version: str, requires: tuple[str, ...] = (), code: str = "",
+    top_level: bool = False,
+) -> Path:
+    """A wheel of the package `name` (its module runs `code`, then says VERSION) in `wheelhouse`;
+    `top_level`: with a top_level.txt naming its module (else only its RECORD does)."""
     info = f"{name}-{version}.dist-info"
     files = {
-        f"{name}/__init__.py": f"VERSION = {version!r}\n".encode(),
+        f"{name}/__init__.py": f"{code}\nVERSION = {version!r}\n".encode(),
         f"{info}/METADATA": (
             f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
             + "".join(f"Requires-Dist: {requirement}\n" for requirement in requires)
         ).encode(),
         f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: bungee-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
+    if top_level:
+        files[f"{info}/top_level.txt"] = f"{name}\n".encode()
     record = "\n".join(_record_line(path, data) for path, data in files.items()) + f"\n{info}/RECORD,,\n"
     wheelhouse.mkdir(parents=True, exist_ok=True)
     path = wheelhouse / f"{name}-{version}-py3-none-any.whl"

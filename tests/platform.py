@@ -87,6 +87,12 @@ class Platform:
             command = [*self.network.prefix(name), *command, "--address", self.network.hosts[name].address]
         self.group.start(f"agent-{name}", command)
 
+    def agent_may_leave(self, name: str) -> None:
+        """Node `name`'s agent is about to be told to drain: it exits by itself once its workers
+        have left (at once, these days), which `wait_for` must not take for a death."""
+        [managed] = [p for p in self.group.processes if p.name == f"agent-{name}"]
+        managed.ends_by_itself = True
+
     def kill_agent(self, name: str) -> None:
         """SIGKILLs the agent named `name`, as a crash would: its workers train on. The group
         forgets the process, so that `wait_for` does not take it for a failure; `start_agent`
@@ -440,6 +446,12 @@ class SocketRecorder:
 
     def of_type(self, kind: str) -> list[dict[str, Any]]:
         return [m for m in list(self.messages) if m.get("type") == kind]
+
+    def job_states(self) -> list[dict[str, Any]]:
+        """Every job summary the boards were sent, in order: `job` messages hold one, `jobs`
+        messages (a scheduling cycle's, or a socket that was behind) several."""
+        return [job for m in list(self.messages) if m.get("type") in ("job", "jobs")
+                for job in ([m["job"]] if m["type"] == "job" else m["jobs"])]
 
     def stop(self) -> None:
         self._stop.set()

@@ -280,6 +280,20 @@ class SlurmCluster:
             return {}
         return dict(line.split() for line in done.stdout.splitlines() if line.strip())
 
+    def stop_controller(self) -> None:
+        """Stops slurmctld (its state stays in StateSaveLocation): the controller outage a pool
+        must live through. The jobs and slurmd run on."""
+        stop_process(self.processes["slurmctld"], timeout_s=STOP_TIMEOUT_S)
+
+    def start_controller(self) -> None:
+        """Starts slurmctld again from its saved state (no -c: the jobs are kept) and waits until
+        it answers and every node is back."""
+        _start(self, "slurmctld", ["slurmctld", "-D"])
+        wait_until(lambda: _alive(self, "slurmctld") and "UP" in self.run(
+            "scontrol", "ping", check=False, timeout_s=5).stdout, START_TIMEOUT_S, "slurmctld answering again")
+        wait_until(lambda: all(self.node_states().get(node) in ("idle", "mix", "alloc") for node in self.nodes),
+                   START_TIMEOUT_S, "every node responding to slurmctld again")
+
     def log(self, daemon: str) -> str:
         """A daemon's log, for a failure message."""
         path = self.directory / f"{daemon}.log"

@@ -7,13 +7,14 @@ deadline it stops what is left. A second SIGTERM stops at once."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 
 import pytest
 
-from agent.drain import Drain, slurm_duration_s, slurm_time_limit_at, term_cause
-from elastic.wire import DrainCommand, StopCommand
+from agent.drain import Drain, slurm_duration_s, slurm_job_at_term, term_cause
+from elastic.wire import SLURM_GIVE_BACK_COMMENT, DrainCommand, StopCommand
 from tests import test_agent_process as agent_process
 from tests.test_agent_process import AgentProcess, FakePortal, send, worker_launch
 
@@ -105,18 +106,41 @@ def test_the_earliest_deadline_wins_and_the_first_cause_stays() -> None:
 
 
 def test_what_a_sigterm_means_where_the_agent_runs() -> None:
-    def squeue(start_ago_s: float, limit: str) -> Callable[[list[str]], str]:
-        started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - start_ago_s))
-        return lambda command: f"{started}|{limit}\n"
+    def squeue(start_ago_s: float, limit: str, state: str = "RUNNING", end_in_s: float | None = None,
+               comment: str = "(null)", preempted_ago_s: float | None = None) -> Callable[[list[str], float], str]:
+        def at(offset_s: float) -> str:
+            return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + offset_s))
 
-    slurm = {"SLURM_JOB_ID": "42"}
-    # A one-hour limit signalled 30 s ahead: TERM 59.5 min in is the limit; 10 min in, a preemption
-    # (whose grace moves the job's end time near: the end time is no guide, the limit is).
-    assert term_cause(slurm, 30, squeue(3570, "1:00:00")) == "slurm_time_limit"
-    assert term_cause(slurm, 30, squeue(600, "1:00:00")) == "slurm_preemption"
-    assert term_cause(slurm, 30, squeue(600, "UNLIMITED")) == "slurm_preemption", "no limit: a preemption"
-    assert term_cause({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, 30) == "pod_eviction"
-    assert term_cause({}, 30) == "agent_stop"
+        limit_s = slurm_duration_s(limit)
+        end = at(end_in_s) if end_in_s is not None else at(limit_s - start_ago_s) if limit_s else "Unknown"
+
+        def answer(command: list[str], timeout_s: float) -> str:
+            if "PreemptTime" in command:  # its own query: a field of --Format only
+                return (at(-preempted_ago_s) if preempted_ago_s is not None else "N/A") + "\n"
+            return f"{state}|{at(-start_ago_s)}|{limit}|{end}|{comment}\n"
+
+        return answer
+
+    slurm = "42"
+    # A one-hour limit signalled 30 s ahead: TERM 59.5 min in is the limit.
+    assert term_cause(slurm, {}, 30, squeue(3570, "1:00:00")) == "slurm_time_limit"
+    # 10 min in, the job's end moved to the end of a 20 s grace: a preemption (limit or none).
+    assert term_cause(slurm, {}, 30, squeue(600, "1:00:00", end_in_s=20)) == "slurm_preemption"
+    assert term_cause(slurm, {}, 30, squeue(600, "UNLIMITED", end_in_s=20)) == "slurm_preemption"
+    # Its PreemptTime set, whatever its end time reads: a preemption.
+    assert term_cause(slurm, {}, 30, squeue(600, "1:00:00", preempted_ago_s=0)) == "slurm_preemption"
+    assert term_cause(slurm, {}, 30, squeue(3570, "1:00:00", preempted_ago_s=0)) == "slurm_preemption"
+    # scancel: the job completes at once. The pool's idle give-back says so in its comment.
+    assert term_cause(slurm, {}, 30, squeue(600, "1:00:00", "COMPLETING", end_in_s=0)) == "slurm_cancel"
+    assert term_cause(slurm, {}, 30, squeue(600, "1:00:00", "CANCELLED", end_in_s=0)) == "slurm_cancel"
+    assert term_cause(slurm, {}, 30, squeue(600, "1:00:00", "COMPLETING", 0, SLURM_GIVE_BACK_COMMENT)) == "slurm_pool_idle"
+    # Nothing that says why (its end where its limit puts it; squeue silent): no claim of one.
+    assert term_cause(slurm, {}, 30, squeue(600, "1:00:00"), deadline_s=0) == "slurm_term"
+    assert term_cause(slurm, {}, 30, lambda command, timeout_s: "") == "slurm_term"
+    assert term_cause(None, {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, 30) == "pod_eviction"
+    assert term_cause(None, {}, 30) == "agent_stop"
+    # SLURM_JOB_ID in the environment of an agent that serves no Slurm job (--slurm off): not Slurm's.
+    assert term_cause(None, {"SLURM_JOB_ID": "42"}, 30) == "agent_stop"
 
 
 @pytest.mark.parametrize(("text", "seconds"), [
@@ -127,8 +151,52 @@ def test_slurm_durations(text: str, seconds: int | None) -> None:
     assert slurm_duration_s(text) == seconds
 
 
-def test_an_squeue_that_fails_gives_no_limit() -> None:
-    def failing(command: list[str]) -> str:
+def test_an_squeue_that_never_answers_tells_nothing() -> None:
+    tries: list[float] = []
+
+    def failing(command: list[str], timeout_s: float) -> str:
+        tries.append(timeout_s)
         raise OSError("squeue: not found")
 
-    assert slurm_time_limit_at("42", failing) is None
+    assert slurm_job_at_term("42", failing, deadline_s=0) is None
+    assert term_cause("42", {}, 30, failing, deadline_s=0) == "slurm_term"
+    assert len(tries) == 2, "asked once each time, however short the deadline"
+
+
+def test_an_squeue_that_fails_at_first_is_asked_again_within_the_deadline() -> None:
+    """A busy slurmctld (the preemption that sent the TERM keeps it busy) times out one query: the
+    agent asks again, each try given what is left of the deadline, and still reads the cause."""
+    preempted = time.strftime("%Y-%m-%dT%H:%M:%S")
+    answers: list[str | Exception] = [
+        subprocess.TimeoutExpired("squeue", 0.1), f"RUNNING|{preempted}|1:00:00|{preempted}|(null)",
+        subprocess.CalledProcessError(1, "squeue"), preempted,
+    ]
+    timeouts: list[float] = []
+
+    def busy(command: list[str], timeout_s: float) -> str:
+        timeouts.append(timeout_s)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert term_cause("42", {}, 30, busy, deadline_s=5) == "slurm_preemption"
+    assert not answers and len(timeouts) == 4
+    assert all(0 < t <= 5 for t in timeouts) and timeouts == sorted(timeouts, reverse=True), timeouts
+
+
+def test_an_answer_that_says_nothing_is_asked_again_until_it_does() -> None:
+    """The controller's record of a preemption may show a moment after the TERM: a running job,
+    its limit far and nothing preempted, is asked again (for a few seconds at most)."""
+    readings = iter(["nothing", "nothing", "preempted"])
+    reading = "nothing"
+
+    def settling(command: list[str], timeout_s: float) -> str:
+        nonlocal reading
+        start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 600))
+        if "PreemptTime" in command:
+            return time.strftime("%Y-%m-%dT%H:%M:%S") if reading == "preempted" else "N/A"
+        reading = next(readings)
+        return f"RUNNING|{start}|1:00:00|Unknown|(null)"
+
+    assert term_cause("42", {}, 30, settling, deadline_s=5) == "slurm_preemption"

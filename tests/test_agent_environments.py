@@ -29,6 +29,7 @@ from agent.environments import (
     uv_binary,
 )
 from elastic.requirements import RequirementsError, declared_in
+from elastic.wire import OWN_PACKAGES_FILE
 from tests.environment_support import TINY, tiny_wheelhouse
 
 OFFLINE = {"PATH": os.defpath, "UV_OFFLINE": "1"}
@@ -80,6 +81,19 @@ def test_the_environment_has_the_job_package_and_the_node_torch(built: tuple[Env
     assert not list(path.rglob("*.dist-info/INSTALLER")) or all(
         "placeholder" not in p.read_text() for p in path.rglob("*.dist-info/INSTALLER")
     ), "the node's placeholders are gone"
+
+
+def test_the_environment_records_its_own_packages_for_its_workers(built: tuple[Environments, Path]) -> None:
+    """What the job's manifest and the portal learn: the requirements as given and every package
+    installed in the environment (numpy, which TINY 2.0 needs, is the node's: not among them)."""
+    cache, path = built
+    found = cache.ensure(declared(f"{TINY}==2.0\n"))
+    own = found.own_packages()
+    assert own is not None and own.digest == found.digest == path.name
+    assert (own.source, own.requirements, own.packages, own.left_out) == ("requirements.txt", [f"{TINY}==2.0"],
+                                                                          {TINY: "2.0"}, 0)
+    assert run_in(path, f"import sys, pathlib; print(pathlib.Path(sys.prefix, {OWN_PACKAGES_FILE!r}).is_file())") \
+        == "True", "a worker finds it at its interpreter's prefix"
 
 
 def test_the_same_requirements_are_found_in_the_cache_by_any_agent(

@@ -27,11 +27,14 @@ def test_outside_slurm_auto_is_an_ordinary_agent() -> None:
     assert agent_slurm.detect("auto", {}) is None
     config = parse_config(["--token", "t"], {})
     assert (config.node_name, config.backend, config.gpus) == (socket.gethostname(), "auto", None)
+    assert config.slurm_job_id is None
 
 
 def test_off_ignores_a_slurm_job() -> None:
     assert agent_slurm.detect("off", JOB) is None
-    assert parse_config(["--token", "t", "--slurm", "off"], JOB).node_name == socket.gethostname()
+    config = parse_config(["--token", "t", "--slurm", "off"], JOB)
+    assert config.node_name == socket.gethostname()
+    assert config.slurm_job_id is None, "a TERM is then not Slurm's to explain"
 
 
 def test_inside_a_job_the_node_is_the_allocation() -> None:
@@ -41,6 +44,7 @@ def test_inside_a_job_the_node_is_the_allocation() -> None:
     assert config.sim_devices == 6  # the allocation's CPUs
     assert config.address == socket.gethostname()
     assert config.state_dir.name == "gpu-07-job4211"
+    assert config.slurm_job_id == "4211", "the job whose squeue entry explains a TERM"
 
 
 def test_an_agent_of_a_pool_is_named_behind_the_pool(capsys: pytest.CaptureFixture[str]) -> None:

@@ -285,6 +285,29 @@ def test_a_gpus_standby_starts_on_its_own_and_starts_no_fork_server(tmp_path: os
         pool.close()
 
 
+def test_a_worker_asked_for_while_the_fork_server_imports_waits_for_it(backend: SimulatedBackend) -> None:
+    """A node that has just arrived: its fork server is still importing when the first launch
+    comes. The worker is forked once the server is ready, not started as a second interpreter
+    importing the same libraries beside it."""
+    supervisor = WorkerSupervisor(
+        SupervisorConfig(worker_module=FAKE_WORKER, stop_grace_s=5.0, standbys=2, fork_standbys=True)
+    )
+    try:
+        supervisor.keep_standbys(backend, set())  # the agent's warm-up: the fork server starts importing
+        pool = supervisor._spawner.standbys
+        assert pool is not None and pool._forkserver is not None and not pool._forkserver.ready
+        server_pid = pool._forkserver.process.pid
+        recorder = Recorder(supervisor)
+        assert supervisor.launch(launch(ranks=1, steps=200), backend, REDIS_URL)
+        recorder.wait_for(lambda _: len(recorder.of("started")) == 1)
+        [started] = recorder.of("started")
+        assert started.pid is not None and psutil.Process(started.pid).ppid() == server_pid
+        recorder.wait_for(recorder.exits(1))
+        assert [e.reason for e in recorder.of("exited")] == ["completed"]
+    finally:
+        supervisor.shutdown(grace_s=1.0)
+
+
 def test_a_worker_no_standby_serves_is_forked_too(backend: SimulatedBackend) -> None:
     """With one standby (on device 0) and a job of two, rank 1 has none on its device: it is
     forked from the node's fork server rather than started as a new interpreter, and its end is
@@ -362,17 +385,26 @@ def test_a_standby_prepared_for_a_growing_job_serves_that_job_only(monkeypatch: 
         assert recorder.of("started", generation=2)[0].pid == prepared.pid
         # Still below its most (2 of 3): device 2's standby is prepared for it next.
         wait_until("device 2's standby prepared for job 1", settled({2: 1}))
-        [second] = pool.standbys()
         # Another job asking for device 2 does not get job 1's modules: that standby is killed
         # and the worker starts cold.
-        other = launch(job_id=2, ranks=3, start=[2], **{**GROWING, "name": "other"})
-        assert supervisor.launch(other, backend, REDIS_URL)
-        recorder.wait_for(lambda events: len(recorder.of("started")) == 3)
-        [started] = [e for e in recorder.of("started") if e.job_id == 2]
-        assert started.pid != second.pid
-        wait_until("job 1's standby killed", lambda: gone(second.pid), 10)
+        another_job_starts_cold_on_device_2(supervisor, backend, pool, recorder)
     finally:
         supervisor.shutdown(grace_s=1.0)
+
+
+def another_job_starts_cold_on_device_2(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend, pool: StandbyPool, recorder: Recorder
+) -> None:
+    """Job 2's launch on device 2, whose only standby is job 1's: that standby is killed and job
+    2's worker starts cold (the third worker started)."""
+    [second] = pool.standbys()
+    assert second.job == 1
+    other = launch(job_id=2, ranks=3, start=[2], **{**GROWING, "name": "other"})
+    assert supervisor.launch(other, backend, REDIS_URL)
+    recorder.wait_for(lambda events: len(recorder.of("started")) == 3)
+    [started] = [e for e in recorder.of("started") if e.job_id == 2]
+    assert started.pid != second.pid
+    wait_until("job 1's standby killed", lambda: gone(second.pid), 10)
 
 
 def test_a_keep_between_a_launch_and_its_spawn_leaves_the_standby_to_the_spawn(
@@ -492,3 +524,50 @@ def test_the_standby_pids_are_told_while_a_spawn_holds_the_pool(
         wait_until("the standby to die", lambda: gone(pid), 10)
     finally:
         spawner.close_standbys()
+
+
+def test_a_job_in_its_own_environment_grows_onto_a_standby_prepared_in_that_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A job with packages of its own: once its environment is built here, its standbys start from
+    the environment's interpreter (its model is built where its worker runs), are prepared, and
+    serve its grow (same pid); the environment is in use while they wait, and a standby of it
+    serves no worker of the node's environment."""
+    from tests.environment_support import TINY, tiny_wheelhouse
+    from tests.test_agent_environments import declared, environments
+
+    cache = environments(tmp_path / "environments", tiny_wheelhouse(tmp_path / "wheelhouse"), max_bytes=0)
+    environment = cache.ensure(declared(f"{TINY}==1.0\n"))
+    python = str(environment.python)
+    backend, supervisor, pool = preparing(monkeypatch, slots=3, prepared_per_job=1)
+    cache.count_in_use(supervisor.standby_interpreters)
+    try:
+        recorder = Recorder(supervisor)
+        assert supervisor.launch(launch(ranks=1, **GROWING), backend, REDIS_URL, python=python)
+
+        def standbys_are(*expected: tuple[int, int | None, str | None, StandbyState]) -> Callable[[], bool]:
+            def check() -> bool:
+                supervisor.keep_standbys(backend, set())
+                return {(s.device_index, s.job, s.python, s.state) for s in pool.standbys()} == set(expected)
+
+            return check
+
+        wait_until("device 1's standby started and prepared in job 1's environment", standbys_are(
+            (1, 1, python, StandbyState.PREPARED), (2, None, None, StandbyState.WARM)
+        ))
+        [own] = [s for s in pool.standbys() if s.job == 1]
+        assert psutil.Process(own.pid).cmdline()[0] == python
+        assert PREPARED_LINE in own.output.read_text()
+        # The cache is over its cap (0 bytes): the environment stays, a standby runs from it.
+        assert environment.digest in cache.in_use() and cache.evict() == [] and environment.path.is_dir()
+        assert supervisor.launch(launch(generation=2, ranks=2, start=[1], **GROWING), backend, REDIS_URL, python=python)
+        recorder.wait_for(lambda events: len(recorder.of("started")) == 2)
+        assert recorder.of("started", generation=2)[0].pid == own.pid
+        # Job 1 grows on (2 of 3): device 2's node standby gives way to one in its environment.
+        wait_until("device 2's standby prepared in job 1's environment", standbys_are(
+            (2, 1, python, StandbyState.PREPARED)
+        ))
+        # A job of the node's environment on device 2 does not get it: killed, the worker cold.
+        another_job_starts_cold_on_device_2(supervisor, backend, pool, recorder)
+    finally:
+        supervisor.shutdown(grace_s=1.0)

@@ -314,6 +314,21 @@ def test_a_crash_is_a_failure_with_its_exit_code(
     assert "fake worker crashing" in [e.message for e in recorder.of("log")]
 
 
+def test_what_the_jobs_code_raised_goes_with_the_exit(
+    supervisor: WorkerSupervisor, backend: SimulatedBackend
+) -> None:
+    """The worker's "exiting" line names the job's code's failure; the agent keeps it (in the
+    worker's record too, for an agent that re-adopts it) and reports it in "exited"."""
+    recorder = Recorder(supervisor)
+    supervisor.launch(launch(steps=10, user_error_at_step=2), backend, REDIS_URL)
+    recorder.wait_for(recorder.exits(1))
+    [exited] = recorder.of("exited")
+    assert (exited.exit_code, exited.reason, exited.step) == (77, "user_error", 1)
+    assert exited.user_error is not None and exited.user_error.error == "loss() raised ValueError: fake"
+    assert exited.user_error.traceback == '  File "task.py", line 9'
+    assert not recorder.of("exiting"), "the announcement itself is the agent's, not reported"
+
+
 def test_a_worker_killed_by_a_signal_failed(supervisor: WorkerSupervisor, backend: SimulatedBackend) -> None:
     recorder = Recorder(supervisor)
     supervisor.launch(launch(), backend, REDIS_URL)

@@ -73,6 +73,9 @@ class OneWorker:
     def standby_pids(self) -> dict[int, int]:
         return {}
 
+    def standby_interpreters(self) -> set[str]:
+        return set()
+
     def keep_standbys(self, backend: Any, taken: set[int]) -> None:
         pass
 

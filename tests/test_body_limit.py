@@ -76,6 +76,7 @@ def test_a_code_upload_over_the_limit_names_its_setting_and_how_to_leave_files_o
     message = json.loads(body)["error"]["message"]
     assert status == 413 and taken == 0
     assert "BUNGEE_CODE_MAX_BYTES=500" in message and ".bungeeignore" in message, message
+    assert message.startswith("the code upload is 56000000 bytes") and "other fields" not in message, message
 
 
 def test_a_view_that_runs_past_the_body_timeout_is_not_cut_off() -> None:

@@ -43,6 +43,16 @@ def progress(platform: Any, db: psycopg.Connection, job_id: int, generation: int
         pool.submit(asyncio.run, send()).result()
 
 
+def job_page(chromium: Any, platform: Any, job_id: int) -> tuple[Any, list[str]]:
+    """Alice's page of job `job_id`, live, and the list its script errors are collected in."""
+    page = log_in(chromium, platform, "alice", viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(f"{platform.base_url}/jobs/{job_id}/")
+    page.wait_for_selector("#conn-state[data-state=live]")
+    return page, errors
+
+
 def test_a_rollback_is_marked_on_the_charts_and_in_the_progress(browser_platform: Any, chromium: Any) -> None:
     platform = browser_platform
     # More workers than the cluster has: the job stays queued, and trains nothing of its own.
@@ -51,11 +61,7 @@ def test_a_rollback_is_marked_on_the_charts_and_in_the_progress(browser_platform
         db.execute(ROWS, {"job": job_id, "generation": 1, "first": 1, "last": 771})
         db.execute(ROWS, {"job": job_id, "generation": 2, "first": 26, "last": 700})
         db.execute("UPDATE jobs_job SET steps_done = 700 WHERE id = %s", [job_id])
-    page = log_in(chromium, platform, "alice", viewport={"width": 1280, "height": 900})
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.goto(f"{platform.base_url}/jobs/{job_id}/")
-    page.wait_for_selector("#conn-state[data-state=live]")
+    page, errors = job_page(chromium, platform, job_id)
     for chart in ("#loss-chart", "#speed-chart"):
         marker = page.locator(f"{chart} .rollback-marker")
         marker.wait_for(timeout=10_000)

@@ -76,7 +76,8 @@ def test_a_live_update_between_press_and_release_does_not_lose_the_click(
         """(held) => {
              document.addEventListener("pointerdown", (event) => { window.heldButton = event.target.closest("button"); }, true);
              BungeeLive.on((msg) => {
-               if (msg.type === "job" && msg.job.id === held && msg.job.pinned_workers === 1) window.repinSeen = true;
+               const changed = msg.type === "job" ? [msg.job] : msg.type === "jobs" ? msg.jobs : [];
+               if (changed.some((job) => job.id === held && job.pinned_workers === 1)) window.repinSeen = true;
              });
            }""",
         held,

@@ -96,6 +96,29 @@ def test_ignored_files_never_travel_and_held_code_is_not_sent_again(sent: list[h
     assert Job.objects.count() == 2 and len({job.code for job in Job.objects.all()}) == 1
 
 
+@pytest.mark.parametrize(
+    ("limit", "value", "said"),
+    [
+        ("code_max_bytes", 200_000, "it packs to 1.1 MiB; the portal takes at most 195.3 KiB (BUNGEE_CODE_MAX_BYTES)"),
+        ("code_max_unpacked_bytes", 300_000, "it unpacks to 1.1 MiB; the portal takes at most 293.0 KiB (BUNGEE_CODE_MAX_UNPACKED_BYTES)"),
+        ("code_max_files", 3, "files and directories; the portal takes at most 3 files and directories (BUNGEE_CODE_MAX_FILES)"),
+    ],
+)
+def test_code_over_a_limit_is_refused_before_the_upload_naming_its_largest_files(
+    sent: list[httpx.Request], tmp_path: Path, settings: Any, limit: str, value: int, said: str
+) -> None:
+    """The portal's limits (in the dry run's answer) are checked here: nothing is uploaded, and the
+    refusal names the largest files, with their sizes, and the .bungeeignore that leaves them out."""
+    settings.BUNGEE = settings.BUNGEE.model_copy(update={limit: value})
+    code = task_directory(tmp_path, {"data/frames.bin": os.urandom(1_000_000), "run.ckpt": os.urandom(150_000)})
+    done = submit(tmp_path, SPEC, code)
+    assert done.exit_code == 1 and paths(sent) == ["POST /api/jobs/validate"], (done.output, paths(sent))
+    message = " ".join(str(done.exception).split())
+    assert said in message, message
+    assert "Its largest files: data/frames.bin (976.6 KiB), run.ckpt (146.5 KiB)," in message, message
+    assert ".bungeeignore" in message and not CodeUpload.objects.exists()
+
+
 def test_what_users_and_jobs_wrote_prints_as_written_not_as_markup(sent: list[httpx.Request], tmp_path: Path) -> None:
     """A job's name, its log lines (gloo's errors quote `[/path/pair.cc:553]`) and the code's
     directory may hold what rich reads as markup: a closing tag that opens nothing made `bungee

@@ -86,14 +86,11 @@ def test_hybrid_defaults_come_from_the_workload_batch() -> None:
     assert spec.lr_scaling == "linear" and spec.virtual_workers is None
 
 
-def test_precision_is_fp32_by_default_and_bf16_for_hybrid_jobs() -> None:
+def test_precision_is_fp32_by_default_and_bf16_for_either_mode() -> None:
+    """Strict takes bf16 too: test_worker_strict_consistency shows it bit for bit through resizes."""
     assert validate_spec(BASE).precision == "fp32"
     assert validate_spec({**BASE, "consistency": "hybrid", "precision": "bf16"}).precision == "bf16"
-    with pytest.raises(SpecError) as raised:
-        validate_spec({**BASE, "precision": "bf16"})
-    (error,) = raised.value.errors
-    assert (error.field, error.value) == ("precision", "bf16")
-    assert "bitwise" in error.message or "bit-for-bit" in error.message
+    assert validate_spec({**BASE, "precision": "bf16"}).precision == "bf16"
 
 
 @pytest.mark.parametrize(
@@ -111,7 +108,7 @@ def test_precision_is_fp32_by_default_and_bf16_for_hybrid_jobs() -> None:
         ),
         ({"consistency": "hybrid", "lr_scaling": "cubic"}, "lr_scaling", "'linear' or 'sqrt'"),
         ({"consistency": "hybrid", "warmup_steps": -1}, "warmup_steps", "greater than or equal to 0"),
-        ({"precision": "bf16"}, "precision", "strict jobs train in fp32"),
+        ({"precision": "fp16"}, "precision", "'fp32' or 'bf16'"),
         ({"consistency": "hybrid", "precision": "fp16"}, "precision", "'fp32' or 'bf16'"),
     ],
 )

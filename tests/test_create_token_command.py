@@ -89,3 +89,8 @@ def test_replacing_a_pool_token_revokes_its_nodes_tokens(users: dict) -> None:
     create_token("alice", "--role", "pool", "--pool", "slurm", "--replace")
     assert node.post("/api/agent/report", report).status_code == 401
     assert list(ApiToken.objects.values_list("role", flat=True)) == ["pool"]
+
+
+def test_a_user_that_does_not_exist_is_refused_saying_how_to_make_one(db: Any) -> None:
+    with pytest.raises(CommandError, match=r"no user named 'ADMIN'.*manage.py createsuperuser --username ADMIN"):
+        create_token("ADMIN", "--role", "pool", "--pool", "slurm")

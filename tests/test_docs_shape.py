@@ -110,3 +110,24 @@ def test_slug_follows_github() -> None:
     assert slug("Consistency: strict, hybrid or plain") == "consistency-strict-hybrid-or-plain"
     assert slug("`.bungeeignore`") == "bungeeignore"
     assert slug("Nodes (staff)") == "nodes-staff"
+
+
+def _section(page: Path, heading: str) -> str:
+    """The text of the `## heading` section of `page`, up to the next `## ` heading."""
+    text = page.read_text(encoding="utf-8")
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_the_quick_start_says_how_to_run_the_demo_elsewhere() -> None:
+    """A newcomer whose port 8000 is taken learns from the README itself how to move the demo: each
+    variable the demo reads (portal.config.DemoSettings) is named in the quick start, as a
+    command to type."""
+    from portal.config import DemoSettings
+
+    quick_start = _section(README, "Quick start")
+    for field in DemoSettings.model_fields.values():
+        variable = field.validation_alias
+        assert isinstance(variable, str)
+        assert re.search(rf"\b{variable}=\S+ make demo\b", quick_start), f"the quick start does not show {variable}"

@@ -6,7 +6,9 @@
 - Redis away: the API answers 503 in the error shape at once. A real Redis SIGKILLed under a
   training job and started again empty: the workers train on untouched, and resizes land
   again (the board and the agents' command streams come back in the new Redis).
-- The Celery worker killed: a pin asked meanwhile is kept and applied once it is back."""
+- The Celery worker killed: a pin asked meanwhile is kept and applied once it is back.
+- With beat dead, the scheduler still runs when it must: a job that lost a worker grows back
+  once its shrink settles, and onto a node that comes back."""
 
 from __future__ import annotations
 
@@ -138,9 +140,11 @@ def test_with_the_database_away_the_portal_answers_503_and_comes_back(tmp_path: 
 
 @pytest.mark.slow
 def test_beat_celery_and_an_agent_killed_nothing_is_lost(tmp_path: Path) -> None:
-    """A real platform. Beat and node-b's agent are SIGKILLed together, and node-b's worker with
-    them: node-a's reports still find node-b lost and the job goes on node-a. Then the Celery
-    worker is killed: a pin asked meanwhile is kept, and applied once the worker is back."""
+    """A real platform. Beat is SIGKILLed: a worker killed on node-a costs the job that device
+    until its shrink settles, then it grows back, without a tick. node-b's agent is killed, and
+    node-b's worker with it: node-a's reports still find node-b lost and the job goes on node-a;
+    node-b's agent back, the job grows onto it again. Then the Celery worker is killed: a pin
+    asked meanwhile is kept, and applied once the worker is back."""
     env = {**FAST_PROGRESS_ENV, "BUNGEE_NODE_TIMEOUT_S": "5", "BUNGEE_POLICY": "fair"}
     with running_platform(tmp_path, {"node-a": 2, "node-b": 1}, env) as platform:
         platform.wait_for("3 devices", lambda: sum(
@@ -151,6 +155,17 @@ def test_beat_celery_and_an_agent_killed_nothing_is_lost(tmp_path: Path) -> None
         on_b = [row["pid"] for row in live_rows(job) if row["node"] == "node-b"]
         assert on_b
         platform.kill("beat")
+        # Beat is the safety net, not the engine: a worker killed on node-a is planned out at
+        # once, and once that shrink settles the job grows back onto the freed device.
+        [crashed] = [row["pid"] for row in live_rows(job) if row["node"] == "node-a"][-1:]
+        os.kill(crashed, signal.SIGKILL)
+        # Two generations at least: one without the crashed worker's device, then one with it.
+        # (The 2-worker one may last too short a time for a poll to see it settled.)
+        job = settled(platform, job_id, 3, job["generation"] + 1, timeout_s=90)
+        assert crashed not in {row["pid"] for row in live_rows(job)}
+        assert [(r["workers_before"], r["workers_after"]) for r in job["resizes"][-2:]] == [(3, 2), (2, 3)]
+        assert job["resizes"][-2]["reason"] == "a worker exited"
+
         platform.kill_agent("node-b")
         for pid in on_b:
             os.kill(pid, signal.SIGKILL)
@@ -158,13 +173,17 @@ def test_beat_celery_and_an_agent_killed_nothing_is_lost(tmp_path: Path) -> None
         nodes = {node["name"]: node for node in platform.api("alice").get("/api/cluster").json()["nodes"]}
         assert nodes["node-b"]["state"] == "lost"
         assert all(row["node"] == "node-a" for row in live_rows(shrunk))
+        # A node's arrival runs the scheduler too: node-b's agent back, the job grows onto it.
+        platform.start_agent("node-b", 1)
+        job = settled(platform, job_id, 3, shrunk["generation"], timeout_s=90)
+        assert any(row["node"] == "node-b" for row in live_rows(job))
 
         platform.kill("worker")
         pin(platform, job_id, 1)
         asked = detail(platform, job_id)
-        assert asked["pinned_workers"] == 1 and asked["workers"] == 2, "nothing ran the scheduler yet"
+        assert asked["pinned_workers"] == 1 and asked["workers"] == 3, "nothing ran the scheduler yet"
         platform.start("worker")
-        settled(platform, job_id, 1, shrunk["generation"], timeout_s=90)
+        settled(platform, job_id, 1, job["generation"], timeout_s=90)
 
 
 def test_a_replayed_report_changes_nothing(api: dict, cluster: Any) -> None:

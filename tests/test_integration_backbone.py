@@ -124,9 +124,9 @@ def test_submit_train_resize_finish(platform: Platform, tmp_path: Path) -> None:
 
     # Live: device samples and the job's resizes reached the socket.
     platform.wait_for("samples on the socket", lambda: socket.of_type("samples"))
-    seen_workers = [m["job"]["workers"] for m in socket.of_type("job") if m["job"]["id"] == job_id]
+    seen_workers = [job["workers"] for job in socket.job_states() if job["id"] == job_id]
     assert 1 in seen_workers and 2 in seen_workers, seen_workers
-    assert any(m["job"]["state"] == "succeeded" for m in socket.of_type("job") if m["job"]["id"] == job_id)
+    assert any(job["state"] == "succeeded" for job in socket.job_states() if job["id"] == job_id)
     socket.stop()
     assert socket.error is None, socket.error
 

@@ -104,6 +104,7 @@ def shrinks_off_node_b(platform: Platform, job_id: int, drain: Any, cause: str) 
     job = steps_past(platform, job_id, job["steps_done"] + 10)
     survivor = next(row["pid"] for row in live_rows(job) if row["node"] == "node-a")
     asked = time.monotonic()
+    platform.agent_may_leave("node-b")
     drain()
     shrunk = settled(platform, job_id, 1, job["generation"])
     landed = time.monotonic() - asked
@@ -155,6 +156,7 @@ def test_a_job_below_its_minimum_saves_its_step_waits_and_resumes(platform: Plat
     job = settled(platform, job_id, 2)
     job = steps_past(platform, job_id, job["steps_done"] + 10)
     [agent] = [p for p in platform.group.processes if p.name == "agent-node-b"]
+    platform.agent_may_leave("node-b")
     agent.process.send_signal(signal.SIGTERM)
     waiting = platform.wait_for(
         "the job to wait for devices",

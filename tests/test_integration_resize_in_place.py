@@ -26,6 +26,7 @@ from tests.code_support import RINGS, directory_files, evaluate_without_bungee, 
 from tests.environment_support import TINY, tiny_wheelhouse
 from tests.membership_support import SilentListener
 from tests.platform import FAST_PROGRESS_ENV, Platform, running_platform
+from tests.test_cli import bungee
 from tests.worker_support import DIGITS_SAMPLES, Ledger
 
 pytestmark = pytest.mark.slow
@@ -424,7 +425,7 @@ def test_uploaded_code_resizes_in_place_and_a_bug_in_it_fails_the_job(
     found = [entry for entry in logs(platform, job_id) if entry.startswith("the job's code failed")]
     assert found, logs(platform, job_id)
     for line in found:
-        assert "raised ValueError: the task's own bug, at call 5" in line and '/code/task.py", line' in line
+        assert "raised ValueError: the task's own bug, at call 5" in line and 'File "task.py", line' in line
     ended = platform.wait_for("its workers to stop", lambda: not live_rows(j := detail(platform, job_id)) and j)
     assert ended["generation"] == failed["generation"], "no generation after the failure"
     assert {row["reason"] for row in ended["workers_history"]} <= {"user_error", "stopped"}
@@ -470,6 +471,26 @@ def test_code_with_its_own_requirements_trains_in_its_environment_on_both_nodes(
     built = [line for line in logs(platform, job_id) if line.startswith("built the environment")]
     assert len(built) == 2, logs(platform, job_id)  # once per node; the task's import proves the workers use it
     (tmp_path / "three.pt").write_bytes(alice.get(f"/api/jobs/{job_id}/artifacts/model.pt").content)
+    # What it was trained with is on record: the job's detail (from the node that built the
+    # environment), its manifest (rank 0's), `bungee status`, and the lock `bungee download` writes.
+    own = done["own_packages"]
+    assert own is not None and own["node"] in {"node-a", "node-b"} and re.fullmatch(r"[0-9a-f]{64}", own["digest"])
+    assert (own["source"], own["requirements"], own["packages"]) == ("requirements.txt", [f"{TINY}==2.0"],
+                                                                      {TINY: "2.0"})
+    trained_with = alice.get(f"/api/jobs/{job_id}/artifacts").json()["manifest"]["environment"]
+    assert (trained_with["torch"], trained_with["torch_cuda"]) == (torch.__version__, torch.version.cuda)
+    assert trained_with["own_packages"]["packages"] == {TINY: "2.0"}
+    assert trained_with["own_packages"]["digest"] == own["digest"], "one interpreter and packages: one digest"
+    home = tmp_path / "cli"
+    assert bungee(home, "login", platform.base_url, "--token", platform.tokens["alice"]).returncode == 0
+    status = bungee(home, "status", str(job_id))
+    assert status.returncode == 0 and f"{TINY}==2.0 (from requirements.txt; environment {own['digest'][:12]}" \
+        in status.stdout, status.stdout
+    downloaded = bungee(home, "download", str(job_id), "-d", str(tmp_path / "download"))
+    assert downloaded.returncode == 0, downloaded.stderr
+    lock = (tmp_path / "download" / "requirements.lock").read_text().splitlines()
+    assert [line for line in lock if not line.startswith("#")] == [f"{TINY}==2.0"]
+    assert any(f"torch {torch.__version__}" in line for line in lock), lock
 
     fixed = {**spec, "name": "tiny-fixed", "min_workers": 1, "max_workers": 1, "virtual_workers": 3,
              "steps": TINY_STEPS}
@@ -492,6 +513,18 @@ def test_code_with_its_own_requirements_trains_in_its_environment_on_both_nodes(
     failed = platform.wait_for("the job to fail", lambda: (j := detail(platform, job_id))["state"] == "failed" and j)
     assert "No solution found when resolving dependencies" in failed["message"] and failed["restarts"] == 0, failed
     assert any(f"{TINY}==3.0" in line for line in logs(platform, job_id)), logs(platform, job_id)
+
+    # A module that neither the node nor the job's environment has: the message says what to add.
+    files.update({"requirements.txt": f"{TINY}==2.0\n".encode(), "missing_task.py": TINY_TASK.replace(
+        b"from task import", b"import bungee_nowhere\nfrom task import")})
+    reply = alice.post("/api/code", files={"file": ("tiny.tar.gz", tar_gz(files), "application/gzip")})
+    assert reply.status_code == 201, reply.text
+    job_id = submit(platform, 1, {**spec, "name": "tiny-missing", "code": reply.json()["digest"],
+                                  "entrypoint": "missing_task:TinyRingsTask"})
+    failed = platform.wait_for("the job to fail", lambda: (j := detail(platform, job_id))["state"] == "failed" and j)
+    assert "No module named 'bungee_nowhere'. 'bungee_nowhere' is installed neither on the node nor in the job's " \
+           "packages: add the package that provides 'bungee_nowhere' to the requirements.txt beside the code" \
+        in failed["message"], failed["message"]
 
 
 def test_no_password_or_token_in_any_log(platform: Platform) -> None:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -73,6 +74,24 @@ def agent_jobs(cluster: SlurmCluster) -> dict[int, str]:
             if job.name == "bungee-agent" and job.state in ("PENDING", "RUNNING", "COMPLETING")}
 
 
+@pytest.fixture(autouse=True)
+def jobs_cancelled_after(platform: Platform) -> Iterator[None]:
+    """Each test's jobs end with it, passed or failed: a failed test's endless job would keep the
+    pool's agents busy and fail the next tests, which wait for an idle pool, for its sake."""
+    yield
+    with platform.api("alice") as alice:
+        for job in alice.get("/api/jobs").json():
+            if job["state"] not in ("succeeded", "failed", "cancelled"):
+                alice.post(f"/api/jobs/{job['id']}/cancel")
+
+
+def drain_log(platform: Platform) -> str:
+    """What the pool's agents logged of their drains and of squeue: what a failed test shows."""
+    agents = Path(platform.env["BUNGEE_SLURM_OUTPUT"]).parent
+    return "\n".join(line for out in sorted(agents.glob("*.out")) for line in out.read_text(errors="replace").splitlines()
+                     if "agent.drain" in line)
+
+
 def nodes(platform: Platform) -> dict[str, str]:
     return {n["name"]: n["state"] for n in platform.api("alice").get("/api/nodes").json()}
 
@@ -100,7 +119,7 @@ def test_an_owner_preempts_an_agent_the_job_shrinks_in_place_and_grows_back(
     landed = datetime.fromisoformat(shrunk["resizes"][-1]["completed_at"]).timestamp() - submitted
     survivor = live_rows(shrunk)[0]
     assert survivor["pid"] in {row["pid"] for row in live_rows(job)}, "the survivor trains on, not restarted"
-    assert shrunk["resizes"][-1]["reason"] == "node preempted by Slurm"
+    assert shrunk["resizes"][-1]["reason"] == "node preempted by Slurm", drain_log(platform)
     cluster.wait_for_state(owner, ["RUNNING", "COMPLETED"], timeout_s=60)
     preempted = [name for name, state in nodes(platform).items() if state == "drained"]
     assert len(preempted) == 1, nodes(platform)
@@ -163,3 +182,50 @@ def test_an_agent_at_its_time_limit_drains_before_it_ends(
     assert cluster.wait_for_state(limited, ["COMPLETED"], timeout_s=60) == "COMPLETED", "it left before its limit"
     assert alice.post(f"/api/jobs/{job_id}/cancel").status_code == 200
     platform.wait_for("the workers to stop", lambda: not live_rows(platform.job(job_id)), timeout_s=60)
+
+
+def test_a_plain_scancel_of_an_agent_job_drains_it_in_place(
+    platform: Platform, cluster: SlurmCluster, record: Path
+) -> None:
+    """`scancel JOBID` (no --batch, no --signal) sends SIGTERM to every process of the agent's
+    job, its workers included, and SIGKILL KillWait (5 s) later. Only the agent acts on it: it
+    drains, the job shrinks in place onto the other agent (the same process there), no worker
+    is reported failed, and the job's timeline says the job was cancelled (or, if squeue no longer
+listed it at the TERM, a TERM it cannot place), not a preemption."""
+    alice = platform.api("alice")
+    platform.wait_for("no agent job left", lambda: not agent_jobs(cluster), timeout_s=120)
+    reply = alice.post("/api/jobs", json={**SPEC, "name": "scancelled", "max_workers": 4, "steps": ENDLESS})
+    assert reply.status_code == 201, reply.text
+    job_id = reply.json()["id"]
+    job = settled(platform, job_id, 2, timeout_s=240)
+    job = steps_past(platform, job_id, job["steps_done"] + 10)
+    rows = live_rows(job)
+    cancelled = next(iter(agent_jobs(cluster)))
+    leaving = [row for row in rows if row["node"].endswith(f"-job{cancelled}")]
+    survivor = next(row for row in rows if row not in leaving)
+    assert len(leaving) == 1, rows
+
+    cluster.scancel(cancelled)
+
+    def without_the_cancelled_node() -> dict[str, Any] | None:
+        now = platform.job(job_id)
+        live = live_rows(now)
+        done = (now["generation"] > job["generation"] and now["resizes"][-1]["completed_at"] is not None
+                and live and not any(row["node"] == leaving[0]["node"] for row in live))
+        return now if done else None
+
+    shrunk = platform.wait_for("the job training without the cancelled agent", without_the_cancelled_node, timeout_s=120)
+    assert survivor["pid"] in {row["pid"] for row in live_rows(shrunk)}, "the survivor trains on, not restarted"
+    assert shrunk["restarts"] == 0, shrunk
+    assert shrunk["resizes"][-1]["reason"] in {
+        "node's Slurm job cancelled", "Slurm TERM: preemption, limit or cancel"}, (shrunk["resizes"][-1], drain_log(platform))
+    left = platform.wait_for("the leaver's exit", lambda: next(
+        (row for row in platform.job(job_id)["workers_history"][::-1]
+         if row["pid"] == leaving[0]["pid"] and row["state"] == "exited"), None), timeout_s=60)
+    assert left["reason"] == "left", left
+    steps_past(platform, job_id, shrunk["steps_done"] + 5)
+
+    assert alice.post(f"/api/jobs/{job_id}/cancel").status_code == 200
+    ended = platform.wait_for("the workers to stop", lambda: not live_rows(j := platform.job(job_id)) and j, timeout_s=60)
+    assert not [row for row in ended["workers_history"] if row["reason"] == "failed"], ended["workers_history"]
+    every_step_once(record, job_id)

@@ -5,8 +5,9 @@ another job's code and the machine's /tmp, and gets none of them, while it train
 (tests/tasks/redis_probe), with the Redis URL its worker is given, tries to write a stop and a
 drain to its node's command stream, read and write another job's keys, touch Celery's queue, list
 keys and make a user: Redis refuses every try (NOPERM), the other job trains on, and once the
-stranger ends its Redis user is gone; a strict job grown from a standby prepared for it and shrunk
-again inside its confinement ends with the fixed-size run's model, bit for bit. Whole platform:
+stranger ends its Redis user is gone; a strict job with packages of its own, grown from a standby
+started and prepared in its environment (confined as the job from its start) and shrunk again
+inside its confinement, ends with the fixed-size run's model, bit for bit. Whole platform:
 API, Celery, a real agent with warm standbys, real torch workers."""
 
 from __future__ import annotations
@@ -156,13 +157,19 @@ def test_a_jobs_code_reaches_no_secret_of_the_platform_and_no_other_job(platform
 def test_a_strict_job_resized_inside_its_confinement_ends_with_the_fixed_runs_model(
     platform: Platform, tmp_path: Path
 ) -> None:
-    code = upload(platform, directory_files(RINGS))
+    # With packages of its own: its standbys start in its environment, confined as the job from
+    # their start (the environment's .pth files never run as root).
+    code = upload(platform, {**directory_files(RINGS), "requirements.txt": f"{TINY}==1.0\n".encode()})
     spec = {**RINGS_SPEC, "name": "confined-resized", "code": code, "steps": 10_000_000}
     job_id = submit(platform, spec, workers=1)
     one = settled(platform, job_id, 1)
     # The grow from a standby prepared for the job (its model built, confined as the job already).
     agent_log = platform.group.log_dir / "agent-node-a.log"
     platform.wait_for("a standby prepared for the job", lambda: prepared_for(agent_log, job_id), timeout_s=120)
+    in_environment = {int(m.group(1)) for line in agent_log.read_text().splitlines()
+                      if (m := re.search(rf": pid (\d+) in job {job_id}'s own environment", line))}
+    assert set(prepared_for(agent_log, job_id)) <= in_environment
+    assert all(uid_of(pid) == UID_BASE + job_id for pid in prepared_for(agent_log, job_id))
     assert alice_resize(platform, job_id, 2)
     two = settled(platform, job_id, 2, one["generation"])
     [taken] = [line for line in agent_log.read_text().splitlines() if "prepared -> taken" in line

@@ -60,6 +60,19 @@ def test_a_strict_job_takes_v_and_ignores_the_hybrid_inputs(users: dict[str, Any
     assert spec["virtual_workers"] == 8 and spec["min_batch_size"] is None
 
 
+def test_the_form_takes_a_precision_for_either_mode(users: dict[str, Any]) -> None:
+    page = browser(users).get("/jobs/new/").content.decode()
+    assert 'name="precision"' in page and "strict stays bit for bit" in page
+    assert submitted_spec(users, consistency="strict", precision="bf16")["precision"] == "bf16"
+
+
+def test_a_bad_precision_is_shown_next_to_its_input(users: dict[str, Any]) -> None:
+    reply = browser(users).post("/jobs/new/", {**FORM, "precision": "fp16"})
+    page = reply.content.decode()
+    assert reply.status_code == 400 and 'id="precision-error"' in page, page[-2000:]
+    assert "Input should be &#x27;fp32&#x27; or &#x27;bf16&#x27;" in page, page[-2000:]
+
+
 def test_a_hybrid_job_takes_its_batch_bounds_and_rate_rules(users: dict[str, Any]) -> None:
     spec = submitted_spec(
         users,

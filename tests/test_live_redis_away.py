@@ -2,10 +2,12 @@
 failed: it closes with 1013, "try again later", which the page's socket backs off from
 (static/js/live.js), and the portal logs one line, no traceback (portal.live.unavailable). At
 the handshake (the channel layer's Redis does not answer), under an open socket (its Redis
-killed), through the real server; and the database refusing the snapshot the same way."""
+killed), through the real server; and the database refusing the snapshot the same way. A socket
+opened once Redis is back is served."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -14,10 +16,11 @@ from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync
-from channels.layers import channel_layers
+from channels.layers import channel_layers, get_channel_layer
 from channels.testing import WebsocketCommunicator
 
 from portal.asgi import application  # imported here: Django's setup resets logging, and caplog with it
+from portal.live.broadcast import CLUSTER_GROUP
 from portal.live.redis_connection import layer_host
 from portal.live.unavailable import TRY_AGAIN_LATER_CLOSE_CODE
 from portal.settings import CHANNEL_LAYER_TIMEOUTS
@@ -72,13 +75,17 @@ def test_a_handshake_while_redis_is_away_closes_with_try_again_later(
     assert line.startswith("socket /ws/live/: closed with 1013, the portal's Redis is not answering: ")
 
 
-def test_an_open_socket_whose_redis_dies_closes_with_try_again_later(
+def test_an_open_socket_whose_redis_dies_closes_with_try_again_later_and_one_opened_after_it_returns_is_served(
     tokens: dict, layer_at: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
+    """Once Redis is back (started again, empty, on the same port), a socket opened then gets its
+    snapshot and the events sent to its groups: none of the layer's pooled connections to the
+    Redis that died is used again (they failed its first commands, "Connection closed by
+    server", and the socket closed with 1013 again)."""
     with redis_server("127.0.0.1", tmp_path / "redis") as server:
         layer_at(server.url)
 
-        async def scenario() -> tuple[dict[str, Any], float]:
+        async def scenario() -> tuple[dict[str, Any], float, list[dict[str, Any]]]:
             live = socket(tokens["alice"])
             connected, _ = await live.connect(timeout=30)
             assert connected
@@ -87,12 +94,24 @@ def test_an_open_socket_whose_redis_dies_closes_with_try_again_later(
             killed_at = time.monotonic()
             closing = await live.receive_output(timeout=60)
             await live.wait(timeout=10)
-            return closing, time.monotonic() - killed_at
+            after_s = time.monotonic() - killed_at
+
+            server.start()
+            again = socket(tokens["alice"])
+            connected, _ = await again.connect(timeout=30)
+            assert connected
+            served = [await again.receive_output(timeout=30)]
+            if served[0]["type"] == "websocket.send":
+                await get_channel_layer().group_send(CLUSTER_GROUP, {"type": "live.event", "text": '{"type":"back"}'})
+                served.append(await again.receive_output(timeout=30))
+                await again.disconnect()
+            return closing, after_s, served
 
         with caplog.at_level(logging.INFO):
-            closing, after_s = async_to_sync(scenario)()
+            closing, after_s, served = async_to_sync(scenario)()
     print(f"closed {after_s:.2f} s after Redis was killed")
     assert closing["type"] == "websocket.close" and closing["code"] == TRY_AGAIN_LATER_CLOSE_CODE, closing
+    assert [json.loads(message["text"])["type"] if "text" in message else message for message in served] == ["cluster", "back"]
     [line] = refusals(caplog)
     assert "the portal's Redis is not answering" in line
 

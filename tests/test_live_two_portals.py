@@ -44,7 +44,7 @@ def test_sockets_on_either_portal_process_get_every_update(tmp_path: Path) -> No
             job_id = platform.api("alice").post("/api/jobs", json=VALID_SPEC).json()["id"]
             for socket in served_by.values():
                 platform.wait_for("the new job on the socket", lambda s=socket: any(
-                    m["job"]["id"] == job_id for m in s.of_type("job")), timeout_s=30)
+                    job["id"] == job_id for job in s.job_states()), timeout_s=30)
             assert all(s.error is None for s in sockets), [s.error for s in sockets]
         finally:
             for socket in sockets:

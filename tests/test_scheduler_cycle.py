@@ -6,6 +6,7 @@ task) changes nothing."""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -49,6 +50,17 @@ def submit(api: dict, **change: Any) -> Job:
     reply = api["alice"].post("/api/jobs", {**VALID_SPEC, **change})
     assert reply.status_code == 201, reply.content
     return Job.objects.get(pk=reply.json()["id"])
+
+
+def training_on_two(api: dict, cluster: Any) -> Job:
+    """A job submitted, launched on two workers of `cluster`'s node, and its group formed."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    for rank in (0, 1):
+        report(cluster, event(job, "started", rank=rank, pid=3000 + rank, device_index=rank))
+    form(cluster, job, 2, pid_base=3000)
+    return job
 
 
 def test_cycle_allocates_launches_and_is_idempotent(api: dict, cluster: Any, redis_client: Any) -> None:
@@ -149,6 +161,27 @@ def test_resize_happens_in_place(api: dict, cluster: Any, redis_client: Any) -> 
     record = board(job.pk).latest()
     assert record is not None and [(m.key, m.joiner) for m in record.members] == [
         ("node-a/0", False), ("node-a/1", True)]
+
+
+def test_a_superseded_resize_that_trained_records_when_it_landed(api: dict, cluster: Any, redis_client: Any) -> None:
+    """Rank 0 reports a resize a few steps after it landed; a newer plan may come first. The
+    superseded resize landed all the same, at its generation's first step."""
+    job = submit(api)
+    run_cycle()
+    job.refresh_from_db()
+    for rank in (0, 1):
+        report(cluster, event(job, "started", rank=rank, pid=1000 + rank, device_index=rank))
+    report(cluster, *(event(job, "joined", rank=rank, pid=1000 + rank, device_index=rank) for rank in (0, 1)))
+    first_step = event(job, "progress", step=1, loss=2.0, samples_per_s=100.0)
+    report(cluster, first_step, event(job, "progress", step=2, loss=1.9, samples_per_s=100.0))
+    assert ResizeEvent.objects.get(job=job, generation=1).completed_at is None, "not reported yet"
+
+    api["alice"].post(f"/api/jobs/{job.pk}/resize", {"workers": 1})
+    run_cycle()
+    superseded = ResizeEvent.objects.get(job=job, generation=1)
+    assert superseded.completed_at is not None
+    assert superseded.completed_at.timestamp() == pytest.approx(first_step.at, abs=0.01)
+    assert ResizeEvent.objects.get(job=job, generation=2).completed_at is None, "the new one has not landed"
 
 
 def test_members_that_report_joining_out_of_rank_order_are_not_reordered(
@@ -285,6 +318,45 @@ def test_the_warm_up_deadline_doubles_while_generations_expire_for_it(
     job.refresh_from_db()
     job.generation += 1  # the job's next generation, as planning it would number it
     assert lifecycle.warmup_timeout_s(job) == base
+
+
+def test_the_warm_up_deadline_doubles_across_the_generations_a_job_trains_in_between_tries(
+    api: dict, cluster: Any, settings: Any
+) -> None:
+    """A job that can train without the joiner's device trains on between two tries to grow, in a
+    generation planned without it: that short generation, with no joiner, is the pause between
+    tries, and the deadline doubles across it (a test's job at load 10 tried 5 times in 2 minutes,
+    each time with the plain 25 s, and never grew). A generation whose joiners got ready, one that
+    trained long, or one that ended in other trouble breaks the run."""
+    base = settings.BUNGEE.warmup_timeout_s
+    job = submit(api)
+    now = timezone.now()
+
+    def history(*generations: tuple[str, float, tuple[int, ...]]) -> float:
+        """The next generation's deadline over `base` after `generations` (end reason, seconds it
+        lasted, its workers' pids), oldest first."""
+        Generation.objects.filter(job=job).delete()
+        Worker.objects.filter(job=job).delete()
+        for number, (end_reason, lasted_s, pids) in enumerate(generations, start=1):
+            Generation.objects.create(job=job, number=number, phase="ended", reason="test", end_reason=end_reason,
+                                      planned_at=now - timedelta(seconds=lasted_s), ended_at=now)
+            for rank, pid in enumerate(pids):
+                Worker.objects.create(job=job, generation=number, rank=rank, node=cluster, node_name=cluster.name,
+                                      device_index=rank, pid=pid, state="exited")
+        job.generation = len(generations) + 1
+        return lifecycle.warmup_timeout_s(job) / base
+
+    trained = ("", 600.0, (1, 2))
+    # A try that expired (its joiner, pid 9, never ready), then training on without it (1 and 2).
+    tries = [(lifecycle.NEVER_READY, 30.0, (1, 2, 9)), ("", 3.0, (1, 2))]
+    assert history(trained, *tries) == 2
+    assert history(trained, *tries, *tries, *tries) == 8
+    assert history(trained, *tries * 6) == lifecycle.WARMUP_BACKOFF_MAX
+    # A fresh start after a generation whose joiner got ready, one that trained long, or one lost.
+    assert history(*tries, ("", 3.0, (1, 2, 3)), *tries) == 2
+    assert history(*tries, ("", base * lifecycle.WARMUP_BACKOFF_MAX + 1, (1, 2)), *tries) == 2
+    assert history(*tries, ("a worker exited", 3.0, (1, 2)), *tries) == 2
+    assert history(trained) == 1
 
 
 def test_a_generation_whose_joiners_are_ready_but_never_forms_expires(
@@ -512,20 +584,19 @@ def test_completion_and_failure(api: dict, cluster: Any, redis_client: Any, sett
 def test_a_user_error_fails_the_job_at_once_and_stops_the_other_workers(
     api: dict, cluster: Any, redis_client: Any
 ) -> None:
-    job = submit(api)
-    run_cycle()
-    job.refresh_from_db()
-    for rank in (0, 1):
-        report(cluster, event(job, "started", rank=rank, pid=3000 + rank, device_index=rank))
-    form(cluster, job, 2, pid_base=3000)
+    job = training_on_two(api, cluster)
     sent = len(commands(redis_client))
     report(
         cluster,
-        event(job, "log", rank=1, message="the job's code failed: loss(model, batch) raised ValueError: bad\nTraceback"),
-        event(job, "exited", rank=1, exit_code=77, reason="user_error", device_index=1),
+        # Its own period: the message's sentence that follows it is not ".. The traceback". The
+        # worker logs its failure for people, and announces it with its exit for the portal.
+        event(job, "log", rank=1, message="the job's code failed: loss(model, batch) raised ValueError: bad.\nTraceback"),
+        event(job, "exited", rank=1, exit_code=77, reason="user_error", device_index=1,
+              user_error={"error": "loss(model, batch) raised ValueError: bad.", "traceback": ""}),
     )
     job.refresh_from_db()
     assert job.state == "failed" and job.restarts == 0 and job.allocations.count() == 0
+    assert ".." not in job.message, job.message
     assert "the job's code failed on worker rank 1" in job.message and "Not restarted" in job.message
     assert "loss(model, batch) raised ValueError: bad." in job.message, "what raised, not only where to look"
     page = ended_job_page(job)

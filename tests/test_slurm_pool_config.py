@@ -77,7 +77,11 @@ def test_a_gpu_agent_job() -> None:
     script = agent_script(config).splitlines()
     # The agent names its node behind the pool's name, and knows the lead of the TERM before the
     # time limit (a TERM that near the job's end is the limit, not a preemption).
-    assert script[-2] == "export BUNGEE_SLURM_POOL=slurm BUNGEE_SLURM_SIGNAL_S=90"
+    # Its data directory is set, whatever --export passes (NONE here): the portal's by default.
+    assert script[-2] == (f"export BUNGEE_SLURM_POOL=slurm BUNGEE_SLURM_SIGNAL_S=90 "
+                          f"BUNGEE_DATA_DIR={shlex.quote(str(settings.BUNGEE.data_dir))}")
+    scratch = pool_config(raw(GRES="gpu:4", AGENT_DATA_DIR="/local/scratch/bungee"))
+    assert agent_script(scratch).splitlines()[-2].endswith(" BUNGEE_DATA_DIR=/local/scratch/bungee")
     assert shlex.split(script[-1]) == ["exec", "python3", "-m", "agent", "--slurm", "--portal", "http://portal.example:8000",
                                     "--token-file", "/shared/bungee/pool.token"]
 

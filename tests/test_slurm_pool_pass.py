@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import getpass
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.utils import timezone
 
-from elastic.wire import slurm_node_name
+from elastic.wire import DrainNotice, slurm_node_name
+from portal.cluster import drain
 from portal.cluster.models import Device, Node
 from portal.jobs import lifecycle
 from portal.jobs.models import Job
@@ -48,8 +50,8 @@ def pool(slurm: SlurmCluster, settings: Any, monkeypatch: pytest.MonkeyPatch, tm
         "workdir": str(PROJECT_ROOT), "output": str(tmp_path / "agents" / "%x-%j.out"),
         "agent_args": "--standbys off",
         # Each agent's state directory under the test's own data dir (job ids start at 1 in every
-        # test cluster: under the project's var/ two runs' agents would share one).
-        "export": f"ALL,BUNGEE_DATA_DIR={tmp_path / 'data'}",
+        # test cluster: under one data dir two runs' agents would share one).
+        "export": "ALL", "agent_data_dir": str(tmp_path / "data"),
     })
     yield slurm
     slurm.cancel_all()
@@ -105,10 +107,15 @@ def test_the_pool_grows_with_demand_and_shrinks_when_idle(
     assert done is not None and sorted(done["cancelled"]) == sorted(submitted) and done["submitted"] == []
     wait_until(lambda: not _agent_jobs(pool), 60, "the idle agent jobs gone from Slurm")
     for node in nodes:
-        event = SlurmPoolEvent.objects.get(kind=Kind.CANCELLED, slurm_job_id=int(node.name.rsplit("job", 1)[1]))
-        assert "idle for" in event.message
+        job_id = int(node.name.rsplit("job", 1)[1])
+        assert "idle for" in SlurmPoolEvent.objects.get(kind=Kind.CANCELLED, slurm_job_id=job_id).message
+        # Its agent says what its TERM was: the pool's give-back, not a preemption it cannot know.
+        output = (tmp_path / "agents" / f"bungee-agent-{job_id}.out").read_text()
+        assert "draining: idle, given back to Slurm" in output, output[-2000:]
     assert size_slurm_pool() == {"submitted": [], "cancelled": []}
     assert not SlurmAgentJob.objects.exists()
+    # Each drained agent removed its job's state directory on its way out.
+    assert list((tmp_path / "data" / "agent").iterdir()) == []
 
 
 def test_never_more_pending_agent_jobs_than_the_demand(pool: SlurmCluster, users: dict[str, Any]) -> None:
@@ -153,3 +160,46 @@ def test_a_failing_slurm_command_is_an_error_on_the_scheduler_page(
     page = client.get("/admin/scheduler/").content.decode()
     assert 'id="slurm-pool"' in page and "Invalid partition" in page
     assert "0 online, 0 starting, 0 pending" in page
+
+
+def test_an_agent_whose_node_drains_is_replaced_at_once_at_the_most_agents(
+    pool: SlurmCluster, users: dict[str, Any], settings: Any
+) -> None:
+    settings.BUNGEE_SLURM = settings.BUNGEE_SLURM.model_copy(update={"max_agents": 2})
+    _job(users, max_workers=4)
+    submitted = size_slurm_pool()["submitted"]  # type: ignore[index]
+    assert len(submitted) == 2
+    wait_until(lambda: set(_agent_jobs(pool).values()) == {"RUNNING"}, 60, "both agent jobs running")
+    nodes = [_register(pool, job_id, devices=2) for job_id in submitted]
+    assert size_slurm_pool() == {"submitted": [], "cancelled": []}
+
+    # Slurm preempts one: its agent says it drains. Its job still runs (the agent drains within
+    # its grace); it leaves, and the one that replaces it waits in Slurm's queue for its slots.
+    deadline_at = (timezone.now() + timedelta(seconds=20)).timestamp()
+    drain.draining(nodes[0], DrainNotice(cause="slurm_preemption", deadline_at=deadline_at))
+    replaced = size_slurm_pool()
+    assert replaced is not None and len(replaced["submitted"]) == 1 and replaced["cancelled"] == []
+    assert SlurmAgentJob.objects.get(slurm_job_id=submitted[0]).phase == "leaving"
+    assert size_slurm_pool() == {"submitted": [], "cancelled": []}, "the replacement is on its way"
+
+
+def test_a_controller_outage_is_a_failed_pass_that_keeps_the_agent_jobs(
+    pool: SlurmCluster, users: dict[str, Any], client: Any
+) -> None:
+    # squeue --json without slurmctld exits 0 with no job and an error: not an empty queue.
+    _job(users, max_workers=4)
+    submitted = size_slurm_pool()["submitted"]  # type: ignore[index]
+    assert len(submitted) == 2
+    pool.stop_controller()
+    try:
+        assert size_slurm_pool() == {"submitted": [], "cancelled": []}, "no sbatch for jobs it cannot see"
+        assert sorted(SlurmAgentJob.objects.values_list("slurm_job_id", flat=True)) == sorted(submitted)
+        error = SlurmPoolEvent.objects.get(kind=Kind.ERROR)
+        assert error.message.startswith("squeue --json") and "slurm_load_jobs" in error.message, error.message
+        client.force_login(users["staff"])
+        assert "slurm_load_jobs" in client.get("/admin/scheduler/").content.decode()
+    finally:
+        pool.start_controller()
+    assert size_slurm_pool() == {"submitted": [], "cancelled": []}, "the same two agent jobs, found again"
+    assert sorted(SlurmAgentJob.objects.values_list("slurm_job_id", flat=True)) == sorted(submitted)
+    assert set(_agent_jobs(pool)) == set(submitted)

@@ -67,12 +67,13 @@ def test_the_decision_keeps_the_pools_rules(pool: tuple[int, int, list[AgentJob]
     pending_after = sum(1 for a in after if a.phase == Phase.PENDING)
     coming_after = sum(1 for a in after if a.phase in (Phase.PENDING, Phase.STARTING))
     assert pending_after <= needed, "never more pending agent jobs than the demand"
+    staying_after = sum(1 for a in after if a.phase != Phase.LEAVING)
     if decision.submit:
-        assert len(after) <= limits.max_agents
+        assert staying_after <= limits.max_agents
         assert coming_after <= needed
     else:
         # Nothing submitted: the demand is covered by agents on their way, or the pool is full.
-        assert coming_after >= needed or len(after) >= limits.max_agents
+        assert coming_after >= needed or staying_after >= limits.max_agents
     if unmet == 0:
         assert decision.submit == 0
     # Cancelling idle agents never takes the cluster below what the jobs want.
@@ -124,3 +125,12 @@ def test_idle_agents_go_only_while_the_cluster_can_spare_their_devices() -> None
 def test_one_device_per_agent_at_least() -> None:
     with pytest.raises(ValueError, match="devices_per_agent=0"):
         size_pool(1, 0, [], PoolLimits(devices_per_agent=0, max_agents=1, idle_s=0, start_timeout_s=0))
+
+
+def test_an_agent_that_leaves_is_replaced_at_once_within_the_maximum() -> None:
+    """Its node drains (preempted, at its time limit): the replacement is pending in Slurm by the
+    time the leaving agent's devices are free, even at the most agent jobs."""
+    limits = PoolLimits(devices_per_agent=1, max_agents=2, idle_s=600, start_timeout_s=300)
+    agents = [AgentJob(1, Phase.ONLINE, usable_devices=1), AgentJob(2, Phase.LEAVING)]
+    assert size_pool(2, 1, agents, limits) == PoolDecision(submit=1, cancel={}, unmet_devices=1)
+    assert size_pool(2, 1, [*agents, AgentJob(3, Phase.PENDING)], limits).submit == 0

@@ -69,7 +69,7 @@ def a_launch(job_id: int, ranks: int, max_workers: int, python: str | None = Non
     return Launch(command, SimulatedBackend(slots=4), REDIS_URL, None, None, python)
 
 
-def test_only_jobs_below_their_most_workers_in_the_nodes_environment_grow(tmp_path: Path) -> None:
+def test_only_jobs_below_their_most_workers_grow_in_the_nodes_environment_or_their_own(tmp_path: Path) -> None:
     below, full, own_environment, later = (
         a_launch(1, ranks=1, max_workers=3),
         a_launch(2, ranks=3, max_workers=3),
@@ -77,7 +77,7 @@ def test_only_jobs_below_their_most_workers_in_the_nodes_environment_grow(tmp_pa
         a_launch(4, ranks=2, max_workers=4),
     )
     ledger = Ledger(launches={1: below, 2: full, 3: own_environment, 4: later})
-    assert keeper(tmp_path, ledger).growing() == {1: below, 4: later}
+    assert keeper(tmp_path, ledger).growing() == {1: below, 3: own_environment, 4: later}
 
 
 @pytest.mark.parametrize(

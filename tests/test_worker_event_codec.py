@@ -1,4 +1,4 @@
-"""The worker event codec (elastic.membership.codec), which both the agent's supervisor and
+"""The worker event codec (elastic.worker.event_codec), which both the agent's supervisor and
 elastic.worker.local read the workers' stdout with: every event a worker writes decodes back
 equal; any other line, malformed or of a kind only the supervisor writes, is a log line; a long
 message is cut."""
@@ -10,8 +10,8 @@ from typing import get_args
 
 import pytest
 
-from elastic.membership.codec import MAX_LOG_CHARS, WORKER_KINDS, decode, encode, is_event_line
 from elastic.wire import WORKER_EVENT_PREFIX, WorkerEvent
+from elastic.worker.event_codec import MAX_LOG_CHARS, WORKER_KINDS, decode, encode, is_event_line
 from elastic.worker.events import EventWriter
 from tests.test_worker_events import CONFIG
 
@@ -102,6 +102,8 @@ def test_an_event_line_becomes_that_event_with_the_missing_key_filled_in() -> No
         WORKER_EVENT_PREFIX + '{"kind": "progress", "step": "many"}',
         WORKER_EVENT_PREFIX + '{"kind": "exited", "exit_code": 0}',
         WORKER_EVENT_PREFIX + '{"kind": "started", "pid": 1}',
+        # The job's environment is the agent's to report, never the job's code (which prints this).
+        WORKER_EVENT_PREFIX + '{"kind": "environment", "own_packages": {"digest": "' + "0" * 64 + '"}}',
         WORKER_EVENT_PREFIX + '{"kind": "teleported"}',
         WORKER_EVENT_PREFIX + '{"step": 3}',
     ],

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.membership.codec import decode
 from elastic.spec import JobSpec
 from elastic.wire import WorkerEvent
 from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE
 from elastic.worker.checkpoint import checkpoint_path, load_checkpoint
+from elastic.worker.event_codec import decode
 from elastic.worker.events import EventWriter, ProgressReporter
 from elastic.worker.loop import PAUSE_STEPS, CheckpointSaver, ResizeMeter, SwitchAgreed, TrainingLoop
 from elastic.worker.position import WorkerPosition

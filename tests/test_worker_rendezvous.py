@@ -16,9 +16,9 @@ from datetime import timedelta
 import pytest
 
 from elastic.membership.api import BoardUnavailable
-from elastic.membership.codec import decode
 from elastic.wire import Membership
 from elastic.worker import LEFT_EXIT_CODE, STOPPED_EXIT_CODE, WorkerExit
+from elastic.worker.event_codec import decode
 from elastic.worker.events import EventWriter
 from elastic.worker.local import free_port
 from elastic.worker.position import WorkerPosition

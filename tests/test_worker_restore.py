@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.membership.codec import decode
 from elastic.wire import Member, Membership, WorkerEvent
 from elastic.worker.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from elastic.worker.event_codec import decode
 from elastic.worker.events import EventWriter
 from elastic.worker.local import free_port
 from elastic.worker.loop import CheckpointSaver, ResizeMeter

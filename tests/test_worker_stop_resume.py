@@ -18,7 +18,7 @@ from tests.worker_support import REDIS_URL, worker_env
 
 pytestmark = pytest.mark.slow
 
-TOTAL_STEPS = 1500
+TOTAL_STEPS = 600
 # Strict mode (the default) with 2 virtual workers, so a 2-then-1 run is the same computation as
 # a 2-worker run (test_worker_strict_consistency shows it bit for bit, dropout included; here
 # the stop and the checkpoint are what is tested, without dropout as before).

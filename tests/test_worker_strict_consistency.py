@@ -142,6 +142,40 @@ def test_resizes_and_a_crash_give_the_fixed_runs_model_bit_for_bit(tmp_path: Pat
     assert len({tuple(row.tolist()) for row in contexts}) == 4, "each virtual worker has its own statistics"
 
 
+def test_bf16_resizes_give_the_fixed_runs_model_bit_for_bit(tmp_path: Path) -> None:
+    """Strict in bf16 (autocast around each virtual worker's forward and loss; weights, exact sums
+    and optimiser in fp32): a virtual worker's kernels see the same shapes on any placement, so
+    2 -> 1 -> 3 -> 2 in place ends with a fixed 2-worker run's parameters, buffers and optimiser
+    state, and its losses; and bf16 did change the computation (its losses are not fp32's)."""
+    spec = {**CNN, "name": "strict-bf16", "precision": "bf16", "max_workers": 3, "virtual_workers": 6}
+    run_dir = tmp_path / "resized"
+    run_dir.mkdir()
+    record = run_dir / "samples.jsonl"
+    env = worker_env(BUNGEE_RECORD_SAMPLES=str(record), BUNGEE_SIM_SLOWDOWN="4")
+    with LocalJob(
+        {**spec, "steps": 10_000_000}, run_dir / "run", REDIS_URL, env=env, device=TEST_DEVICE
+    ) as job:
+        job.start([0, 1])
+        job.trained_past(1, 5)
+        job.resize([1])
+        job.trained_past(2, 5)
+        job.resize([1, 0, 2])
+        job.trained_past(3, 5)
+        job.resize([0, 2])
+        job.trained_past(4, 5)
+        job.send_signal(0, signal.SIGTERM)
+        job.wait(120)
+    assert [r.world_size for r in job.records] == [2, 1, 3, 2], job.describe()
+    resized = load_checkpoint(checkpoint_path(run_dir / "run"))
+    assert resized is not None
+    losses = _losses(record)
+    fixed, fixed_losses = _fixed_run(spec, resized.step, [0, 1], tmp_path / "fixed")
+    assert _differences(resized, fixed) == []
+    assert losses == fixed_losses
+    _, fp32_losses = _fixed_run({**spec, "precision": "fp32"}, 3, [0, 1], tmp_path / "fp32")
+    assert fp32_losses[1:] != losses[1:3], "bf16 is a computation of its own"
+
+
 def test_uneven_shares_for_faster_workers_give_the_same_model(tmp_path: Path) -> None:
     spec = {**CNN, "max_workers": 3, "virtual_workers": 8}
     shares = proportional_shares(8, [3.0, 1.0, 2.0])

@@ -14,15 +14,16 @@ from __future__ import annotations
 import io
 import json
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from elastic.artifacts import MANIFEST_NAME, MODEL_NAME, artifacts_dir
+from elastic.artifacts import MANIFEST_NAME, MODEL_NAME, Manifest, artifacts_dir
 from elastic.codepack import pack_directory
-from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE
+from elastic.worker import COMPLETED_EXIT_CODE, STOPPED_EXIT_CODE, USER_ERROR_EXIT_CODE, WHOLE_TRACEBACK_HEAD
 from elastic.worker.checkpoint import checkpoint_path, load_checkpoint
 from elastic.worker.data import SampleStream
 from elastic.worker.local import LocalJob
@@ -98,6 +99,10 @@ def test_a_users_task_resized_in_place_is_bitwise_the_fixed_run(tmp_path: Path) 
     assert json.loads((resized_dir / MANIFEST_NAME).read_text())["ended"] == "stopped"
     assert set(manifest["final"]["metrics"]) == {"accuracy", "loss"}
     assert evaluate_without_bungee(fixed_dir / MODEL_NAME, fixed_dir / MANIFEST_NAME) == manifest["final"]["metrics"]
+    # What it was trained with: the node's Python and torch build, and no packages of its own.
+    assert manifest["environment"] == {"python": sys.version, "torch": torch.__version__,
+                                       "torch_cuda": torch.version.cuda, "own_packages": None}
+    assert Manifest.model_validate(manifest).environment is not None
 
 
 def test_a_users_task_in_hybrid_mode_resized_in_place(tmp_path: Path) -> None:
@@ -154,7 +159,17 @@ def test_a_bug_in_loss_fails_the_worker_once_with_the_traceback(tmp_path: Path) 
     assert [o.returncode for o in outputs] == [USER_ERROR_EXIT_CODE], job.describe()
     [failure] = [m for m in outputs[0].log_messages() if m.startswith("the job's code failed")]
     assert "loss(model, batch) raised ValueError: the task's own bug, at call 11" in failure
-    assert "Traceback (most recent call last)" in failure and "rings/task.py" in failure
+    # The task's own frames, named as in its directory; the platform's in the next line only.
+    assert "Traceback (most recent call last)" in failure and 'File "task.py", line' in failure
+    assert "elastic/" not in failure, failure
+    [whole] = [m for m in outputs[0].log_messages() if m.startswith(WHOLE_TRACEBACK_HEAD)]
+    assert "elastic/tasks/runtime.py" in whole and "rings/task.py" in whole
+    # Its exit announces the failure as a typed field, which the agent reports and the portal
+    # quotes in the job's message: the error and the task's own frames only.
+    [exiting] = outputs[0].of_kind("exiting")
+    assert exiting.exit_code == USER_ERROR_EXIT_CODE and exiting.user_error is not None
+    assert exiting.user_error.error == "loss(model, batch) raised ValueError: the task's own bug, at call 11"
+    assert 'File "task.py", line' in exiting.user_error.traceback and "elastic/" not in exiting.user_error.traceback
     # What it trained is not lost: the state of the last completed step, as the job's artifacts.
     directory = artifacts_dir(tmp_path / "run")
     manifest = json.loads((directory / MANIFEST_NAME).read_text())

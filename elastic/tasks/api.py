@@ -49,7 +49,9 @@ mode) before the step's items are read: a task must not keep generators of its o
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 TASK_METHODS = ("model", "optimizer", "train_data", "loss")
 """What every task class defines."""
@@ -79,3 +81,28 @@ class UserCodeError(Exception):
 class TaskDefinitionError(UserCodeError):
     """The entrypoint does not name a usable task: no such module or class, a required method
     missing, or hyperparameters its schema refuses."""
+
+
+def _under(filename: str, directory: Path) -> str | None:
+    """`filename` relative to `directory` if it lies there, else None."""
+    try:
+        return str(Path(filename).resolve().relative_to(directory))
+    except (OSError, ValueError):
+        return None
+
+
+def users_traceback(error: UserCodeError, directory: Path) -> str:
+    """The traceback of what the job's code raised (the cause `error` wraps) as the user wrote it:
+    only the frames of files under `directory`, the task's code, named relative to it, and the
+    exception's own lines. Empty if `error` wraps no exception (a missing method, a NaN loss)."""
+    cause = error.__cause__
+    if cause is None:
+        return ""
+    directory = directory.resolve()
+    frames = [
+        traceback.FrameSummary(relative, frame.lineno, frame.name, line=frame.line)
+        for frame in traceback.extract_tb(cause.__traceback__)
+        if (relative := _under(frame.filename, directory)) is not None
+    ]
+    told = ["Traceback (most recent call last):\n", *traceback.format_list(frames)] if frames else []
+    return "".join(told + traceback.format_exception_only(type(cause), cause)).rstrip()

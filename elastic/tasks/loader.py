@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from elastic.tasks.api import TASK_METHODS, Job, TaskDefinitionError
+from elastic.tasks.missing import missing_module_advice
 
 _LOADED_FROM: dict[str, Path] = {}
 """Module name -> the task directory it was imported from, in this process."""
@@ -58,7 +59,7 @@ def load_module(directory: Path, name: str) -> ModuleType:
         module = importlib.import_module(name)
     except Exception as err:
         raise TaskDefinitionError(
-            f"importing {name!r} from the job's code failed: {type(err).__name__}: {err}",
+            f"importing {name!r} from the job's code failed: {type(err).__name__}: {err}{missing_module_advice(err)}",
             traceback.format_exc(),
         ) from err
     finally:

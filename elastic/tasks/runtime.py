@@ -18,6 +18,7 @@ from torch.utils.data import default_collate
 from elastic.tasks.api import Job, TaskDefinitionError, UserCodeError
 from elastic.tasks.hyperparameters import hyperparameter, validate_hyperparameters
 from elastic.tasks.loader import construct_task, load_task_class
+from elastic.tasks.missing import missing_module_advice
 from elastic.tasks.readers import ItemReaders, Stacked
 
 
@@ -29,7 +30,9 @@ def blaming_the_task(what: str) -> Iterator[None]:
     except UserCodeError:
         raise
     except Exception as err:
-        raise UserCodeError(f"{what} raised {type(err).__name__}: {err}", traceback.format_exc()) from err
+        raise UserCodeError(
+            f"{what} raised {type(err).__name__}: {err}{missing_module_advice(err)}", traceback.format_exc()
+        ) from err
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

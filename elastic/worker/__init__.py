@@ -10,6 +10,10 @@ from __future__ import annotations
 WORKER_CONFIG_ENV = "BUNGEE_WORKER_CONFIG"
 """The environment variable that carries the worker's elastic.wire.WorkerConfig as JSON."""
 
+EXPORT_CONFIG_ENV = "BUNGEE_EXPORT_CONFIG"
+"""The environment variable that carries `python -m elastic.worker.export`'s elastic.wire.ExportConfig
+as JSON."""
+
 COMPLETED_EXIT_CODE = 0
 """Every step of the job is done and rank 0 has saved the final checkpoint."""
 FAILED_EXIT_CODE = 1
@@ -26,15 +30,12 @@ an import error, an exception in `loss`); its traceback went to the job's log. T
 restarting it would only burn devices."""
 USER_ERROR_LOG_PREFIX = "the job's code failed: "
 """How the log line a worker writes for a UserCodeError starts: this, the error (what raised what),
-then the innermost frames of its traceback on the lines after."""
+then the traceback of the job's own files on the lines after (its whole traceback follows in a
+log line of its own). For the job's log, which people read; the portal takes the failure from the
+exit's elastic.wire.UserError."""
 
-
-def user_error_summary(line: str) -> str | None:
-    """The error that a worker's USER_ERROR_LOG_PREFIX log `line` reports (its first line, after
-    the prefix: "loss() raised ValueError: ..."), or None for any other line."""
-    if not line.startswith(USER_ERROR_LOG_PREFIX):
-        return None
-    return line[len(USER_ERROR_LOG_PREFIX):].split("\n", 1)[0].strip() or None
+WHOLE_TRACEBACK_HEAD = "the whole traceback, the platform's frames with the job's:"
+"""How the log line after a USER_ERROR_LOG_PREFIX line starts: this, then the whole traceback."""
 
 
 class WorkerExit(Exception):  # noqa: N818 - a way out, not an error
@@ -47,12 +48,13 @@ class WorkerExit(Exception):  # noqa: N818 - a way out, not an error
 
 __all__ = [
     "COMPLETED_EXIT_CODE",
+    "EXPORT_CONFIG_ENV",
     "FAILED_EXIT_CODE",
     "LEFT_EXIT_CODE",
     "STOPPED_EXIT_CODE",
     "USER_ERROR_EXIT_CODE",
     "USER_ERROR_LOG_PREFIX",
+    "WHOLE_TRACEBACK_HEAD",
     "WORKER_CONFIG_ENV",
     "WorkerExit",
-    "user_error_summary",
 ]

@@ -31,13 +31,23 @@ def main() -> int:
         announce_exit(FAILED_EXIT_CODE)
         return FAILED_EXIT_CODE
     # Installed first, so that a stop asked while torch loads or the job builds ends the start at
-    # once (StoppedStarting); WorkerRun settles it before the worker meets its peers.
-    from elastic.worker.stop import StoppedStarting, StopRequest
+    # once (StoppedStarting); WorkerRun settles it before the worker meets its peers. SIGTERM is
+    # held before any thread starts and before the handler is in place: only the gate passes it
+    # on, and only the agent's (a cluster engine's TERM to the agent's whole job is the agent's).
+    from elastic.worker.stop import StoppedStarting, StopRequest, agent_pid, guard_term, hold_term
 
+    hold_term()
     stop = StopRequest()
     stop.install(starting=True)
+    try:
+        guard_term(agent_pid())
+    except ValueError as err:
+        print(f"the worker cannot tell its agent: {err}", file=sys.stderr)
+        announce_exit(FAILED_EXIT_CODE)
+        return FAILED_EXIT_CODE
     heartbeat = None
     events = None
+    run = None
     code = FAILED_EXIT_CODE
     try:
         from elastic.membership.redis import RedisBoard
@@ -57,7 +67,8 @@ def main() -> int:
         board = RedisBoard.connect(config.redis_url, config.coordination_key)
         try:
             events = EventWriter(config)
-            code = WorkerRun(config, settings, events, stop, board, began).run()
+            run = WorkerRun(config, settings, events, stop, board, began)
+            code = run.run()
         finally:
             board.close()
     except StoppedStarting as stopped:
@@ -77,7 +88,7 @@ def main() -> int:
         if heartbeat is not None:
             heartbeat.stop()
         sys.stderr.flush()
-        announce_exit(code)
+        announce_exit(code, user_error=run.user_error if run is not None else None)
     return code
 
 

@@ -9,8 +9,10 @@ hands the files to the portal, which keeps them after the nodes are gone.
                     the same however the job was resized.
     checkpoint.pt   the whole training state (elastic.worker.checkpoint), to go on from.
     manifest.json   the spec, the code's digest and entrypoint (or the workload), the steps, the
-                    final loss and the task's evaluation metrics, the sha256 of each file, and the
-                    versions of Bungee and torch.
+                    final loss and the task's evaluation metrics, the sha256 of each file, the
+                    versions of Bungee and torch, and what it was trained with (`environment`:
+                    the node's Python and torch build, and the job's own packages, if any: its
+                    requirements as given and every package installed, with its version).
 
 The evaluation metrics are those of `evaluate` over the task's `eval_data`, in batches of the
 global batch size taken in order, each batch's metrics weighted by its size, with the model in
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,13 +31,38 @@ from typing import Any
 import torch
 
 from elastic import __version__
-from elastic.artifacts import ARTIFACTS_DIR, CHECKPOINT_NAME, MANIFEST_NAME, MODEL_NAME, artifacts_dir
+from elastic.artifacts import (
+    ARTIFACTS_DIR,
+    CHECKPOINT_NAME,
+    MANIFEST_NAME,
+    MODEL_NAME,
+    SHORT_TEXT_CHARS,
+    artifacts_dir,
+)
 from elastic.codepack import file_digest
 from elastic.spec import JobSpec
 from elastic.tasks.api import UserCodeError
 from elastic.tasks.runtime import BoundTask
+from elastic.wire import OWN_PACKAGES_FILE, OwnPackages
 from elastic.worker.events import EventWriter, finite_only
 from elastic.worker.trainer import Trainer
+
+
+def trained_with() -> dict[str, Any]:
+    """The manifest's `environment` (elastic.artifacts.TrainedWith): this interpreter's Python,
+    its torch build, and the job's own packages where this interpreter is that of a job's own
+    environment (the record its build left at its top, elastic.wire.OWN_PACKAGES_FILE); None
+    where it is the node's."""
+    try:
+        own = OwnPackages.model_validate_json((Path(sys.prefix) / OWN_PACKAGES_FILE).read_bytes())
+    except (OSError, ValueError):
+        own = None
+    return {
+        "python": sys.version[:SHORT_TEXT_CHARS],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "own_packages": own.model_dump(mode="json") if own is not None else None,
+    }
 
 
 class ArtifactExporter:
@@ -106,6 +134,7 @@ class ArtifactExporter:
             "bungee_version": __version__,
             "torch_version": torch.__version__,
             "created_at": time.time(),
+            "environment": trained_with(),
         }
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         shutil.rmtree(self.directory, ignore_errors=True)

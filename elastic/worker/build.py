@@ -95,16 +95,21 @@ class Build:
         )
 
 
-def task_class(config: WorkerConfig, spec: JobSpec) -> tuple[type, tuple[Path, str]]:
-    """The job's own code, as the agent unpacked it, or the shipped task of its workload, with
-    its directory and entrypoint. Raises TaskDefinitionError."""
+def task_source(config: WorkerConfig, spec: JobSpec) -> tuple[Path, str]:
+    """The directory and entrypoint of the job's task: its own code, as the agent unpacked it, or
+    the shipped task of its workload. Raises TaskDefinitionError."""
     if config.code_dir is not None and config.entrypoint is not None:
-        source = (Path(config.code_dir), config.entrypoint)
-    elif spec.workload is None:
+        return Path(config.code_dir), config.entrypoint
+    if spec.workload is None:
         raise TaskDefinitionError("the job names code of its own, but the agent gave this worker none")
-    else:
-        info = CATALOGUE[spec.workload]
-        source = (info.path, info.entrypoint)
+    info = CATALOGUE[spec.workload]
+    return info.path, info.entrypoint
+
+
+def task_class(config: WorkerConfig, spec: JobSpec) -> tuple[type, tuple[Path, str]]:
+    """The job's task class (task_source), with its directory and entrypoint. Raises
+    TaskDefinitionError."""
+    source = task_source(config, spec)
     return load_task_class(*source), source
 
 

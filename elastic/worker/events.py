@@ -1,5 +1,5 @@
 """The worker's structured output: elastic.wire.WorkerEvent objects written to stdout as single
-lines (elastic.membership.codec), which the agent decodes; any other stdout line is a plain log
+lines (elastic.worker.event_codec), which the agent decodes; any other stdout line is a plain log
 line to the agent."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from elastic.membership.codec import WorkerKind, encode
-from elastic.wire import WORKER_EVENT_PREFIX, WorkerConfig, WorkerEvent
+from elastic.wire import WORKER_EVENT_PREFIX, UserError, WorkerConfig, WorkerEvent
+from elastic.worker.event_codec import WorkerKind, encode
 
 
 def finite_only(metrics: dict[str, float] | None) -> dict[str, float] | None:
@@ -64,12 +64,16 @@ class EventWriter:
         return self.emit("log", message=message)
 
 
-def announce_exit(exit_code: int, stream: TextIO | None = None) -> None:
-    """Write the worker's last line, the "exiting" event with the code it is about to exit with,
-    and flush. It carries no job, generation or rank (the agent fills them in), so that it can be
-    written however early the worker fails."""
+def announce_exit(exit_code: int, stream: TextIO | None = None, user_error: UserError | None = None) -> None:
+    """Write the worker's last line, the "exiting" event with the code it is about to exit with
+    (and, where the job's own code failed, what it raised: `user_error`), and flush. It carries
+    no job, generation or rank (the agent fills them in), so that it can be written however early
+    the worker fails."""
     out = stream if stream is not None else sys.stdout
-    out.write(WORKER_EVENT_PREFIX + json.dumps({"kind": "exiting", "exit_code": exit_code}) + "\n")
+    said: dict[str, Any] = {"kind": "exiting", "exit_code": exit_code}
+    if user_error is not None:
+        said["user_error"] = user_error.model_dump()
+    out.write(WORKER_EVENT_PREFIX + json.dumps(said) + "\n")
     out.flush()
 
 

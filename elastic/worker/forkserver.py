@@ -21,13 +21,14 @@ server's is refused, and its caller starts the process the ordinary way. Python'
 reseeds itself in a forked child; numpy's global generator is reseeded here, as a fresh process's
 would be.
 
-The protocol, on a stream socket pair, each message a 4-byte length then JSON:
+The protocol, on a stream socket pair, each message a 4-byte length then JSON, one model per
+message (CallerMessage, ServerMessage; `kind` tells them apart):
 
-    server -> caller   {"ready": PID}                       once its imports are done
-    caller -> server   {"spawn": Request}  + 3 descriptors  (stdin, stdout, stderr)
-    server -> caller   {"spawned": PID} | {"refused": WHY}
-    server -> caller   {"exited": PID, "code": CODE}        CODE as Popen's returncode
-    caller -> server   {"reap": PID}
+    server -> caller   Ready(pid)                            once its imports are done
+    caller -> server   Spawn(request)  + 3 descriptors       (stdin, stdout, stderr)
+    server -> caller   Spawned(pid) | Refused(why)
+    server -> caller   Exited(pid, code)                     code as Popen's returncode
+    caller -> server   Reap(pid)
 
 The server keeps an ended child unreaped until its caller says so: until then its pid, and its
 process group, cannot be another process's, so the caller may still signal them (the agent kills
@@ -38,7 +39,6 @@ the server; its children live on, as workers outlive their agent.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 import select
@@ -52,11 +52,12 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from elastic.worker.confine import make_undumpable
+from elastic.worker.stop import AGENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,59 @@ def startup_differences(env: Mapping[str, str], server_env: Mapping[str, str]) -
 # --- messages -----------------------------------------------------------------------------------
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    body = json.dumps(message).encode()
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Ready(_Message):
+    """The server's imports are done: it forks from now on."""
+
+    kind: Literal["ready"] = "ready"
+    pid: int
+
+
+class Spawn(_Message):
+    """Fork `request` (its stdin, stdout and stderr come as the message's three descriptors)."""
+
+    kind: Literal["spawn"] = "spawn"
+    request: Request
+
+
+class Spawned(_Message):
+    kind: Literal["spawned"] = "spawned"
+    pid: int
+
+
+class Refused(_Message):
+    """The request was not forked: the caller starts the process the ordinary way."""
+
+    kind: Literal["refused"] = "refused"
+    why: str = Field(max_length=2000)
+
+
+class Exited(_Message):
+    """A child ended (not reaped yet); `code` as Popen's returncode (-N: signal N)."""
+
+    kind: Literal["exited"] = "exited"
+    pid: int
+    code: int
+
+
+class Reap(_Message):
+    """The caller is done with an ended child: its pid may now be another process's."""
+
+    kind: Literal["reap"] = "reap"
+    pid: int
+
+
+CallerMessage = Annotated[Spawn | Reap, Field(discriminator="kind")]
+ServerMessage = Annotated[Ready | Spawned | Refused | Exited, Field(discriminator="kind")]
+_CALLER_MESSAGE: TypeAdapter[Spawn | Reap] = TypeAdapter(CallerMessage)
+_SERVER_MESSAGE: TypeAdapter[Ready | Spawned | Refused | Exited] = TypeAdapter(ServerMessage)
+
+
+def _send(sock: socket.socket, message: _Message, fds: Sequence[int] = ()) -> None:
+    body = message.model_dump_json().encode()
     header = _HEADER.pack(len(body))
     if fds:
         socket.send_fds(sock, [header], list(fds))
@@ -119,8 +171,8 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]] | None:
-    """The next message and the descriptors sent with it; None at the socket's end."""
+def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[bytes, list[int]] | None:
+    """The next message's JSON and the descriptors sent with it; None at the socket's end."""
     fds: list[int] = []
     if max_fds:
         data, fds, _flags, _address = socket.recv_fds(sock, _HEADER.size, max_fds)
@@ -132,7 +184,7 @@ def _receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], lis
     (size,) = _HEADER.unpack(data)
     if size > _MAX_MESSAGE:
         raise ValueError(f"a message of {size} bytes")
-    return json.loads(_receive_exactly(sock, size)), fds
+    return _receive_exactly(sock, size), fds
 
 
 # --- the server ---------------------------------------------------------------------------------
@@ -145,6 +197,7 @@ def _child(request: Request, fds: list[int]) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if request.new_session:
             os.setsid()
         for target, fd in zip((0, 1, 2), fds, strict=True):
@@ -188,17 +241,26 @@ def _child(request: Request, fds: list[int]) -> None:
         os._exit(code)
 
 
-def serve(sock: socket.socket) -> int:
-    """Forks what the caller asks for until the socket ends (the caller is gone)."""
+def _term_is_the_callers(_signum: int, _frame: object) -> None:
+    """The server's SIGTERM: dropped (the end of its socket ends it)."""
+
+
+def serve(sock: socket.socket, worker_module: str | None = None) -> int:
+    """Forks what the caller asks for until the socket ends (the caller is gone), once it has
+    imported what standbys for `worker_module` import (by default the platform's worker's)."""
     import setproctitle
 
     setproctitle.getproctitle()  # its set-up, while argv's and the environment's memory are as they started
 
-    from elastic.worker.standby import WARM_MODULES
+    from elastic.worker.standby import WARM_MODULES, warm_modules
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for its caller; its socket's end ends it
+    # So is a TERM to the caller's whole process tree (Slurm's scancel, a service manager's stop):
+    # the caller, draining, still needs to hear of its children's ends. A handler, not SIG_IGN,
+    # which a child would keep (the child puts the default back anyway).
+    signal.signal(signal.SIGTERM, _term_is_the_callers)
     server_env = dict(os.environ)
-    for name in WARM_MODULES:
+    for name in warm_modules(worker_module) if worker_module else WARM_MODULES:
         try:
             importlib.import_module(name)
         except ImportError:
@@ -218,7 +280,7 @@ def serve(sock: socket.socket) -> int:
     imported_env = {name: value for name, value in os.environ.items() if name not in server_env}
     """What the imports set in the environment (torch sets KMP_DUPLICATE_LIB_OK, for one): a
     child gets it where its own environment does not say otherwise, as a fresh import would."""
-    _send(sock, {"ready": os.getpid()})
+    _send(sock, Ready(pid=os.getpid()))
     while True:
         for key, _events in selector.select():
             if key.fileobj == wake_read:
@@ -230,25 +292,31 @@ def serve(sock: socket.socket) -> int:
             received = _receive(sock, max_fds=3)
             if received is None:
                 return 0
-            message, fds = received
-            if "reap" in message:
-                pid = int(message["reap"])
-                if pid in ended:  # never one still running: the caller reaps what it was told ended
-                    os.waitpid(pid, 0)
-                    children.discard(pid)
-                    ended.discard(pid)
-                continue
+            body, fds = received
             try:
-                request = Request.model_validate(message["spawn"])
+                message = _CALLER_MESSAGE.validate_json(body)
+            except ValueError as err:  # pydantic's ValidationError is one
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, Refused(why=f"not a message of the protocol: {err}"[:2000]))
+                continue
+            if isinstance(message, Reap):
+                if message.pid in ended:  # never one still running: the caller reaps what it was told ended
+                    os.waitpid(message.pid, 0)
+                    children.discard(message.pid)
+                    ended.discard(message.pid)
+                continue
+            request = message.request
+            try:
                 if len(fds) != 3:
                     raise ValueError(f"{len(fds)} descriptors sent, not 3 (stdin, stdout, stderr)")
                 different = startup_differences(request.env, server_env)
                 if different:
                     raise ValueError(f"start-up variables differ from the server's: {', '.join(different)}")
-            except (KeyError, ValueError) as err:
+            except ValueError as err:
                 for fd in fds:
                     os.close(fd)
-                _send(sock, {"refused": str(err)[:2000]})
+                _send(sock, Refused(why=str(err)[:2000]))
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
@@ -262,27 +330,27 @@ def serve(sock: socket.socket) -> int:
             for fd in fds:
                 os.close(fd)
             children.add(pid)
-            _send(sock, {"spawned": pid})
+            _send(sock, Spawned(pid=pid))
         for pid in sorted(children - ended):
             # Without reaping it: its pid stays the caller's to signal until it says "reap".
             result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             if result is not None and result.si_pid == pid:
                 code = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
                 ended.add(pid)
-                _send(sock, {"exited": pid, "code": code})
+                _send(sock, Exited(pid=pid, code=code))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
-    if len(args) != 1 or not args[0].isdigit():
-        print("usage: python -m elastic.worker.forkserver FD (started by ForkServer)", file=sys.stderr)
+    if len(args) not in (1, 2) or not args[0].isdigit():
+        print("usage: python -m elastic.worker.forkserver FD [WORKER_MODULE] (started by ForkServer)", file=sys.stderr)
         return 2
     # Not dumpable, nor the children it forks until they are confined as a job: where jobs keep
     # the agent's uid, none may read its memory or see the machine's files through /proc/PID/root.
     make_undumpable()
     sock = socket.socket(fileno=int(args[0]))
     try:
-        return serve(sock)
+        return serve(sock, args[1] if len(args) == 2 else None)
     except (EOFError, ConnectionError):
         return 0
 
@@ -361,13 +429,15 @@ class ForkServer:
     """The caller's end of a fork server: starts it with `env` (the start-up variables its
     children must share) and forks processes through it. Thread-safe."""
 
-    def __init__(self, env: Mapping[str, str], python: str = sys.executable) -> None:
+    def __init__(self, env: Mapping[str, str], python: str = sys.executable, worker_module: str | None = None) -> None:
+        """`worker_module`: the module its children mostly run, whose standby imports it makes
+        (elastic.worker.standby.warm_modules); None: the platform's worker's."""
         self.env = dict(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
         try:
             self.process = subprocess.Popen(
-                [python, "-m", "elastic.worker.forkserver", str(theirs.fileno())],
+                [python, "-m", "elastic.worker.forkserver", str(theirs.fileno()), *([worker_module] if worker_module else [])],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 pass_fds=[theirs.fileno()],
@@ -375,7 +445,7 @@ class ForkServer:
         finally:
             theirs.close()
         self._lock = threading.Lock()
-        self._replies: list[dict[str, Any]] = []
+        self._replies: list[Spawned | Refused] = []
         self._replied = threading.Condition()
         self._children: dict[int, ForkedProcess] = {}
         self._ready = threading.Event()
@@ -411,8 +481,11 @@ class ForkServer:
         """Forks `python -m module args` with these descriptors as its stdin, stdout and stderr
         (they are the caller's still: it closes its copies). Raises ForkServerError if the server
         is not ready, refuses (start-up variables that differ) or does not answer."""
+        # The caller signals its children (ForkedProcess.send_signal): its TERM is the one a
+        # worker obeys (elastic.worker.stop), unless the caller names another process.
+        env = {AGENT_PID_ENV: str(os.getpid()), **env}
         request = Request(
-            module=module, args=list(args), env=dict(env), new_session=new_session, cpu_affinity=sorted(cpu_affinity)
+            module=module, args=list(args), env=env, new_session=new_session, cpu_affinity=sorted(cpu_affinity)
         )
         if not self.ready:
             raise ForkServerError("the fork server is not ready")
@@ -420,7 +493,7 @@ class ForkServer:
             deadline = time.monotonic() + REPLY_TIMEOUT_S
             with self._replied:
                 try:
-                    _send(self._sock, {"spawn": request.model_dump()}, [stdin, stdout, stderr])
+                    _send(self._sock, Spawn(request=request), [stdin, stdout, stderr])
                 except OSError as err:
                     raise ForkServerError(f"the fork server is gone: {err}") from err
                 while not self._replies:
@@ -429,9 +502,9 @@ class ForkServer:
                         raise ForkServerError(f"the fork server did not answer in {REPLY_TIMEOUT_S:.0f} s")
                     self._replied.wait(min(left, 0.5))
                 reply = self._replies.pop(0)
-        if "refused" in reply:
-            raise ForkServerError(f"the fork server refused: {reply['refused']}")
-        return self._children[int(reply["spawned"])]
+        if isinstance(reply, Refused):
+            raise ForkServerError(f"the fork server refused: {reply.why}")
+        return self._children[reply.pid]
 
     def _read(self) -> None:
         try:
@@ -439,17 +512,16 @@ class ForkServer:
                 received = _receive(self._sock)
                 if received is None:
                     break
-                message, _fds = received
-                if "ready" in message:
+                message = _SERVER_MESSAGE.validate_json(received[0])
+                if isinstance(message, Ready):
                     self._ready.set()
-                elif "exited" in message:
-                    child = self._children.get(int(message["exited"]))
+                elif isinstance(message, Exited):
+                    child = self._children.get(message.pid)
                     if child is not None:
-                        child._exited(int(message["code"]))
+                        child._exited(message.code)
                 else:
-                    if "spawned" in message:
-                        pid = int(message["spawned"])
-                        self._children[pid] = ForkedProcess(self, pid)
+                    if isinstance(message, Spawned):
+                        self._children[message.pid] = ForkedProcess(self, message.pid)
                     with self._replied:
                         self._replies.append(message)
                         self._replied.notify_all()
@@ -471,18 +543,21 @@ class ForkServer:
         self._children.pop(pid, None)
         with self._lock:
             try:
-                _send(self._sock, {"reap": pid})
+                _send(self._sock, Reap(pid=pid))
             except OSError:
                 pass
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Ends the server (its children live on) and waits for it."""
+        """Ends the server (its children live on) and waits for it. One still importing reads
+        its socket only once its imports are done: it is killed, having forked nothing."""
         self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
+        if not self._ready.is_set():
+            self.process.kill()
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -519,4 +594,10 @@ def shared_server(env: Mapping[str, str], python: str = sys.executable) -> ForkS
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Without the interpreter's teardown: with torch imported it takes seconds, and the agent that
+    # ends the server (on its way out, a drained agent's last step) waits for it. Nothing is left
+    # to flush but the standard streams; the children are processes of their own.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,7 +1,7 @@
 """Run a job's workers on this machine, coordinated the way the portal and the agents do it: one
 `python -m elastic.worker` process per slot on CPU (or one GPU per slot), membership records on the job's board in
 Redis (elastic.membership.redis), a free localhost port per generation, events decoded from the
-workers' stdout as the agent decodes them (elastic.membership.codec). For tests and benchmarks;
+workers' stdout as the agent decodes them (elastic.worker.event_codec). For tests and benchmarks;
 the platform has its own scheduler and supervision.
 
 `LocalJob.start` publishes the first generation; `resize` publishes the next one, starting
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from elastic.membership.codec import decode, is_event_line
 from elastic.membership.compose import Seat, compose_membership, holders_first
 from elastic.membership.redis import RedisBoard
 from elastic.wire import Membership, WorkerConfig, WorkerEvent, member_key
@@ -39,6 +38,7 @@ from elastic.worker import (
     USER_ERROR_EXIT_CODE,
     WORKER_CONFIG_ENV,
 )
+from elastic.worker.event_codec import decode, is_event_line
 from elastic.worker.forkserver import ForkedProcess, ForkServerError, shared_server
 from elastic.worker.settings import WorkerSettings
 

@@ -24,17 +24,24 @@ This module wires the parts together; the exit code says how it ended (elastic.w
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from elastic.membership.api import Board
-from elastic.membership.codec import MAX_LOG_CHARS
 from elastic.spec import JobSpec
-from elastic.tasks.api import UserCodeError
+from elastic.tasks.api import UserCodeError, users_traceback
 from elastic.tasks.runtime import BoundTask
-from elastic.wire import WorkerConfig
-from elastic.worker import USER_ERROR_EXIT_CODE, USER_ERROR_LOG_PREFIX, WorkerExit, build
+from elastic.wire import UserError, WorkerConfig
+from elastic.worker import (
+    USER_ERROR_EXIT_CODE,
+    USER_ERROR_LOG_PREFIX,
+    WHOLE_TRACEBACK_HEAD,
+    WorkerExit,
+    build,
+)
 from elastic.worker.artifacts import ArtifactExporter
-from elastic.worker.build import set_up_device
+from elastic.worker.build import set_up_device, task_source
 from elastic.worker.checkpoint import checkpoint_path
+from elastic.worker.event_codec import MAX_LOG_CHARS
 from elastic.worker.events import EventWriter, ProgressReporter
 from elastic.worker.loop import CheckpointSaver, ResizeMeter, SwitchAgreed, TrainingLoop
 from elastic.worker.position import WorkerPosition
@@ -44,6 +51,21 @@ from elastic.worker.settings import WorkerSettings
 from elastic.worker.step_clock import StepClock
 from elastic.worker.stop import StopRequest
 from elastic.worker.trainer import CollectiveError, SampleRecorder
+
+
+def user_error_report(err: UserCodeError, directory: Path | None) -> tuple[list[str], UserError]:
+    """The job's code's failure `err`, as its log lines and as the UserError its exit announces
+    (which the portal quotes in the job's message): the error and the traceback of the job's own
+    files (under `directory`, the task's code; None: not known) only; then, in the log only, the
+    whole traceback, the platform's frames (runpy, elastic/...) with them. One log line holds
+    MAX_LOG_CHARS: of a long traceback, the innermost frames."""
+    head = f"{USER_ERROR_LOG_PREFIX}{err}"[: MAX_LOG_CHARS // 4]
+    own = users_traceback(err, directory) if directory is not None else ""
+    lines = [f"{head}\n{own[-(MAX_LOG_CHARS - len(head) - 1):]}" if own else head]
+    whole = err.traceback_text.rstrip()
+    if whole:
+        lines.append(f"{WHOLE_TRACEBACK_HEAD}\n{whole[-(MAX_LOG_CHARS - len(WHOLE_TRACEBACK_HEAD) - 1):]}")
+    return lines, UserError(error=str(err)[:2000], traceback=own[-8000:])
 
 
 class WorkerRun:
@@ -75,6 +97,8 @@ class WorkerRun:
         self._saver: CheckpointSaver | None = None
         self._loop: TrainingLoop | None = None
         self._problem: BoundTask | None = None
+        self.user_error: UserError | None = None
+        """What the job's own code raised, if that ended the worker: announced with its exit."""
 
     def run(self) -> int:
         """Live until the job is done, a stop is agreed, or this worker leaves; return the exit
@@ -89,10 +113,7 @@ class WorkerRun:
                 self.events.log(str(way_out))
             return way_out.code
         except UserCodeError as err:
-            # One log line holds MAX_LOG_CHARS: the error, then the innermost frames that fit.
-            head = f"{USER_ERROR_LOG_PREFIX}{err}"[: MAX_LOG_CHARS // 4]
-            tail = err.traceback_text.rstrip()[-(MAX_LOG_CHARS - len(head) - 1) :]
-            self.events.log(f"{head}\n{tail}" if tail else head)
+            self._tell_user_error(err)
             if self._loop is not None:  # the job fails at the last step applied: the portal hears of it first
                 self._loop.progress.flush()
             self._export_after_failure()
@@ -104,6 +125,15 @@ class WorkerRun:
             if self._saver is not None:
                 self._saver.finish()
             self.rendezvous.leave_group()
+
+    def _tell_user_error(self, err: UserCodeError) -> None:
+        try:
+            directory: Path | None = task_source(self.config, self.spec)[0]
+        except UserCodeError:
+            directory = None
+        lines, self.user_error = user_error_report(err, directory)
+        for line in lines:
+            self.events.log(line)
 
     def _export_after_failure(self) -> None:
         """Rank 0, holding the state of a completed step when the job's code failed, saves it

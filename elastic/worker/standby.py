@@ -25,32 +25,35 @@ it holds one job's freshly built model (never its training state, which reaches 
 the others' memory once it joins). What the job's code prints while it is prepared goes to the
 standby's own output, which the agent deletes when it hands the standby a worker.
 
-End of stdin without a line (the agent died or dropped it) ends it with exit code 0; SIGTERM
-while it waits ends it at once (the default action: it holds nothing). A bad assignment ends it
-with FAILED_EXIT_CODE and the reason on stderr, which is the worker's output file when it got
-that far.
+End of stdin without a line (the agent died or dropped it) ends it with exit code 0; its agent's
+SIGTERM while it waits ends it at once (the default action: it holds nothing). A SIGTERM from
+anyone else is dropped from its start on (elastic.worker.stop: a cluster engine's TERM to the
+agent's whole job is the agent's to act on), and the worker it becomes keeps that rule. A bad
+assignment ends it with FAILED_EXIT_CODE and the reason on stderr, which is the worker's output
+file when it got that far.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import os
 import runpy
 import sys
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from elastic.worker import FAILED_EXIT_CODE
-from elastic.worker.confine import ConfinementError, confine_from_env, make_undumpable
+from elastic.worker.confine import CONFINED_ENV, ConfinementError, confine_from_env, make_undumpable
+from elastic.worker.stop import agent_pid, guard_term
 
-READY_LINE = "standby ready"
+READY_LINE: Final = "standby ready"
 """What the standby prints (to its own output, before any assignment) once it is warm."""
-PREPARED_LINE = "standby prepared"
+PREPARED_LINE: Final = "standby prepared"
 """What it prints once it has made the build of the job it was prepared for."""
-PREPARATION_FAILED_LINE = "standby preparation failed"
+PREPARATION_FAILED_LINE: Final = "standby preparation failed"
 """What it prints, with the error, when the job's build failed while it was prepared."""
 
 
@@ -81,6 +84,56 @@ MESSAGE: TypeAdapter[Preparation | Assignment] = TypeAdapter(
 )
 """One line on a standby's stdin."""
 
+
+class Ready(BaseModel):
+    """Said once the standby is warm (READY_LINE)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    standby: Literal["standby ready"] = READY_LINE
+    pid: int
+
+
+class Prepared(BaseModel):
+    """Said once the build of the job it was prepared for is made: how long it took, by part."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    standby: Literal["standby prepared"] = PREPARED_LINE
+    job: int
+    seconds: float
+    parts: dict[str, float]
+
+
+class PreparationFailed(BaseModel):
+    """Said when that job's build failed (its code, or a configuration a worker would refuse too)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    standby: Literal["standby preparation failed"] = PREPARATION_FAILED_LINE
+    job: int | None
+    error: str = Field(max_length=2000)
+
+
+SAID: TypeAdapter[Ready | Prepared | PreparationFailed] = TypeAdapter(
+    Annotated[Ready | Prepared | PreparationFailed, Field(discriminator="standby")]
+)
+"""One line a standby prints to its output for the agent (before it becomes a worker)."""
+_SAID_START = b'{"standby"'
+
+
+def said(output: bytes) -> list[Ready | Prepared | PreparationFailed]:
+    """What a standby told its agent in `output` (its output file), in order: the lines of the
+    protocol; any other line (a library's, the job's code's while it built) is not one of them."""
+    told = []
+    for line in output.splitlines():
+        if line.startswith(_SAID_START):
+            try:
+                told.append(SAID.validate_json(line))
+            except ValueError:  # pydantic's ValidationError is one
+                continue
+    return told
+
 WARM_MODULES = (
     "torch.distributed",
     "torch._dynamo",
@@ -96,18 +149,29 @@ Libraries only: never a job's own module, nor a shipped workload's task module. 
 installed is skipped."""
 
 
-def warm_up(device: str) -> None:
-    """Imports WARM_MODULES and, on a GPU, makes the device's context. Called once, before the
+def warm_modules(worker_module: str) -> tuple[str, ...]:
+    """What a standby for `worker_module` imports before it says it is ready: the module's own
+    STANDBY_IMPORTS where it names them (an agent's `--worker-module` of another kind knows what
+    it needs; a stand-in without torch needs nothing), else WARM_MODULES. Importing the worker
+    module runs no job: its `__main__` runs only once the standby is handed a worker."""
+    try:
+        module = importlib.import_module(worker_module)
+    except ImportError:
+        return WARM_MODULES
+    return tuple(getattr(module, "STANDBY_IMPORTS", WARM_MODULES))
+
+
+def warm_up(device: str, modules: tuple[str, ...] = WARM_MODULES) -> None:
+    """Imports `modules` and, on a GPU, makes the device's context. Called once, before the
     standby says it is ready."""
-    import importlib
-
-    import torch
-
-    for name in WARM_MODULES:
+    for name in modules:
         try:
             importlib.import_module(name)
         except ImportError:
             continue
+    if "torch" not in sys.modules and not device.startswith("cuda"):
+        return
+    import torch
 
     if device.startswith("cuda"):
         # The context costs the device's memory (hundreds of MB) but takes a second or more to
@@ -115,6 +179,22 @@ def warm_up(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
         torch.empty(1, device=device)
     torch.ones(4).add_(1)  # the dispatcher's first call is slower than the rest
+
+
+def replace_environment(env: dict[str, str]) -> None:
+    """Takes `env` in place of this process's environment, keeping the mark of a process confined
+    already (a standby started in a job's own environment is confined from its start: the mark
+    tells elastic.worker.confine not to confine it again), and the home and /tmp its confinement
+    gave it."""
+    confined = os.environ.get(CONFINED_ENV) == "1"
+    home = os.environ.get("HOME")
+    os.environ.clear()
+    os.environ.update(env)
+    if confined:
+        os.environ[CONFINED_ENV] = "1"
+        os.environ.pop("TMPDIR", None)
+        if home is not None:
+            os.environ["HOME"] = home
 
 
 def take(assignment: Assignment) -> None:
@@ -126,8 +206,7 @@ def take(assignment: Assignment) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    os.environ.clear()
-    os.environ.update(assignment.env)
+    replace_environment(assignment.env)
 
 
 def prepare(preparation: Preparation) -> None:
@@ -139,8 +218,7 @@ def prepare(preparation: Preparation) -> None:
     from elastic.worker.settings import WorkerSettings
 
     began = time.monotonic()
-    os.environ.clear()
-    os.environ.update(preparation.env)
+    replace_environment(preparation.env)
     job = None
     try:
         config = WorkerConfig.model_validate_json(os.environ[WORKER_CONFIG_ENV])
@@ -148,11 +226,11 @@ def prepare(preparation: Preparation) -> None:
         confine_from_env()  # before the job's code runs
         made = build.prepare(config, WorkerSettings.from_env(os.environ))
     except Exception as err:  # the job's code, or a config the worker would refuse as well
-        report = {"standby": PREPARATION_FAILED_LINE, "job": job, "error": f"{type(err).__name__}: {err}"[:2000]}
-        print(json.dumps(report), flush=True)
+        failed = PreparationFailed(job=job, error=f"{type(err).__name__}: {err}"[:2000])
+        print(failed.model_dump_json(), flush=True)
         return
     seconds = round(time.monotonic() - began, 3)
-    print(json.dumps({"standby": PREPARED_LINE, "job": job, "seconds": seconds, "parts": made.seconds}), flush=True)
+    print(Prepared(job=job, seconds=seconds, parts=made.seconds).model_dump_json(), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,9 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", default="elastic.worker", help="the worker module it runs, once assigned")
     parser.add_argument("--device", default="cpu", help="the torch device it warms up")
     args = parser.parse_args(argv)
+    # Before any thread starts (torch's, a prepared build's): SIGTERM goes through the gate
+    # (elastic.worker.stop) from now on, in the standby and in the worker it becomes, and a
+    # thread started before the gate would take a TERM past it.
+    guard_term(agent_pid())
     make_undumpable()  # a platform process until it is confined as a job (a forked one is already)
-    warm_up(args.device)
-    print(json.dumps({"standby": READY_LINE, "pid": os.getpid()}), flush=True)
+    warm_up(args.device, warm_modules(args.module))
+    print(Ready(pid=os.getpid()).model_dump_json(), flush=True)
     prepared = False
     assignment = None
     while assignment is None:

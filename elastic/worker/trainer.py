@@ -421,7 +421,7 @@ class Trainer:
             self.compute_done()
         try:
             if buffer is None:
-                pass  # alone: nothing to sum
+                self._sum_statistics(stats)
             elif buckets is None:
                 self.reduce(buffer)
             else:  # the gradients' buckets are on their way; the statistics go last
@@ -660,6 +660,10 @@ class Trainer:
             parameter.grad = None
         self._buffer, self._gradient_views = None, []
         return None
+
+    def _sum_statistics(self, stats: torch.Tensor) -> None:
+        """Sums the step's statistics when its gradients are not in the all-reduce's buffer:
+        alone (_solo), there is nothing to sum (a sharded step sums them: elastic.worker.sharded_step)."""
 
     def _zero_missing_gradients(self) -> None:
         """After a solo backward: a parameter the batch did not use gets a zero gradient, as it

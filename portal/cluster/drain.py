@@ -19,7 +19,7 @@ from elastic.wire import DRAIN_CAUSES, DrainCause, DrainCommand, DrainNotice
 from portal import dispatch
 from portal.cluster.models import Node
 from portal.live import broadcast
-from portal.trigger import request_schedule
+from portal.trigger import request_pool_pass, request_schedule
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def draining(node: Node, notice: DrainNotice) -> bool:
     node.refresh_from_db()
     log.warning("node %s drains (%s) by %s", node.name, cause_text(node), deadline_at.isoformat())
     request_schedule(f"node {node.name} drains: {cause_text(node)}")
+    request_pool_pass(f"node {node.name} drains: {cause_text(node)}")
     _announce(node)
     return True
 
@@ -68,6 +69,7 @@ def left(node: Node) -> None:
         node.refresh_from_db()
         log.info("node %s drained (%s): its agent left", node.name, cause_text(node))
         request_schedule(f"node {node.name} drained")
+        request_pool_pass(f"node {node.name} drained")
         _announce(node)
 
 

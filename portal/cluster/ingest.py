@@ -25,7 +25,7 @@ from portal.live import broadcast
 from portal.live.samples import changed
 from portal.redis import client
 from portal.redis_users import new_node_user
-from portal.trigger import request_schedule
+from portal.trigger import request_pool_pass, request_schedule
 
 log = logging.getLogger(__name__)
 
@@ -199,3 +199,5 @@ def _owner_changed(device_pk: int, present: bool, now: datetime) -> None:
     what = "took back" if present else "released"
     log.info("device %s: its owner %s it", device, what)
     request_schedule(f"owner {what} {device}")
+    if present:
+        request_pool_pass(f"owner {what} {device}")

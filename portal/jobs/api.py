@@ -6,6 +6,7 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AnonymousUser, User
 from django.http import FileResponse, HttpRequest, HttpResponse
 from ninja import Field, Query, Router, Schema, Status
 
@@ -14,7 +15,8 @@ from portal.auth import SignedInRequest, user_auth
 from portal.bodies import BodyError, parse_json, parse_yaml
 from portal.errors import ApiError, not_found
 from portal.jobs import artifacts, curves
-from portal.jobs.access import job_for
+from portal.jobs.access import job_for, may_manage
+from portal.jobs.code import code_limits
 from portal.jobs.models import Job, listed
 from portal.jobs.schemas import (
     EvaluationOut,
@@ -45,9 +47,16 @@ def summary(job: Job) -> dict[str, Any]:
     return job.summary()
 
 
+def list_row(job: Job, viewer: User | AnonymousUser) -> dict[str, Any]:
+    """A job as a list shows it to `viewer`: its summary, and why it ended where the viewer may read
+    its details (its owner, staff); '' for anyone else."""
+    return {**summary(job), "reason": job.ended_reason() if may_manage(viewer, job) else ""}
+
+
 def detail(job: Job) -> dict[str, Any]:
     return {
         **summary(job),
+        "reason": job.ended_reason(),
         "spec": job.spec,
         "message": job.message,
         "restarts": job.restarts,
@@ -74,11 +83,20 @@ def detail(job: Job) -> dict[str, Any]:
         ],
         "artifacts": artifacts.described(job),
         "workers_history": [
-            {"generation": w.generation, "rank": w.rank, "node": w.node.name, "device_index": w.device_index,
+            {"generation": w.generation, "rank": w.rank, "node": w.node_name, "device_index": w.device_index,
              "pid": w.pid, "state": w.state, "exit_code": w.exit_code, "reason": w.reason}
-            for w in job.workers.select_related("node")
+            for w in job.workers.all()
         ],
+        "own_packages": own_packages(job),
     }
+
+
+def own_packages(job: Job) -> dict[str, Any] | None:
+    """The job's own packages as its node reported them, the packages sorted by name (the
+    database keeps no order)."""
+    if not job.own_packages:
+        return None
+    return {**job.own_packages, "packages": dict(sorted(job.own_packages.get("packages", {}).items()))}
 
 
 JSON_TYPES = ("application/json",)
@@ -131,7 +149,7 @@ def submit(request: SignedInRequest) -> Status:
 )
 def validate(request: SignedInRequest) -> dict[str, Any]:
     spec, uploaded = dry_run(request.user, _parse_body(request))
-    return {"spec": spec.model_dump(), "code_uploaded": uploaded}
+    return {"spec": spec.model_dump(), "code_uploaded": uploaded, "code_limits": code_limits()}
 
 
 class JobFilter(Schema):
@@ -168,7 +186,7 @@ def list_jobs(request: HttpRequest, response: HttpResponse, filters: Query[JobFi
         following = request.GET.copy()  # the same filters, every value of each
         following["before"] = str(page[-1].pk)
         response["Link"] = f'<{request.build_absolute_uri(request.path)}?{following.urlencode()}>; rel="next"'
-    return [summary(job) for job in page]
+    return [list_row(job, request.user) for job in page]
 
 
 @router.get("/{int:job_id}", response=JobDetailOut, summary="A job's details (owner and staff)")

@@ -49,11 +49,18 @@ def archive_path(digest: str) -> Path:
     return code_dir() / f"{digest}.tar.gz"
 
 
+def code_limits() -> dict[str, int]:
+    """The limits an upload of code must keep, as the API tells clients (CodeLimitsOut)."""
+    limits = settings.BUNGEE
+    return {"max_bytes": limits.code_max_bytes, "max_unpacked_bytes": limits.code_max_unpacked_bytes,
+            "max_files": limits.code_max_files}
+
+
 def too_big(size: int) -> ApiError:
     limit = settings.BUNGEE.code_max_bytes
     return ApiError(
         413, "too_large",
-        f"the upload is {size} bytes; code may be at most {limit} bytes (BUNGEE_CODE_MAX_BYTES); {LEAVE_OUT_ADVICE}",
+        f"the code upload is {size} bytes; code may be at most {limit} bytes (BUNGEE_CODE_MAX_BYTES); {LEAVE_OUT_ADVICE}",
         [FieldError("file", f"at most {limit} bytes", size)],
     )
 

@@ -17,7 +17,9 @@ from portal.bodies import BodyError, parse_yaml
 from portal.errors import ApiError
 from portal.jobs.code import store, upload_for
 
-SPEC_FIELDS = ("name", "workload", "min_workers", "max_workers", "priority", "consistency", "seed", "eval_every_steps")
+SPEC_FIELDS = (
+    "name", "workload", "min_workers", "max_workers", "priority", "consistency", "precision", "seed", "eval_every_steps",
+)
 STRICT_FIELDS = ("virtual_workers",)
 HYBRID_FIELDS = ("batch_per_worker", "min_batch_size", "max_batch_size", "lr_scaling", "warmup_steps")
 """Each mode's own inputs; those of the mode not chosen are ignored (the script disables them)."""

@@ -10,6 +10,7 @@
 - The logs of jobs that ended more than LOG_RETENTION_DAYS ago are cut to their last
   LOG_LINES_KEPT lines (0: deleted).
 - Device samples: portal.cluster.history.
+- Pool nodes drained or lost past POOL_NODE_RETENTION_HOURS: portal.cluster.pool_nodes.
 
 Every step works a job, or a few thousand rows, at a time. Running it again at the same moment
 changes nothing, and two runs at once do the same work twice, harmlessly."""
@@ -31,6 +32,7 @@ from django.utils import timezone
 
 from portal.batches import DELETE_BATCH, delete_in_batches
 from portal.cluster.history import SampleRetention, prune_samples
+from portal.cluster.pool_nodes import prune_pool_nodes
 from portal.jobs import curves
 from portal.jobs.models import Job, JobLog, JobMetric
 
@@ -72,6 +74,7 @@ class Pruned:
     log_jobs: int
     samples_averaged: int
     samples_deleted: int
+    pool_nodes: int
     seconds: float
 
     def lines(self, dry_run: bool) -> list[str]:
@@ -81,6 +84,7 @@ class Pruned:
             f"logs: {self.log_lines} lines of {self.log_jobs} ended jobs {verb} deleted",
             f"device samples: {self.samples_averaged} {verb} averaged into coarser buckets, "
             f"{self.samples_deleted} past the retention {verb} deleted",
+            f"pool nodes: {self.pool_nodes} drained or lost past the retention {verb} deleted",
             f"in {self.seconds:.2f} s",
         ]
 
@@ -95,8 +99,10 @@ def prune(now: datetime | None = None, dry_run: bool = False) -> Pruned:
     metric_rows, metric_jobs = prune_metrics(now, retention, dry_run)
     log_lines, log_jobs = prune_logs(now, retention, dry_run)
     samples = prune_samples(now, SampleRetention.from_settings(), dry_run)
+    pool_nodes = prune_pool_nodes(now, settings.BUNGEE.pool_node_retention_hours, dry_run)
     pruned = Pruned(
-        metric_rows, metric_jobs, log_lines, log_jobs, samples.averaged, samples.deleted, time.monotonic() - began
+        metric_rows, metric_jobs, log_lines, log_jobs, samples.averaged, samples.deleted, pool_nodes,
+        time.monotonic() - began,
     )
     if not dry_run:
         log.info("history pruned: %s", "; ".join(pruned.lines(dry_run)))

@@ -1,6 +1,7 @@
 """Worker events from the agents' reports, translated: lifecycle events (started, joined,
 resized, exited, form_failed) become calls of portal.jobs.lifecycle; progress, logs and step
-times become metrics, log lines and the live data the scheduler's straggler check reads."""
+times become metrics, log lines and the live data the scheduler's straggler check reads; an
+environment report becomes the job's own packages."""
 
 from __future__ import annotations
 
@@ -214,6 +215,14 @@ def _on_evaluation(node: Node, job: Job, event: WorkerEvent) -> None:
     )
 
 
+def _on_environment(node: Node, job: Job, event: WorkerEvent) -> None:
+    """Keeps the job's own packages as the node that built (or found) its environment says
+    (bounded by elastic.wire.OwnPackages), with that node's name."""
+    if event.own_packages is not None:
+        Job.objects.filter(pk=job.pk).update(own_packages={**event.own_packages.model_dump(mode="json"),
+                                                           "node": node.name})
+
+
 def _on_form_failed(node: Node, job: Job, event: WorkerEvent) -> None:
     _on_log(node, job, event)
     lifecycle.form_failed(node, job, event)
@@ -229,4 +238,5 @@ _HANDLERS: dict[str, Callable[[Node, Job, WorkerEvent], None]] = {
     "log": _on_log,
     "step_times": _on_step_times,
     "evaluation": _on_evaluation,
+    "environment": _on_environment,
 }

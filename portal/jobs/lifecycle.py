@@ -51,20 +51,27 @@ from elastic.wire import (
     WorkerEvent,
 )
 from elastic.wording import counted
-from elastic.worker import USER_ERROR_LOG_PREFIX, user_error_summary
 from portal import dispatch, redis_users
 from portal.cluster.devices import ClusterDevices, device_id, node_of
 from portal.cluster.models import Device, Node
 from portal.jobs.heartbeats import beating, tell_to_leave
-from portal.jobs.models import Allocation, Generation, Job, JobArtifacts, JobLog, ResizeEvent, Worker
+from portal.jobs.models import (
+    Allocation,
+    Generation,
+    Job,
+    JobArtifacts,
+    JobLog,
+    JobMetric,
+    ResizeEvent,
+    Worker,
+)
 from portal.jobs.restarts import RestartBudget
 from portal.jobs.states import ACTIVE_STATES, FINAL_STATES, JobState
 from portal.live import broadcast
-from portal.trigger import request_schedule
+from portal.trigger import request_pool_pass, request_schedule, request_schedule_at
 
 log = logging.getLogger(__name__)
 
-Phase = GenerationPhase
 MASTER_PORT_SPAN = 5000
 _OPEN_PHASES = [p.value for p in GenerationPhase if not p.final]
 
@@ -75,20 +82,39 @@ def _deadline(timeout_s: float) -> datetime:
 
 WARMUP_BACKOFF_MAX = 8
 NEVER_READY = "a joiner never got ready"
+USER_TRACEBACK_CHARS = 1500
+"""How much of the traceback of the job's own files a failed job's message quotes (its innermost part)."""
 
 
 def warmup_timeout_s(job: Job) -> float:
     """The warm-up deadline of the job's next published generation: WARMUP_TIMEOUT_S, doubled
-    for each of its latest generations in a row that expired waiting for a joiner, at most
-    WARMUP_BACKOFF_MAX times that."""
+    for each of its latest tries in a row that expired waiting for a joiner, at most
+    WARMUP_BACKOFF_MAX times that. A job that can train without the joiner's device trains on
+    between two tries, in a generation planned without it: such a generation (no joiner, ended
+    without trouble within the longest deadline) is the pause between tries, not a try that
+    worked (counting it as one gave every try of a loaded machine the plain deadline). A
+    generation whose joiners got ready breaks the run."""
     base = settings.BUNGEE.warmup_timeout_s
+    between_tries_s = base * WARMUP_BACKOFF_MAX
     factor = 1
     earlier = Generation.objects.filter(job=job, number__lt=job.generation).order_by("-number")
-    for end_reason in earlier.values_list("end_reason", flat=True)[:WARMUP_BACKOFF_MAX]:
-        if end_reason != NEVER_READY or factor >= WARMUP_BACKOFF_MAX:
+    for number, end_reason, planned_at, ended_at in earlier.values_list(
+        "number", "end_reason", "planned_at", "ended_at"
+    )[: 2 * WARMUP_BACKOFF_MAX]:
+        if factor >= WARMUP_BACKOFF_MAX:
             break
-        factor *= 2
+        if end_reason == NEVER_READY:
+            factor *= 2
+        elif (end_reason or ended_at is None or (ended_at - planned_at).total_seconds() >= between_tries_s
+              or _had_joiners(job, number)):
+            break
     return base * factor
+
+
+def _had_joiners(job: Job, number: int) -> bool:
+    """Whether generation `number` of `job` started a worker its previous generation did not have."""
+    before = Worker.objects.filter(job=job, generation=number - 1, pid__isnull=False).values("pid")
+    return Worker.objects.filter(job=job, generation=number).exclude(pid__in=before).exists()
 
 
 def _at(timestamp: float) -> datetime:
@@ -114,7 +140,7 @@ def newest_generations(job_ids: Iterable[int]) -> dict[int, Generation]:
 def needs_replan(generation: Generation | None) -> bool:
     """Whether a job whose newest generation is `generation` must be planned again even if its
     devices do not change (a member died, or the generation expired)."""
-    return generation is not None and Phase(generation.phase).needs_replan
+    return generation is not None and GenerationPhase(generation.phase).needs_replan
 
 
 def leavers(job: Job) -> list[Worker]:
@@ -131,7 +157,7 @@ def resize_in_flight(
     leaver is still on its way out (so that no newer plan takes it for a survivor). `allocated`:
     the devices the job holds; `running`: the devices of its running workers (None: a device its
     node never registered), as the scheduling cycle read them."""
-    if generation is not None and Phase(generation.phase).in_flight and allocated:
+    if generation is not None and GenerationPhase(generation.phase).in_flight and allocated:
         return True  # a generation of no devices (the job waits for some) has nothing to form
     return any(device not in allocated for device in running)
 
@@ -139,7 +165,7 @@ def resize_in_flight(
 def live_workers(job_id: int) -> dict[tuple[int, int], Worker]:
     """The job's running worker processes by (node id, device index): one row each, the newest."""
     rows = Worker.objects.filter(job_id=job_id, state=Worker.State.RUNNING).select_related("node")
-    return {(row.node_id, row.device_index): row for row in rows.order_by("generation")}
+    return {(row.node_id, row.device_index): row for row in rows.order_by("generation") if row.node_id is not None}
 
 
 def ranks_held(node: Node, job_id: int, generation: int) -> dict[int, int]:
@@ -196,7 +222,21 @@ def move_phase(generation: Generation, target: GenerationPhase, **fields: Any) -
         generation.phase = target
         for name, value in fields.items():
             setattr(generation, name, value)
+        _wake_scheduler(generation)
     return changed == 1
+
+
+def _wake_scheduler(generation: Generation) -> None:
+    """The scheduler runs when a generation's phase asks for it, not only on the beat's tick: once
+    it settles (a job waits for its resize in flight to settle before it may grow or shrink
+    again, and a device it or a leaver gave up may go to another job), and at its deadline,
+    if it has one (a joiner that never gets ready, a group that never forms, a leaver that
+    lingers)."""
+    what = f"job {generation.job_id}: generation {generation.number}"
+    if generation.phase == GenerationPhase.SETTLED:
+        request_schedule(f"{what} settled")
+    if generation.deadline_at is not None:
+        request_schedule_at(f"{what} {generation.phase} past its deadline", generation.deadline_at)
 
 
 def _log(job: Job, generation: int, message: str) -> None:
@@ -218,7 +258,7 @@ def _end_generation(job: Job, target: GenerationPhase, end_reason: str, note: st
     if generation is None:
         return False
     devices = sorted({*generation.excluded_devices, *excluded})
-    if Phase(generation.phase).final:
+    if GenerationPhase(generation.phase).final:
         Generation.objects.filter(pk=generation.pk).update(excluded_devices=devices)
         return False
     moved = move_phase(generation, target, excluded_devices=devices, end_reason=end_reason[:40], note=note)
@@ -232,11 +272,11 @@ def _end_generation(job: Job, target: GenerationPhase, end_reason: str, note: st
 
 def _maybe_settle(job: Job, generation: Generation, note: str = "") -> None:
     """A formed generation settles once rank 0 reported the resize and no leaver is left."""
-    if generation.phase != Phase.FORMED or leavers(job):
+    if generation.phase != GenerationPhase.FORMED or leavers(job):
         return
     reported = ResizeEvent.objects.filter(job=job, generation=generation.number, completed_at__isnull=False)
     if reported.exists() or note:
-        move_phase(generation, Phase.SETTLED, settled_at=timezone.now(), deadline_at=None, note=note)
+        move_phase(generation, GenerationPhase.SETTLED, settled_at=timezone.now(), deadline_at=None, note=note)
 
 
 # --- jobs ----------------------------------------------------------------------------------------
@@ -258,6 +298,7 @@ def create_job(owner: User, spec: JobSpec) -> Job:
         message="waiting for the scheduler",
     )
     request_schedule(f"job {job.pk} submitted")
+    request_pool_pass(f"job {job.pk} submitted")
     return job
 
 
@@ -282,8 +323,8 @@ def _end(job: Job, target: JobState, stop_reason: str, **fields: Any) -> bool:
         allocated = set(locked.allocations.values_list("device__node__name", flat=True))
         locked.allocations.all().delete()
         generation = current(locked)
-        if generation is not None and not Phase(generation.phase).final:
-            move_phase(generation, Phase.ENDED)
+        if generation is not None and not GenerationPhase(generation.phase).final:
+            move_phase(generation, GenerationPhase.ENDED)
         request_schedule(f"job {job.pk} {target}")
     _stop_all(locked, stop_reason, allocated)
     _remove_redis_user_once_stopped(locked)
@@ -314,7 +355,7 @@ def _ask_for_export(job: Job) -> None:
     if holder is None:
         return
     dispatch.send(
-        holder.node.name,
+        holder.node_name,
         ExportCommand(job_id=job.pk, generation=max(job.generation, 1), spec=job.spec, run_dir=run_dir(job)),
     )
 
@@ -411,12 +452,22 @@ def plan(
     return changed
 
 
+def _landed_unreported(job: Job, number: int) -> None:
+    """Generation `number`, superseded, trained before rank 0's account of its resize came (it
+    is sent a few steps in, when the pace after the switch is known): the resize landed at the
+    end of the generation's first step. A late account still fills in the rest."""
+    first = JobMetric.objects.filter(job=job, generation=number).order_by("step").first()
+    if first is not None:
+        ResizeEvent.objects.filter(job=job, generation=number, completed_at__isnull=True).update(completed_at=first.at)
+
+
 def _write_generation(job: Job, planned: GenerationPlan, devices: ClusterDevices) -> Generation:
     """Writes the job's next generation, its allocations and its resize record; returns it."""
     number = job.generation + 1
     before = current(job)
-    if before is not None and not Phase(before.phase).final:
-        move_phase(before, Phase.SUPERSEDED)
+    if before is not None and not GenerationPhase(before.phase).final:
+        move_phase(before, GenerationPhase.SUPERSEDED)
+        _landed_unreported(job, before.number)
     generation = Generation.objects.create(
         job=job,
         number=number,
@@ -424,6 +475,7 @@ def _write_generation(job: Job, planned: GenerationPlan, devices: ClusterDevices
         # A job with no devices waits for them: nothing to publish, nothing to expire.
         deadline_at=_deadline(settings.BUNGEE.publish_timeout_s) if planned.devices else None,
     )
+    _wake_scheduler(generation)
     Allocation.objects.bulk_create(
         Allocation(job=job, device_id=device_id, rank=rank, generation=number)
         for rank, device_id in enumerate(planned.devices)
@@ -459,6 +511,7 @@ def _write_generation(job: Job, planned: GenerationPlan, devices: ClusterDevices
         )
         if job.state != JobState.QUEUED:
             job.claim(JobState.QUEUED, **fields)
+            request_pool_pass(f"job {job.pk} queued again: {fields['message']}")
         else:
             Job.objects.filter(pk=job.pk).update(**fields)
     elif job.state in (JobState.RUNNING, JobState.RESIZING):
@@ -488,7 +541,7 @@ def membership_record(job: Job, allocated: Sequence[Device], live: dict[tuple[in
         job.pk,
         job.generation,
         [Seat(device.node.name, device.index, device.node.address) for device in allocated],
-        [Seat(row.node.name, row.device_index, row.node.address) for row in holders],
+        [Seat(row.node.name, row.device_index, row.node.address) for row in holders if row.node is not None],
         master_port=job.master_port or settings.BUNGEE.master_port_base,
         global_batch=job.batch_size if job.consistency == Job.Consistency.HYBRID else None,
     )
@@ -519,7 +572,7 @@ def publish(job_id: int, planned: Planned | None = None) -> bool:
             return False
         planned = Planned(newest, [a.device for a in rows])
     generation, devices = planned.generation, planned.devices
-    if not devices or generation.number != job.generation or generation.phase != Phase.PLANNED:
+    if not devices or generation.number != job.generation or generation.phase != GenerationPhase.PLANNED:
         return False
     live = live_workers(job.pk)
     if job.state == JobState.QUEUED and live:
@@ -531,7 +584,7 @@ def publish(job_id: int, planned: Planned | None = None) -> bool:
     with transaction.atomic():
         if not move_phase(
             generation,
-            Phase.PUBLISHED,
+            GenerationPhase.PUBLISHED,
             published_at=timezone.now(),
             deadline_at=timezone.now() + timedelta(seconds=warmup_timeout_s(job))
             if joiners
@@ -542,7 +595,7 @@ def publish(job_id: int, planned: Planned | None = None) -> bool:
             job.claim(JobState.RUNNING, started_at=job.started_at or timezone.now(), message="workers starting")
     nodes: dict[str, tuple[list[WorkerAssignment], list[int]]] = {}
     for row in live.values():
-        nodes.setdefault(row.node.name, ([], []))
+        nodes.setdefault(row.node_name, ([], []))
     for rank, device in enumerate(devices):
         starting, members = nodes.setdefault(device.node.name, ([], []))
         members.append(device.index)
@@ -583,6 +636,7 @@ def _running_row(node: Node, job: Job, event: WorkerEvent, **fields: Any) -> Non
         rank=event.rank,
         defaults={
             "node": node,
+            "node_name": node.name,
             "device_id": device_id(node, index),
             "device_index": index,
             "pid": event.pid,
@@ -615,10 +669,10 @@ def worker_joined(node: Node, job: Job, event: WorkerEvent) -> None:
             active_generation=event.generation
         )
         generation = Generation.objects.filter(job=job, number=event.generation).first()
-        if generation is not None and generation.phase == Phase.PUBLISHED:
+        if generation is not None and generation.phase == GenerationPhase.PUBLISHED:
             move_phase(
                 generation,
-                Phase.FORMED,
+                GenerationPhase.FORMED,
                 formed_at=at,
                 deadline_at=_deadline(settings.BUNGEE.settle_timeout_s),
             )
@@ -657,10 +711,10 @@ def form_failed(node: Node, job: Job, event: WorkerEvent) -> None:
     if number is None or number != job.generation:
         return
     generation = Generation.objects.filter(job=job, number=number).first()
-    if generation is None or generation.phase != Phase.PUBLISHED:
+    if generation is None or generation.phase != GenerationPhase.PUBLISHED:
         return
     _end_generation(
-        job, Phase.EXPIRED, "its group did not form",
+        job, GenerationPhase.EXPIRED, "its group did not form",
         f"generation {number} expired: {event.message or 'its group did not form'}; planning again",
     )
 
@@ -687,6 +741,7 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         rank=event.rank,
         defaults={
             "node": node,
+            "node_name": node.name,
             "device_id": device,
             "device_index": device_index or 0,
             "state": Worker.State.EXITED,
@@ -710,11 +765,11 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
             # A worker that never started: the agent refused the job's code before it could (its
             # environment did not build); the event says why.
             message = (
-                f"the job could not start on {node.name}: {event.message}. "
+                f"the job could not start on {node.name}: {_clause(event.message)}. "
                 "Not restarted: the same code fails on any device"
             )
         else:
-            message = _user_error_message(job, event)
+            message = _user_error_message(event)
         _end(job, JobState.FAILED, "finished", message=message)
     elif job.state in ACTIVE_STATES and mattered and event.reason == "failed":
         _worker_failed(job, event, device)
@@ -729,7 +784,7 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
         replaced = Worker.objects.filter(job=job, device_id=device, state=Worker.State.RUNNING).exists()
         if held and not replaced:
             _end_generation(
-                job, Phase.LOST, "a worker exited",
+                job, GenerationPhase.LOST, "a worker exited",
                 f"worker on {node.name}/{device_index} {event.reason} although its device is still "
                 f"the job's; planning again",
             )
@@ -741,17 +796,22 @@ def worker_exited(node: Node, job: Job, event: WorkerEvent) -> None:
     publish(job.pk)
 
 
-def _user_error_message(job: Job, event: WorkerEvent) -> str:
-    """Why a job failed on its own code: the error the worker logged just before it exited (its
-    log line comes before its exit, in the same stream), so that the page and `bungee list` say
-    what raised; the traceback stays in the log."""
-    lines = job.logs.filter(
-        generation=event.generation, rank=event.rank, line__startswith=USER_ERROR_LOG_PREFIX
-    ).order_by("-id").values_list("line", flat=True)[:1]
-    error = next((user_error_summary(line) for line in lines), None)
+def _clause(text: str) -> str:
+    """`text` without its closing period, to be followed by one: an error's own words often end
+    with one (uv's causes do), and "..." would read as a cut."""
+    return text.rstrip().rstrip(".")
+
+
+def _user_error_message(event: WorkerEvent) -> str:
+    """Why a job failed on its own code: the error its worker announced with its exit
+    (event.user_error), so that the page and `bungee list` say what raised, with the traceback of
+    the job's own files; the whole traceback stays in the log."""
     where = f"the job's code failed on worker rank {event.rank} of generation {event.generation}"
-    said = f"{where}: {error[:500]}. " if error else f"{where}. "
-    return said + "The traceback is in the log. Not restarted: the same code fails on any device"
+    failure = event.user_error
+    said = f"{where}: {_clause(failure.error[:500])}." if failure and failure.error else f"{where}."
+    own = failure.traceback.strip("\n") if failure else ""
+    said += f"\n{own[-USER_TRACEBACK_CHARS:]}\n" if own else " "
+    return said + "The whole traceback is in the log. Not restarted: the same code fails on any device"
 
 
 def _stopped_late_joiner(job: Job, row: Worker | None, event: WorkerEvent) -> bool:
@@ -783,7 +843,7 @@ def _worker_failed(job: Job, event: WorkerEvent, device: int | None) -> None:
         if locked.state not in ACTIVE_STATES:
             return
         first = _end_generation(
-            locked, Phase.LOST, "a worker exited", f"{what}; planning again without it",
+            locked, GenerationPhase.LOST, "a worker exited", f"{what}; planning again without it",
             [device] if device is not None else [],
         )
         if not first:
@@ -809,7 +869,7 @@ def _workers_gone(rows: QuerySet[Worker], reason: str, end_reason: str, note: st
         devices.setdefault(job_id, set()).update([device] if device is not None else [])
     rows.update(state=Worker.State.EXITED, reason=reason, exited_at=timezone.now())
     for job in Job.objects.filter(pk__in=list(devices), state__in=ACTIVE_STATES):
-        _end_generation(job, Phase.LOST, end_reason, note, devices[job.pk])
+        _end_generation(job, GenerationPhase.LOST, end_reason, note, devices[job.pk])
     return list(devices)
 
 
@@ -858,7 +918,7 @@ def node_registered(node: Node, adopted: list[RunningWorker]) -> None:
     note = f"the agent of {node.name} restarted without some of the job's workers; planning again"
     touched = set(_workers_gone(Worker.objects.filter(pk__in=gone), "agent restart: gone", "agent restarted", note))
     for job in Job.objects.filter(pk__in=replan - touched, state__in=ACTIVE_STATES):
-        _end_generation(job, Phase.LOST, "agent restarted", note)
+        _end_generation(job, GenerationPhase.LOST, "agent restarted", note)
 
 
 # --- deadlines -----------------------------------------------------------------------------------
@@ -895,7 +955,7 @@ def _joiners(job: Job, generation: Generation, record: Membership | None) -> _Jo
             f"but it holds {counted(len(ranked), 'device')}"
         )
         note = f"generation {generation.number}: {unknown}; its joiners cannot be told ready"
-        said = Generation.objects.filter(pk=generation.pk, phase=Phase.PUBLISHED).exclude(note=note)
+        said = Generation.objects.filter(pk=generation.pk, phase=GenerationPhase.PUBLISHED).exclude(note=note)
         if said.update(note=note):
             log.warning("job %s: %s", job.pk, note)
             _log(job, generation.number, note)
@@ -920,27 +980,27 @@ def expire_overdue() -> list[int]:
         deadline_at = generation.deadline_at
         if generation.number != job.generation or deadline_at is None:  # None: filtered out above
             continue
-        if generation.phase == Phase.PUBLISHED:
+        if generation.phase == GenerationPhase.PUBLISHED:
             board = dispatch.board(job.pk)
             joiners = _joiners(job, generation, board.record(generation.number))
             ready = board.ready(generation.number)
             if generation.ready_at is None and joiners.all_ready(ready):
-                Generation.objects.filter(pk=generation.pk).update(
-                    ready_at=now, deadline_at=min(deadline_at, _deadline(settings.BUNGEE.form_timeout_s))
-                )
+                generation.deadline_at = min(deadline_at, _deadline(settings.BUNGEE.form_timeout_s))
+                Generation.objects.filter(pk=generation.pk).update(ready_at=now, deadline_at=generation.deadline_at)
+                _wake_scheduler(generation)
                 continue
             if deadline_at > now:
                 continue
             _expire_published(job, generation, joiners, ready)
         elif deadline_at <= now:
-            if generation.phase == Phase.PLANNED:
+            if generation.phase == GenerationPhase.PLANNED:
                 _end_generation(
-                    job, Phase.EXPIRED, "stopping workers did not exit",
+                    job, GenerationPhase.EXPIRED, "stopping workers did not exit",
                     f"generation {generation.number} expired: the job's stopping workers did not exit within "
                     f"{settings.BUNGEE.publish_timeout_s:.0f} s; stopping them again",
                 )
                 _stop_all(job, "resize")
-            elif generation.phase == Phase.FORMED:
+            elif generation.phase == GenerationPhase.FORMED:
                 _settle_overdue(job, generation)
             else:
                 continue
@@ -963,7 +1023,7 @@ def _expire_published(job: Job, generation: Generation, joiners: _Joiners, ready
             f"the group did not form within {settings.BUNGEE.form_timeout_s:.0f} s of its joiners being ready"
         )
         end_reason = "its group did not form"
-    _end_generation(job, Phase.EXPIRED, end_reason,
+    _end_generation(job, GenerationPhase.EXPIRED, end_reason,
                     f"generation {generation.number} expired: {what}; planning again without them",
                     late.values())
     stuck = list(Worker.objects.filter(job=job, state=Worker.State.RUNNING, joined_at__isnull=True)
@@ -972,7 +1032,7 @@ def _expire_published(job: Job, generation: Generation, joiners: _Joiners, ready
     per_node: dict[str, list[int]] = {}
     for worker in stuck:
         if worker.device_id in late_devices:
-            per_node.setdefault(worker.node.name, []).append(worker.device_index)
+            per_node.setdefault(worker.node_name, []).append(worker.device_index)
     dispatch.stop_devices(job.pk, per_node, generation.number + 1, "resize")
 
 
@@ -982,14 +1042,14 @@ def _settle_overdue(job: Job, generation: Generation) -> None:
     lingering = leavers(job)
     per_node: dict[str, list[int]] = {}
     for worker in lingering:
-        per_node.setdefault(worker.node.name, []).append(worker.device_index)
+        per_node.setdefault(worker.node_name, []).append(worker.device_index)
     dispatch.stop_devices(job.pk, per_node, generation.number, "resize")
     note = (
         f"generation {generation.number} settled at its deadline "
         f"({settings.BUNGEE.settle_timeout_s:.0f} s after it formed)"
         + (f"; stopping {len(lingering)} leaver(s) still running" if lingering else "")
     )
-    if move_phase(generation, Phase.SETTLED, settled_at=timezone.now(), deadline_at=None, note=note):
+    if move_phase(generation, GenerationPhase.SETTLED, settled_at=timezone.now(), deadline_at=None, note=note):
         _log(job, generation.number, note)
 
 
@@ -1037,4 +1097,6 @@ def nodes_lost() -> list[str]:
         _workers_gone(Worker.objects.filter(node=node), "node lost", "node lost", note)
         broadcast.node_changed(node.name, Node.State.LOST.value, node.last_seen_at)
         marked.append(node.name)
+    if marked:
+        request_pool_pass(f"node(s) {', '.join(marked[:5])} lost")
     return marked

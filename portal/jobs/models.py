@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.conf import settings
@@ -12,6 +13,10 @@ from elastic.membership import GenerationPhase
 from portal.cluster.models import Device, Node
 from portal.jobs import eta
 from portal.jobs.states import JobState, check_transition
+
+REASON_CHARS = 120
+"""The longest reason a list gives for a job's end (Job.ended_reason)."""
+_WHICH_WORKER = re.compile(r" on worker rank \d+ of generation \d+")
 
 
 class Job(models.Model):
@@ -66,6 +71,11 @@ class Job(models.Model):
         "(portal.scheduling.decisions.queue_view); empty while it runs",
     )
     attained_service_s = models.FloatField(default=0.0, help_text="device-seconds trained so far")
+    own_packages = models.JSONField(
+        null=True, blank=True,
+        help_text="the job's own environment as the newest node that built or found it reported it "
+        "(elastic.wire.OwnPackages, and that node's name); null: none reported",
+    )
 
     steps_done = models.PositiveIntegerField(default=0)
     last_loss = models.FloatField(null=True, blank=True)
@@ -112,6 +122,14 @@ class Job(models.Model):
             "batch_size": self.batch_size,
             "queue": dict(self.queue),
         }
+
+    def ended_reason(self) -> str:
+        """Why a failed or cancelled job ended, short enough for a list: its message's first
+        sentence, without the worker it happened on, cut at REASON_CHARS; '' for any other job."""
+        if self.state not in (JobState.FAILED, JobState.CANCELLED):
+            return ""
+        sentence = _WHICH_WORKER.sub("", self.message.split("\n", 1)[0]).split(". ", 1)[0].rstrip(".")
+        return sentence if len(sentence) <= REASON_CHARS else sentence[: REASON_CHARS - 1].rstrip() + "…"
 
     def summary(self) -> dict[str, Any]:
         """What everyone may see of a job: the list, the board, the live `job` events. Reads the
@@ -189,7 +207,11 @@ class Worker(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="workers")
     generation = models.PositiveIntegerField()
     rank = models.PositiveIntegerField()
-    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="workers")
+    node = models.ForeignKey(
+        Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="workers",
+        help_text="null once its node, a drained pool node, was pruned (portal.cluster.pool_nodes)",
+    )
+    node_name = models.CharField(max_length=100, help_text="its node's name, which outlives a pruned node")
     device = models.ForeignKey(
         Device,
         on_delete=models.SET_NULL,
@@ -216,6 +238,11 @@ class Worker(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["job", "generation", "rank"], name="worker_unique_rank")
         ]
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.node_name and self.node is not None:
+            self.node_name = self.node.name
+        super().save(*args, **kwargs)
 
 
 class Generation(models.Model):

@@ -55,6 +55,8 @@ class JobSummaryOut(Schema):
     queue: QueueOut | dict[str, Any] = Field(
         description="a waiting job: its place in the queue, the jobs holding its pool, its estimated start; {} otherwise"
     )
+    reason: str = Field("", description="a failed or cancelled job that you may manage (yours; any, for staff): "
+                        "why it ended, in short (its message's first sentence); empty otherwise")
 
 
 class AllocationOut(Schema):
@@ -116,6 +118,18 @@ class ArtifactsOut(Schema):
     )
 
 
+class OwnPackagesOut(Schema):
+    digest: str = Field(description="the environment's digest on that node")
+    source: str = Field(description="the file the requirements came from: requirements.txt or pyproject.toml")
+    requirements: list[str] = Field(
+        description="the requirements the job declared, as uv reads them: its index lines, then each requirement "
+        "(normalised, sorted)"
+    )
+    packages: dict[str, str] = Field(description="every package installed in the environment: name -> version")
+    left_out: int = Field(description="requirements and packages left out of these lists for their size")
+    node: str = Field(description="the node that reported it (the newest to build or find the environment)")
+
+
 class JobDetailOut(JobSummaryOut):
     spec: dict[str, Any]
     message: str
@@ -134,6 +148,10 @@ class JobDetailOut(JobSummaryOut):
         description="the model, checkpoint and manifest, once the job has ended and they are kept"
     )
     workers_history: list[WorkerOut]
+    own_packages: OwnPackagesOut | None = Field(
+        description="the job's own packages (a requirements.txt or pyproject.toml beside its code), once a node "
+        "built or found its environment; null for a job that has none, or before then"
+    )
 
 
 class ResizeIn(Schema):
@@ -187,7 +205,15 @@ class LogOut(Schema):
     line: str
 
 
+class CodeLimitsOut(Schema):
+    max_bytes: int = Field(description="the largest code upload, packed (BUNGEE_CODE_MAX_BYTES)")
+    max_unpacked_bytes: int = Field(description="what the code may unpack to (BUNGEE_CODE_MAX_UNPACKED_BYTES)")
+    max_files: int = Field(description="how many files and directories it may hold (BUNGEE_CODE_MAX_FILES)")
+
+
 class SpecCheckOut(Schema):
     spec: dict[str, Any] = Field(description="the spec as it would be stored, defaults filled in")
     code_uploaded: bool = Field(description="whether the spec's code is uploaded already (its entrypoint then "
                                 "checked too); false: upload it with POST /api/code, then submit")
+    code_limits: CodeLimitsOut = Field(description="what POST /api/code takes, so that a client refuses code "
+                                       "over it before sending any")

@@ -20,7 +20,7 @@ from portal.jobs.code import check_usable, upload_for
 from portal.jobs.models import Job
 from portal.jobs.states import ACTIVE_STATES
 from portal.live import broadcast
-from portal.trigger import request_schedule
+from portal.trigger import request_pool_pass, request_schedule
 
 
 def check_spec(owner: User, data: Any, code_uploaded: bool = True) -> JobSpec:
@@ -99,6 +99,8 @@ def request_resize(job: Job, workers: int | None, by: User) -> Job:
     with transaction.atomic():
         Job.objects.filter(pk=job.pk).update(**fields)
         request_schedule(f"job {job.pk} resize to {workers}")
+        if workers is not None and workers > job.allocations.count():
+            request_pool_pass(f"job {job.pk} resize to {workers}")
     job.refresh_from_db()
     return job
 

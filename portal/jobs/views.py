@@ -17,7 +17,7 @@ from portal.auth import SignedInRequest
 from portal.errors import ApiError
 from portal.jobs import curves
 from portal.jobs.access import job_for
-from portal.jobs.api import detail, summary
+from portal.jobs.api import detail, list_row
 from portal.jobs.board import cluster_state
 from portal.jobs.forms import (
     ERROR_SLOTS,
@@ -64,7 +64,7 @@ def job_list(request: HttpRequest) -> HttpResponse:
         errors["owner"] = f"there is no user named “{owner}”"
     elif owner:
         jobs = jobs.filter(owner__username=owner)
-    rows = [] if errors else [summary(j) for j in jobs[:500]]
+    rows = [] if errors else [list_row(j, request.user) for j in jobs[:500]]
     return render(
         request,
         "jobs/list.html",

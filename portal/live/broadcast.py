@@ -4,22 +4,32 @@ state), and for device samples `samples` (the sockets that follow every node) an
 `samples-node-<id>` (those that follow that node or some of its devices). An event is encoded
 as JSON once here, not once per socket: the consumer writes the text as it is. Sending never
 fails the caller: live updates are a view of the database, and a browser that missed one
-catches up on its next snapshot. It imports no portal app: callers hand it what to send."""
+catches up on its next snapshot. It imports no portal app: callers hand it what to send.
+
+A job's state goes to the boards as a `live.jobs` message: the jobs' summaries, each encoded
+once, which a socket that is behind keeps only the newest of (portal.live.outbox). A scheduling
+cycle that changes many jobs (each new job moves every queued one's place) sends them as one
+message (`jobs_changed`), not one per job: one per job, a burst of submissions made every socket
+pop and write thousands of messages, and the boards fell seconds behind. With
+BUNGEE_LIVE_COALESCE off each job goes out alone as a `job` message, as before."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import redis
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.conf import settings
 from django.db import transaction
+from django.db.models import QuerySet
 
+from portal.live.outbox import jobs_message
 from portal.live.samples import taken_together
 from portal.redis import client, key
 
@@ -96,13 +106,56 @@ def job_changed(job: Job) -> None:
     transaction.on_commit(lambda: _send_job(job), robust=True)
 
 
+def jobs_changed(jobs: QuerySet[Job]) -> None:
+    """`job_changed` for every job of `jobs` (a query with what Job.summary reads, as
+    portal.jobs.models.listed gives), read together and sent to the boards as one message."""
+    transaction.on_commit(lambda: _send_jobs(jobs), robust=True)
+
+
+def _coalescing() -> bool:
+    return bool(settings.BUNGEE.live_coalesce)
+
+
 def _send_job(job: Job) -> None:
     with _in_order(job.pk):
         job.refresh_from_db()
+        _send_summaries([job])
+
+
+def _send_jobs(jobs: QuerySet[Job]) -> None:
+    if not _coalescing():
+        # Plain rows: _send_job refreshes each, and a refresh leaves an annotation as it was read.
+        for job in jobs.model.objects.filter(pk__in=jobs.values_list("pk", flat=True)):
+            _send_job(job)
+        return
+    job_ids = sorted(jobs.values_list("pk", flat=True))
+    if not job_ids:
+        return
+    # Each job's lock, taken in id order, as _send_job takes one: the read below is the newest.
+    with ExitStack() as held:
+        for job_id in job_ids:
+            held.enter_context(_in_order(job_id))
+        _send_summaries(list(jobs.filter(pk__in=job_ids).order_by("pk")))
+
+
+def _send_summaries(jobs: Iterable[Job]) -> None:
+    """Each job's summary to every board and its state to its followers, in one trip."""
+    boards: list[tuple[int, str]] = []
+    messages: list[tuple[str, dict[str, Any]]] = []
+    for job in jobs:
         summary = job.summary()
-        send(CLUSTER_GROUP, {"type": "job", "job": summary})
-        send(job_group(job.pk), {"type": "job_state", "job": summary, "message": job.message,
-                                 "pin_problem": job.pin_problem})
+        boards.append((job.pk, encoded(summary)))
+        messages.append((job_group(job.pk), {"type": "live.event", "text": encoded(
+            {"type": "job_state", "job": summary, "message": job.message, "pin_problem": job.pin_problem})}))
+    if not boards:
+        return
+    if _coalescing():
+        whole = {"type": "live.jobs", "jobs": boards, "text": jobs_message([text for _, text in boards])}
+        _send_each(((CLUSTER_GROUP, whole), *messages))
+        return
+    # Each job alone, as a `job` message that every socket writes as it comes.
+    alone = [(CLUSTER_GROUP, {"type": "live.event", "text": jobs_message([text])}) for _, text in boards]
+    _send_each(tuple(message for pair in zip(alone, messages, strict=True) for message in pair))
 
 
 @contextmanager

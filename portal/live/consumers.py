@@ -4,7 +4,13 @@ then subscribes to the jobs it may manage with `{"action": "subscribe_job", "job
 may narrow the samples to what its page shows
 with `{"action": "subscribe_samples", "nodes": ["name", ...], "device_ids": [N, ...]}` (either
 may be left out; `{"action": "subscribe_samples", "all": true}` widens them again to every
-node). Anonymous sockets are refused at the handshake."""
+node). Anonymous sockets are refused at the handshake.
+
+What the groups send a socket goes through its outbox (portal.live.outbox) and is written by a
+task of its own: a browser that reads slower than the portal sends holds up only that task, the
+newest state of each job replaces an older one still waiting, and a socket with more than
+BUNGEE_LIVE_OUTBOX_LIMIT other messages waiting is closed with 4429 (its page reconnects and
+starts from a snapshot). With BUNGEE_LIVE_COALESCE off each message is written as it comes."""
 
 from __future__ import annotations
 
@@ -12,22 +18,26 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.layers import get_channel_layer
+from django.conf import settings
 
 from portal.cluster.models import Device, Node
 from portal.jobs.access import may_manage
 from portal.jobs.board import cluster_state
 from portal.jobs.models import Job
 from portal.live.broadcast import CLUSTER_GROUP, SAMPLES_GROUP, encoded, job_group, node_samples_group
+from portal.live.outbox import Outbox, OutboxFullError
 from portal.live.samples import Subscription
 
 log = logging.getLogger(__name__)
 
 UNAUTHENTICATED_CLOSE_CODE = 4401
+TOO_FAR_BEHIND_CLOSE_CODE = 4429
 MAX_SUBSCRIBED = 10_000
 
 
@@ -77,10 +87,10 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             await super().__call__(scope, receive, send)
         finally:
             # An error (Redis gone under an open socket) ends the consumer without `disconnect`;
-            # its renewals must not go on for a socket that is no more.
-            renewal = getattr(self, "_renewal", None)
-            if renewal is not None:
-                renewal.cancel()
+            # its renewals and its writer must not go on for a socket that is no more.
+            for task in (getattr(self, "_renewal", None), getattr(self, "_writer", None)):
+                if task is not None:
+                    task.cancel()
 
     async def connect(self) -> None:
         user = self.scope.get("user")
@@ -89,12 +99,17 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             return
         self.job_groups: set[str] = set()
         self.subscription = Subscription()
+        self._outbox: Outbox | None = Outbox(settings.BUNGEE.live_outbox_limit) if settings.BUNGEE.live_coalesce else None
+        self._waiting = asyncio.Event()
+        self._behind = False  # closed for being too far behind: nothing more is written
         joined_at = time.monotonic()
         for group in self._groups():
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
         self._renewal = asyncio.create_task(self._renew_groups())
         await self.send(text_data=await snapshots.after(joined_at))
+        # Started after the snapshot: what the groups sent meanwhile waits for it, and follows it.
+        self._writer = asyncio.create_task(self._write_outbox())
 
     def _sample_groups(self) -> set[str]:
         if self.subscription.everything:
@@ -110,10 +125,47 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
             for group in self._groups():
                 await self.channel_layer.group_add(group, self.channel_name)
 
+    async def _write_outbox(self) -> None:
+        # A browser gone makes the server refuse the write; the socket's disconnect follows.
+        with suppress(OSError):
+            while True:
+                await self._waiting.wait()
+                self._waiting.clear()
+                if self._outbox is None:
+                    return
+                for text in self._outbox.take():
+                    await self.send(text_data=text)
+
+    async def _deliver(self, text: str) -> None:
+        """Writes a group's message, through the outbox when there is one."""
+        if self._behind:
+            return
+        if self._outbox is None:
+            await self.send(text_data=text)
+            return
+        try:
+            self._outbox.put(text)
+        except OutboxFullError as full:
+            await self._too_far_behind(full)
+            return
+        self._waiting.set()
+
+    async def _too_far_behind(self, full: OutboxFullError) -> None:
+        # What waits is dropped, and the writer with it (it waits on the browser, which reads
+        # nothing); the page reconnects and its snapshot is whole.
+        log.warning("live socket of %s closed with %s: %s", self.scope["user"].get_username(),
+                    TOO_FAR_BEHIND_CLOSE_CODE, full)
+        self._behind = True
+        self._outbox = None
+        self._writer.cancel()
+        await self.close(code=TOO_FAR_BEHIND_CLOSE_CODE)
+
     async def disconnect(self, code: int) -> None:
         if not hasattr(self, "job_groups"):
             return
         self._renewal.cancel()
+        if hasattr(self, "_writer"):
+            self._writer.cancel()
         for group in self._groups():
             await self.channel_layer.group_discard(group, self.channel_name)
         # One line a socket, as the ASGI server's access log said before it was turned off.
@@ -172,18 +224,28 @@ class LiveConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json({"type": "subscribed_samples", **await self._described(subscription)})
 
     async def live_event(self, message: dict[str, Any]) -> None:
-        await self.send(text_data=message["text"] if "text" in message else encoded(message["event"]))
+        await self._deliver(message["text"] if "text" in message else encoded(message["event"]))
+
+    async def live_jobs(self, message: dict[str, Any]) -> None:
+        """Job summaries for the boards (portal.live.broadcast): kept as the newest of each job."""
+        if self._behind:
+            return
+        if self._outbox is None:
+            await self.send(text_data=message["text"])
+            return
+        self._outbox.put_jobs([(job_id, summary) for job_id, summary in message["jobs"]])
+        self._waiting.set()
 
     async def live_samples(self, message: dict[str, Any]) -> None:
         wanted = self.subscription.wants(message["node_id"])
         if wanted is True:
-            await self.send(text_data=message["text"])
+            await self._deliver(message["text"])
         elif wanted and "rows" in message:
             # Without rows: the message for the sockets following every node, which this one
             # left a moment ago; the node's own message, with its rows, comes too.
             rows = [row for row in message["rows"] if row["device_id"] in wanted]
             if rows:
-                await self.send(text_data=encoded(message["head"] | {"samples": rows}))
+                await self._deliver(encoded(message["head"] | {"samples": rows}))
 
     @database_sync_to_async
     def _may_manage(self, job_id: int) -> bool | None:

@@ -10,7 +10,15 @@ cancellation lost, the receive went on popping the channel forever and the consu
 `asyncio.timeout`, which lets a cancellation through; reads are bounded as redis-py bounds them.
 
 Only the transport changes: what is sent, the errors raised and the connection dropped after a
-failed write are redis-py's own."""
+failed write are redis-py's own.
+
+The pool's maintenance notifications (a Redis Enterprise and Cloud feature, which redis-py 8
+turns on by itself over RESP3) are off: while they are on, the pool skips its own check of a
+connection it hands out (`ensure_connection`: data left unread, or the server's end closed), so
+that after Redis came back the pool gave out connections to the Redis that had died, and the
+first command on each failed with "Connection closed by server" (a socket opened after the
+return closed with 1013). With them off, the pool drops such a connection and opens a new one
+before the command is sent."""
 
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from redis.asyncio.connection import (
     parse_url,
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 
 
 class _CancellableWrite(AbstractConnection):
@@ -69,8 +78,10 @@ _CANCELLABLE: dict[type[AbstractConnection], type[AbstractConnection]] = {
 def layer_host(url: str, **options: Any) -> dict[str, Any]:
     """The channel layer's host entry for a Redis URL: the URL's own options (redis-py parses
     them, and picks a TCP, TLS or Unix socket connection by its scheme) with the cancellable
-    variant of that connection. Passing the URL as "address" would not do: its options win over
-    any given, the connection class among them."""
+    variant of that connection, and the pool's maintenance notifications off (this module's
+    docstring). Passing the URL as "address" would not do: its options win over any given, the
+    connection class among them."""
     host = {**options, **parse_url(url)}
     host["connection_class"] = _CANCELLABLE[host.get("connection_class", Connection)]
+    host["maint_notifications_config"] = MaintNotificationsConfig(enabled=False)
     return host

@@ -22,7 +22,7 @@ from elastic.scheduling import Plan
 from portal.cluster import drain
 from portal.cluster.models import Device, Node
 from portal.jobs import lifecycle
-from portal.jobs.models import Generation, Job
+from portal.jobs.models import Generation, Job, listed
 from portal.live import broadcast
 from portal.scheduling.decisions import record_decision, store_job_reasons
 from portal.scheduling.policy import configured_policy, policy_name
@@ -158,8 +158,8 @@ def run_cycle() -> CycleResult:
     if result.changed_jobs:
         log.info("scheduler (%s, %.1f ms): new generations for jobs %s", policy_name(), decision_ms,
                  result.changed_jobs)
-    for job in Job.objects.filter(pk__in={*result.changed_jobs, *explained}):
-        broadcast.job_changed(job)
+    # One message for every job the cycle changed: a new job moves every queued one's place.
+    broadcast.jobs_changed(listed(Job.objects.filter(pk__in={*result.changed_jobs, *explained})))
     if result.changed_jobs:
         # Read, not taken from the view: a job that ended meanwhile (its owner cancelled it) has
         # freed its devices, and the boards must not be told it still holds them.

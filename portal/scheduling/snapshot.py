@@ -22,6 +22,7 @@ from functools import lru_cache
 from django.db.models import Avg, Count
 from pydantic import ValidationError
 
+from elastic.membership import GenerationPhase
 from elastic.scheduling import ClusterSnapshot, DeviceView, JobView, ThroughputLearner, ThroughputModel
 from elastic.spec import JobSpec
 from portal.cluster.devices import ClusterDevices, node_of
@@ -255,5 +256,5 @@ def build_snapshot() -> CycleView:
         held=held,
         newest=newest,
         running=running,
-        planned={job_id for job_id, g in newest.items() if g.phase == lifecycle.Phase.PLANNED},
+        planned={job_id for job_id, g in newest.items() if g.phase == GenerationPhase.PLANNED},
     )

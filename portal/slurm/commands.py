@@ -1,9 +1,11 @@
 """Slurm's commands as the pool calls them: `sbatch --parsable` (the script on stdin),
-`squeue --json`, `scancel`. Each call is bounded in time, and every failure (a non-zero exit,
+`squeue --json`, `scancel` (after `scontrol update` of the job's comment, where it says why). Each call is bounded in time, and every failure (a non-zero exit,
 a timeout, a command that cannot run, output that cannot be read) is one SlurmCommandError
 naming the command, its exit code and its stderr.
 
-`squeue --json` is there from 21.08. In 22.05 (data_parser v0.0.38) it ignores the filters
+`squeue --json` is there from 21.08. When it cannot reach slurmctld, 22.05's exits 0 with
+`"jobs": []` and an entry in `"errors"`: that is a failed command here, never an empty queue (a
+pool that took it for one would forget its agent jobs and submit them again). In 22.05 (data_parser v0.0.38) it ignores the filters
 --name, --user, --me and --jobs, and the default one on states: it lists every job of the
 cluster, those that ended within MinJobAge too. The pool's jobs are picked here, by name, user
 and a state that is not final. The shape read is 22.05's, where a job's state is a string and its times
@@ -13,10 +15,13 @@ both are read (`_state`, `_time`)."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PENDING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD"})
 """States of a job that waits for resources (or to be queued again)."""
@@ -80,6 +85,21 @@ def _time(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and value > 0 else None
 
 
+def _errors_text(errors: Any) -> str:
+    """squeue --json's "errors" entries as one line ("source: description (error)", ...)."""
+    if not isinstance(errors, list):
+        return repr(errors)[:500]
+    parts = []
+    for entry in errors:
+        if isinstance(entry, dict):
+            where = entry.get("source") or "squeue"
+            parts.append(f"{where}: {entry.get('description') or entry.get('error') or entry}"
+                         f" (error {entry.get('error_number', '?')}: {entry.get('error', '')})")
+        else:
+            parts.append(str(entry))
+    return "; ".join(parts)[:500]
+
+
 class SlurmCommands:
     """Runs Slurm's client commands with `environ` (default: this process's, where SLURM_CONF
     or the default /etc/slurm/slurm.conf names the cluster), each within `timeout_s`."""
@@ -119,7 +139,9 @@ class SlurmCommands:
         command = ["squeue", "--json"]
         out = self._run(command)
         try:
-            listed = json.loads(out)["jobs"]
+            answer = json.loads(out)
+            errors = answer.get("errors") or []
+            listed = answer["jobs"]
             found = [
                 SlurmJob(
                     job_id=int(job["job_id"]),
@@ -137,9 +159,20 @@ class SlurmCommands:
             ]
         except (ValueError, KeyError, TypeError) as err:
             raise SlurmCommandError(command, 0, f"output not understood ({err!r}): {out[:200]!r}") from None
+        if errors:
+            raise SlurmCommandError(command, 0, f"its answer lists errors, not the queue: {_errors_text(errors)}")
         return sorted(found, key=lambda job: job.job_id)
 
-    def scancel(self, job_ids: Sequence[int]) -> None:
-        """Cancels the jobs (a job already gone is no error)."""
-        if job_ids:
-            self._run(["scancel", *(str(job_id) for job_id in job_ids)])
+    def scancel(self, job_ids: Sequence[int], comment: str = "") -> None:
+        """Cancels the jobs (a job already gone is no error). With `comment`, it is set on each
+        job first (`scontrol update`), where the job's batch script reads why it is cancelled
+        (squeue's %k) when its TERM comes."""
+        if not job_ids:
+            return
+        for job_id in job_ids if comment else ():
+            try:
+                self._run(["scontrol", "update", f"JobId={job_id}", f"Comment={comment}"])
+            except SlurmCommandError as err:
+                # Ended meanwhile, or a comment refused: the cancel matters, the comment only says why.
+                log.warning("could not comment Slurm job %d before cancelling it: %s", job_id, err)
+        self._run(["scancel", *(str(job_id) for job_id in job_ids)])

@@ -46,6 +46,8 @@ class PoolConfig:
     python: str
     workdir: str
     output: str
+    agent_data_dir: str
+    """BUNGEE_DATA_DIR of the agents (their state directories are under it)."""
     export: str
     job_name: str
     every_s: float
@@ -90,6 +92,7 @@ def pool_config(raw: SlurmPoolSettings | None = None) -> PoolConfig:
         python=raw.python.strip(),
         workdir=str(raw.workdir).strip(),
         output=raw.output.strip() or str(settings.BUNGEE.data_dir / "slurm" / "%x-%j.out"),
+        agent_data_dir=raw.agent_data_dir.strip() or str(settings.BUNGEE.data_dir),
         export=raw.export.strip(),
         job_name=raw.job_name.strip(),
         every_s=raw.every_s,

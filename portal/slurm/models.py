@@ -16,7 +16,8 @@ class SlurmAgentJob(models.Model):
     submitted_at = models.DateTimeField()
     started_at = models.DateTimeField(null=True, blank=True)
     busy_at = models.DateTimeField(
-        null=True, blank=True, help_text="the last pass at which its node held a job (its idle time counts from it)"
+        null=True, blank=True,
+        help_text="when its node last held a job, or its job started (its idle time counts from it)",
     )
 
     class Meta:

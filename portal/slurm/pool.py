@@ -19,13 +19,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from django.db import transaction
-from django.db.models import Count
+from django.db.models import Count, Max
 from django.utils import timezone
 
-from elastic.wire import DrainNotice, slurm_node_name
+from elastic.wire import SLURM_GIVE_BACK_COMMENT, DrainNotice, slurm_node_name
 from portal.cluster import drain
 from portal.cluster.models import Node
-from portal.jobs.models import Allocation, Job
+from portal.jobs.models import Allocation, Job, Worker
 from portal.jobs.services import usable_devices
 from portal.jobs.states import ACTIVE_STATES
 from portal.slurm.commands import SlurmCommandError, SlurmCommands, SlurmJob
@@ -36,6 +36,7 @@ from portal.slurm.sizing import AgentJob, Phase, PoolDecision, PoolLimits, size_
 log = logging.getLogger(__name__)
 
 EVENTS_KEPT = 200
+LEAVING_NODE_STATES = frozenset({Node.State.DRAINING, Node.State.DRAINED})
 
 
 @dataclass
@@ -75,14 +76,16 @@ def sbatch_options(config: PoolConfig) -> list[str]:
 def agent_script(config: PoolConfig) -> str:
     """The batch script of an agent job. With a gres other than gpu the agent is told its device
     count: Slurm 22.05 puts no count of such a gres in the job's environment (a gpu's are in
-    SLURM_JOB_GPUS, which the agent reads)."""
+    SLURM_JOB_GPUS, which the agent reads). Its data directory is set whatever --export passes:
+    without it the agent's state would land under the work directory."""
     command = [config.python, "-m", "agent", "--slurm", "--portal", config.portal_url, "--token-file", config.token_file]
     if config.gres_name != "gpu":
         command += ["--devices", str(config.devices_per_agent)]
     command += config.agent_args
     return (
         "#!/bin/bash\n# A Bungee agent of the portal's Slurm pool (portal.slurm.pool).\n"
-        f"export BUNGEE_SLURM_POOL={shlex.quote(config.pool)} BUNGEE_SLURM_SIGNAL_S={config.grace_s}\n"
+        f"export BUNGEE_SLURM_POOL={shlex.quote(config.pool)} BUNGEE_SLURM_SIGNAL_S={config.grace_s} "
+        f"BUNGEE_DATA_DIR={shlex.quote(config.agent_data_dir)}\n"
         "exec " + shlex.join(command) + "\n"
     )
 
@@ -97,12 +100,31 @@ def _when(seconds: float | None) -> datetime | None:
     return datetime.fromtimestamp(seconds, tz=UTC) if seconds else None
 
 
+def _idle_since(names: list[str]) -> dict[str, datetime]:
+    """When each of the nodes `names` last had a worker of a job: its last worker's exit, by
+    node name (nodes that never held one are not listed)."""
+    return {
+        name: at for name, at in Worker.objects.filter(node__name__in=names).values("node__name")
+        .annotate(last=Max("exited_at")).values_list("node__name", "last") if at is not None
+    }
+
+
 def _observe(listed: list[SlurmJob], now: datetime, pool: str) -> list[AgentJob]:
     """The pool's agent jobs as the sizing sees them, and their rows brought up to date (rows of
-    jobs no longer listed deleted)."""
+    jobs no longer listed deleted).
+
+    An agent's node is leaving (never an idle give-back) once it drains, for whatever reason:
+    draining or drained while its Slurm job still runs, or lost mid-drain (a registration
+    clears the cause). Its idle clock starts when its node really became idle, not at the pass
+    that noticed: the last exit of a worker there, else when its Slurm job started; a pass that
+    sees a job there (an allocation or a running worker) restarts it."""
     names = {job.job_id: slurm_node_name(job.batch_host, job.job_id, pool) for job in listed if job.batch_host}
-    known = set(Node.objects.filter(name__in=names.values()).values_list("name", flat=True))
+    known = {name: (state, cause) for name, state, cause in Node.objects.filter(name__in=names.values())
+             .values_list("name", "state", "drain_cause")}
     busy = set(Allocation.objects.filter(device__node__name__in=names.values()).values_list("device__node__name", flat=True))
+    busy |= set(Worker.objects.filter(node__name__in=names.values(), state=Worker.State.RUNNING)
+                .values_list("node__name", flat=True))
+    last_exit = _idle_since(list(names.values()))
     usable = dict(
         usable_devices().filter(node__name__in=names.values()).values("node__name")
         .annotate(count=Count("id")).values_list("node__name", "count")
@@ -113,8 +135,11 @@ def _observe(listed: list[SlurmJob], now: datetime, pool: str) -> list[AgentJob]
         SlurmAgentJob.objects.exclude(slurm_job_id__in=[job.job_id for job in listed]).delete()
         for job in listed:
             name = names.get(job.job_id, "")
+            node_state, drain_cause = known.get(name, ("", ""))
             if job.pending:
                 phase = Phase.PENDING
+            elif job.started and (node_state in LEAVING_NODE_STATES or drain_cause):
+                phase = Phase.LEAVING  # its agent said it leaves: Slurm preempts it, or its time is up
             elif job.started:
                 phase = Phase.ONLINE if name in known else Phase.STARTING
             else:
@@ -126,11 +151,15 @@ def _observe(listed: list[SlurmJob], now: datetime, pool: str) -> list[AgentJob]
             row.started_at = _when(job.start_time) if job.started else None
             if phase != Phase.ONLINE:
                 row.busy_at = None
-            elif name in busy or row.busy_at is None:
-                row.busy_at = now  # first seen online: the scheduler gets a full idle time to use it
+            elif name in busy:
+                row.busy_at = now
+            else:
+                # The latest of: a pass that saw a job there, its last worker's exit, its start.
+                row.busy_at = max([at for at in (row.busy_at, last_exit.get(name), row.started_at) if at is not None],
+                                  default=now)
             row.save()
             if phase == Phase.ONLINE and row.busy_at is not None:
-                idle_for = (now - row.busy_at).total_seconds()
+                idle_for = max(0.0, (now - row.busy_at).total_seconds())
             elif phase == Phase.STARTING and row.started_at is not None:
                 idle_for = max(0.0, (now - row.started_at).total_seconds())
             else:
@@ -141,7 +170,7 @@ def _observe(listed: list[SlurmJob], now: datetime, pool: str) -> list[AgentJob]
 
 def _giving_back(node_name: str, config: PoolConfig) -> None:
     """The node of an agent job the pool cancels drains for that reason (its agent's own notice,
-    a TERM it cannot tell from a preemption, comes after and changes nothing)."""
+    which reads the job's comment to say the same, comes after and changes nothing)."""
     node = Node.objects.filter(name=node_name).first() if node_name else None
     if node is not None:
         deadline_at = (timezone.now() + timedelta(seconds=config.grace_s)).timestamp()
@@ -166,7 +195,7 @@ def run_pass(config: PoolConfig, commands: SlurmCommands, user: str, now: dateti
             "slurm_job_id", "node_name"))
         for job_id, why in decision.cancel.items():
             _giving_back(nodes.get(job_id, ""), config)
-            commands.scancel([job_id])
+            commands.scancel([job_id], comment=SLURM_GIVE_BACK_COMMENT if job_id in decision.idle else "")
             result.cancelled.append(job_id)
             record(SlurmPoolEvent.Kind.CANCELLED, f"cancelled agent job {job_id}: {why}", job_id)
         if decision.submit:

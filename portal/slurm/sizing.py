@@ -14,7 +14,9 @@ them is unmet, and met by agents of `devices_per_agent` each:
    never has more pending agent jobs than its demand.
 3. An agent whose node has held no job for `idle_s` is cancelled if the cluster keeps what the
    jobs want without its devices; the longest idle first.
-4. What is still unmet is submitted, up to `max_agents` agent jobs in all.
+4. What is still unmet is submitted, up to `max_agents` agent jobs in all, those leaving not
+   counted: an agent that drains (preempted, at its time limit) gives its devices back to Slurm,
+   and the one that replaces it is pending by the time they are free.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from dataclasses import dataclass, field
 
 class Phase(enum.StrEnum):
     """Where an agent job is. PENDING -> STARTING (Slurm runs it, its agent has not registered)
-    -> ONLINE (its node is known to the portal); any of them -> LEAVING (Slurm is ending it) ->
-    gone; STARTING -> gone (cancelled: it never registered); PENDING -> PENDING (requeued)."""
+    -> ONLINE (its node is known to the portal); any of them -> LEAVING (Slurm is ending it, or
+    its node drains) -> gone; STARTING -> gone (cancelled: it never registered); PENDING -> PENDING (requeued)."""
 
     PENDING = "pending"
     STARTING = "starting"
@@ -62,6 +64,8 @@ class PoolDecision:
     """Agent jobs to cancel, by Slurm job id, each with why."""
     unmet_devices: int = 0
     """Devices wanted beyond the usable ones."""
+    idle: frozenset[int] = frozenset()
+    """Those of `cancel` given back because they are idle (their agents are told so)."""
 
 
 def size_pool(wanted_devices: int, usable_devices: int, agents: Sequence[AgentJob], limits: PoolLimits) -> PoolDecision:
@@ -90,15 +94,17 @@ def size_pool(wanted_devices: int, usable_devices: int, agents: Sequence[AgentJo
 
     spare = max(0, usable_devices - wanted_devices)
     idle = [a for a in agents if a.phase == Phase.ONLINE and a.idle_for_s >= limits.idle_s]
+    given_back: set[int] = set()
     for agent in sorted(idle, key=lambda a: (-a.idle_for_s, a.slurm_job_id)):
         if agent.usable_devices <= spare:
             spare -= agent.usable_devices
+            given_back.add(agent.slurm_job_id)
             cancel[agent.slurm_job_id] = (
                 f"idle for {agent.idle_for_s:.0f} s (BUNGEE_SLURM_IDLE_S={limits.idle_s:g}) and its "
                 f"{agent.usable_devices} devices not wanted"
             )
 
-    alive = len(agents) - len(cancel)
+    alive = sum(1 for a in agents if a.phase != Phase.LEAVING and a.slurm_job_id not in cancel)
     room = max(0, limits.max_agents - alive)
     submit = min(room, max(0, needed - len(starting) - len(pending)))
-    return PoolDecision(submit=submit, cancel=cancel, unmet_devices=unmet)
+    return PoolDecision(submit=submit, cancel=cancel, unmet_devices=unmet, idle=frozenset(given_back))

@@ -511,11 +511,13 @@
         updateDeviceRow(d);
       });
       summarise();
-    } else if (msg.type === "job") {
-      const job = msg.job;
-      jobs.set(job.id, job);
-      if (pending.has(job.id) && job.workers === pending.get(job.id) && job.state === "running") pending.delete(job.id);
-      if (FINAL.has(job.state)) pending.delete(job.id);
+    } else if (msg.type === "job" || msg.type === "jobs") {
+      // A scheduling cycle's changes come as one `jobs` message, drawn once.
+      (msg.type === "job" ? [msg.job] : msg.jobs).forEach((job) => {
+        jobs.set(job.id, job);
+        if (pending.has(job.id) && job.workers === pending.get(job.id) && job.state === "running") pending.delete(job.id);
+        if (FINAL.has(job.state)) pending.delete(job.id);
+      });
       redrawLive();
     } else if (msg.type === "node") {
       nodes.set(msg.name, { name: msg.name, state: msg.state, last_seen_at: msg.last_seen_at,

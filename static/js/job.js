@@ -85,6 +85,28 @@
       mark.classList.toggle("rollback-marker-left", left > u.over.clientWidth / 2);
     });
   }
+  // Each resize of a running job (not its first start) is a thin line at the step it switched
+  // at, labelled with the sizes; its title (a tooltip) says when and why. Labels of resizes close
+  // together are stacked three high so that they do not cover each other.
+  const resized = () => (job.resizes || []).filter((r) => r.workers_before > 0 && r.step !== null && r.step !== undefined);
+  function placeResizeMarkers(u) {
+    const shown = resized();
+    const marks = [...u.over.querySelectorAll(".resize-marker")];
+    marks.slice(shown.length).forEach((node) => node.remove());
+    shown.forEach((r, i) => {
+      const mark = marks[i] || u.over.appendChild(el("div", undefined, { class: "resize-marker" }));
+      const label = r.workers_before + " → " + r.workers_after + " workers";
+      if (mark.textContent !== label) mark.replaceChildren(el("span", label));
+      mark.firstChild.title = "resized from " + r.workers_before + " to " + r.workers_after + " workers at step " +
+        r.step + " (generation " + r.generation + ", " + r.reason + (r.pause_s === null || r.pause_s === undefined
+          ? "" : ", paused " + r.pause_s.toFixed(2) + " s") + ")";
+      mark.firstChild.style.bottom = (2 + (i % 3) * 20) + "px";
+      const left = u.valToPos(r.step, "x");
+      mark.hidden = !(left >= 0 && left <= u.over.clientWidth);
+      mark.style.left = left + "px";
+      mark.classList.toggle("resize-marker-left", left > u.over.clientWidth / 2);
+    });
+  }
   const css = getComputedStyle(document.documentElement);
   function chart(target, label, value, colour, previous) {
     if (previous) previous.destroy();
@@ -100,7 +122,7 @@
         ? { label: label + ", lost at rollback " + (i + 1) / 2, stroke: colour + "66", width: 1.5, dash: [6, 4], spanGaps: true }
         : { label: label, stroke: colour, width: 2, spanGaps: true }))],
       legend: { show: false },
-      hooks: { draw: [placeMarkers] },
+      hooks: { draw: [placeMarkers, placeResizeMarkers] },
     }, data, target);
   }
   // A chart with no point says so over its empty axes, rather than leaving a blank box.
@@ -382,7 +404,10 @@
 
   async function refresh() {
     const reply = await fetch("/api/jobs/" + job.id, { credentials: "same-origin" });
-    if (reply.ok) { job = await reply.json(); renderFacts(); renderDevices(); renderResizes(); }
+    if (reply.ok) {
+      job = await reply.json(); renderFacts(); renderDevices(); renderResizes();
+      [lossChart, speedChart].forEach((u) => { if (u) placeResizeMarkers(u); });
+    }
   }
 
   async function catchUpLogs() {

@@ -29,7 +29,10 @@
     const badge = document.createElement("span");
     badge.dataset.field = "state";
     state.appendChild(badge);
-    row.append(cell(String(job.id)), name, cell(job.owner), cell(job.workload), state, cell("", "workers"), cell("", "progress"));
+    const reason = cell("", "reason");
+    reason.className = "reason";
+    row.append(cell(String(job.id)), name, cell(job.owner), cell(job.workload), state, cell("", "workers"),
+      cell("", "progress"), reason);
     const body = document.querySelector("#jobs tbody");
     const empty = body.querySelector("td[colspan]");
     if (empty) empty.parentElement.remove();
@@ -47,6 +50,24 @@
     row.querySelector('[data-field="workers"]').innerHTML =
       job.workers + " <small>(" + job.min_workers + "–" + job.max_workers + ")</small>";
     row.querySelector('[data-field="progress"]').textContent = job.steps_done + " / " + job.total_steps;
+    showReason(row, job);
+  }
+
+  // Why a job of the viewer's (any, for staff) ended: the live events carry no reason (everyone
+  // receives them), so it is read from the list API, which gives it to whoever may manage the job.
+  const ENDED = new Set(["failed", "cancelled"]);
+  const mayManage = (job) => boot.viewer.is_staff || job.owner === boot.viewer.username;
+  function showReason(row, job) {
+    const cell = row.querySelector('[data-field="reason"]');
+    if (job.reason !== undefined) {
+      cell.textContent = job.reason;
+      if (job.reason) cell.title = job.reason; else cell.removeAttribute("title");
+    } else if (ENDED.has(job.state) && mayManage(job) && !cell.textContent) {
+      fetch("/api/jobs?limit=1&before=" + (job.id + 1), { credentials: "same-origin" })
+        .then((reply) => (reply.ok ? reply.json() : []))
+        .then((jobs) => jobs.filter((listed) => listed.id === job.id && listed.reason !== undefined)
+          .forEach((listed) => showReason(row, listed)));
+    }
   }
 
   // The socket's snapshot (at every connect, taken after it joined its groups) holds the active
@@ -72,6 +93,8 @@
   BungeeLive.on(function (message) {
     if (message.type === "job") {
       showJob(message.job);
+    } else if (message.type === "jobs") {
+      message.jobs.forEach(showJob);
     } else if (message.type === "cluster" && message.cluster.jobs) {
       catchUp(message.cluster.jobs);
     } else if (message.type === "job_progress") {

@@ -8,6 +8,8 @@
 // page that shows only some devices says which (subscribeSamples), and the portal sends it only
 // those devices' samples; a sample message holds, per device, only what changed since the
 // device's previous one (sampleRows and mergeSample put a device's sample together again).
+// A socket that fell too far behind is closed with 4429 (portal/live/consumers.py); it
+// reconnects as after any close, and its snapshot is whole.
 (function () {
   "use strict";
   const handlers = [];

@@ -43,7 +43,11 @@ class Command(BaseCommand):
         username = options["username"]
         user = get_user_model().objects.filter(username=username).first()
         if user is None:
-            raise CommandError(f"no user named {username!r}")
+            raise CommandError(
+                f"no user named {username!r}: name an existing user, or create one first with "
+                f"`python manage.py createsuperuser --username {username}` (a staff user, who signs in to "
+                "the Scheduler page too)"
+            )
         role, pool = options["role"], options["pool"]
         if role == ApiToken.Role.POOL and not pool:
             raise CommandError(
