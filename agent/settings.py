@@ -92,9 +92,10 @@ class AgentSettings(EnvironSettings):
         ge=1,
         le=MAX_PACE,
         validation_alias="BUNGEE_SIM_PACE",
-        description="simulated slots only: stretch each step's compute by this factor, the worker sleeping for "
-        "the stretch, as a GPU's step leaves its host's CPU mostly idle: several simulated nodes (a demo, a "
-        "test suite) then share a few cores without every worker running flat out; 1 runs flat out",
+        description="simulated slots only: stretch each step by this factor, the worker sleeping after each step "
+        "for this less one times the CPU time it took, as a GPU's step leaves its host's CPU mostly idle: a "
+        "worker keeps at most 1/pace of a core busy, and several simulated nodes (a demo, a test suite) share a "
+        "few cores without every worker running flat out; 1 runs flat out",
     )
     redis_url: str | None = Field(
         None,

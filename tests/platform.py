@@ -341,10 +341,11 @@ def platform_env(
         # Below Linux's ephemeral ports (32768 and up), where any client socket may hold one.
         "BUNGEE_MASTER_PORT_BASE": str(MASTER_PORT_LOW + port % (EPHEMERAL_PORTS_START - 5000 - MASTER_PORT_LOW)),
         "LOG_LEVEL": "INFO",
-        # Each step's compute stretched 4x, the workers sleeping for it (agent --sim-pace): these
-        # jobs mostly wait (for joiners, deadlines, the scheduler), and flat out the workers of
-        # two platforms kept a 2-core CI VM's cores busy for nothing, slowing every other test.
-        "BUNGEE_SIM_PACE": "4",
+        # Each worker keeps at most a tenth of a core busy (agent --sim-pace: it sleeps nine times
+        # the CPU time of each step after it): these jobs mostly wait (for joiners, deadlines,
+        # the scheduler), and the workers of four platforms training on meanwhile were most of a
+        # 2-core CI VM's CPU, slowing every other test.
+        "BUNGEE_SIM_PACE": "10",
         **({"ALLOWED_HOSTS": f"127.0.0.1,{network.gateway}"} if network is not None else {}),
         **(extra_env or {}),
     }

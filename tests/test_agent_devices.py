@@ -23,7 +23,13 @@ from agent.devices import (
     registry,
 )
 from agent.devices.nvml import GpuProcess, NvmlBackend, classify_processes, with_descendants
-from agent.devices.simulated import SLOWDOWN_ENV, SimulatedBackend, simulated_power_w, simulated_temperature_c
+from agent.devices.simulated import (
+    PACE_ENV,
+    SLOWDOWN_ENV,
+    SimulatedBackend,
+    simulated_power_w,
+    simulated_temperature_c,
+)
 from elastic.wire import DeviceSample
 
 SLEEPY = "import time\ntime.sleep(600)\n"
@@ -130,10 +136,11 @@ def test_simulated_refuses_zero_slots() -> None:
         SimulatedBackend(slots=0)
 
 
-def test_a_pace_stretches_every_slot_and_a_played_slowdown_multiplies_it() -> None:
+def test_a_pace_paces_every_slot_and_a_played_slowdown_stretches_one_slots_compute_on_top() -> None:
     backend = SimulatedBackend(slots=2, pace=4.0)
     backend.set_slowdown(1, 2.5)
-    assert [backend.placement(i).env for i in (0, 1)] == [{SLOWDOWN_ENV: "4.0"}, {SLOWDOWN_ENV: "10.0"}]
+    assert [backend.placement(i).env for i in (0, 1)] == [
+        {PACE_ENV: "4.0"}, {PACE_ENV: "4.0", SLOWDOWN_ENV: "2.5"}]
     assert SimulatedBackend(slots=1).placement(0).env == {}, "no pace: the worker runs flat out"
 
 

@@ -19,9 +19,9 @@ from tests.platform import Platform, SocketRecorder, running_platform
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3000
-"""Long enough for both resizes to land first: at the platform's pace 4 they landed by step 680
-in a quiet run, where 7,000 steps flat out had been needed for CI's loaded VMs."""
+STEPS = 1000
+"""Long enough for both resizes to land first: at the test platform's pace (10: about 20 steps a
+second here) they landed at steps 81 and 181 of a quiet run."""
 
 
 @pytest.fixture(scope="module")

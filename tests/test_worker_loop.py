@@ -382,3 +382,25 @@ def test_a_stop_while_starting_raises_once_and_after_settling_only_sets_the_flag
     plain.install()
     signal.raise_signal(signal.SIGINT)
     assert plain.requested and plain.signal_number == signal.SIGINT
+
+
+class CountingClock(StepClock):
+    """The loop's clock, counting the steps it was told were done (where a pace would sleep)."""
+
+    def __init__(self, events: EventWriter) -> None:
+        super().__init__(events, every_s=3600.0, pace=10.0)
+        self.paced = 0
+
+    def step_done(self) -> None:
+        self.paced += 1
+
+
+@pytest.mark.parametrize(("trainer", "ends"), [
+    (FakeTrainer(switch_after={4: 2}), SwitchAgreed(2)), (FakeTrainer(stop_after=4), STOPPED_EXIT_CODE)])
+def test_a_paced_loop_paces_every_step_but_the_one_that_switches_or_stops(
+    tmp_path: Path, trainer: FakeTrainer, ends: Any
+) -> None:
+    run = Harness(tmp_path, trainer, rank=1)
+    run.loop.clock = clock = CountingClock(run.events)
+    assert run.loop.train() == ends
+    assert run.position.step == 4 and clock.paced == 3

@@ -33,6 +33,7 @@ def test_values_are_read() -> None:
             "BUNGEE_RENDEZVOUS_TIMEOUT_S": "3",
             "BUNGEE_MEMBERSHIP_POLL_S": "0.1",
             "BUNGEE_SIM_SLOWDOWN": "2.5",
+            "BUNGEE_SIM_STEP_PACE": "4",
             "BUNGEE_SHARED_GPU": "1",
             "BUNGEE_STATE_ROUTE": "direct",
             "BUNGEE_BUCKET_MB": "0",
@@ -41,7 +42,7 @@ def test_values_are_read() -> None:
     assert settings == WorkerSettings(
         threads=4, pg_timeout_s=5.0, checkpoint_every_s=0.25, progress_every_s=2.0,
         record_samples=Path("/tmp/samples.jsonl"), rendezvous_timeout_s=3.0, membership_poll_s=0.1,
-        simulated_slowdown=2.5, shared_gpu=True, bucket_mb=0, state_route="direct",
+        simulated_slowdown=2.5, simulated_pace=4.0, shared_gpu=True, bucket_mb=0, state_route="direct",
     )
     assert settings.bucket_bytes == 0
     assert WorkerSettings.from_env({"BUNGEE_BUCKET_MB": "1.5"}).bucket_bytes == 1572864
@@ -54,6 +55,8 @@ def test_values_are_read() -> None:
         ("OMP_NUM_THREADS", "0"),
         ("BUNGEE_PG_TIMEOUT_S", "-1"),
         ("BUNGEE_SIM_SLOWDOWN", "0.5"),
+        ("BUNGEE_SIM_STEP_PACE", "0.5"),
+        ("BUNGEE_SIM_STEP_PACE", "101"),
         ("BUNGEE_SHARED_GPU", "yes"),
         ("BUNGEE_STATE_ROUTE", "chain"),
         ("BUNGEE_BUCKET_MB", "-1"),

@@ -13,10 +13,12 @@ CPU has nothing to measure:
   slot then lists a process named "owner" (pid 0) that the agent did not start;
 - speed: `set_slowdown` plays a slow device (a throttled or weaker card): a worker started on
   it gets SLOWDOWN_ENV and stretches each step's compute by that factor;
-- pace: every slot's steps can be stretched alike (`pace`, the agent's --sim-pace): the worker
-  sleeps for the stretch, as a GPU's step leaves its host's CPU mostly idle, so that several
-  simulated nodes share a laptop's few cores without each worker running flat out. A played
-  slowdown multiplies the pace.
+- pace: every slot's steps can be stretched alike (`pace`, the agent's --sim-pace): a worker
+  started on a slot gets PACE_ENV and, after each step, sleeps (pace - 1) times the CPU time the
+  step took, as a GPU's step leaves its host's CPU mostly idle, so that several simulated nodes
+  share a laptop's few cores without each worker running flat out: a paced worker keeps at most
+  1/pace of a core busy, whatever part of its step (compute, all-reduce, bookkeeping) costs the
+  CPU. A played slowdown stretches the compute on top of that.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ POWER_W_PER_PCT = 0.9
 
 SLOWDOWN_ENV = "BUNGEE_SIM_SLOWDOWN"
 """Read by the worker (elastic.worker.settings); the same name on both sides."""
+PACE_ENV = "BUNGEE_SIM_STEP_PACE"
+"""Read by the worker (elastic.worker.settings); the same name on both sides. Not the agent's
+BUNGEE_SIM_PACE, which the agent's workers inherit wherever it is set."""
 MAX_PACE = 100.0
 """The largest pace: a step stretched further teaches nothing a slower test could not."""
 OWNER_PROCESS = DeviceProcess(pid=0, name="owner", memory_bytes=0, ours=False)
@@ -63,7 +68,8 @@ def simulated_power_w(utilization_pct: float) -> float:
 class SimulatedBackend(DeviceBackend):
     """`slots` CPU slots (default: the number of CPUs). `node_name` seeds the slots' UUIDs, so
     that a node keeps its UUIDs across agent restarts and two nodes on one machine differ.
-    `pace` (1 to MAX_PACE) stretches every slot's step compute by that factor."""
+    `pace` (1 to MAX_PACE) stretches every slot's steps by that factor (in CPU: a worker keeps at
+    most 1/pace of a core busy)."""
 
     name = "simulated"
 
@@ -102,8 +108,10 @@ class SimulatedBackend(DeviceBackend):
         self._check(index)
         affinity = frozenset({self._cores[index]}) if index < len(self._cores) else None
         with self._lock:
-            factor = self._pace * self._slowdown.get(index, 1.0)
-        env = {SLOWDOWN_ENV: repr(factor)} if factor > 1.0 else {}
+            slowdown = self._slowdown.get(index, 1.0)
+        env = {PACE_ENV: repr(self._pace)} if self._pace > 1.0 else {}
+        if slowdown > 1.0:
+            env[SLOWDOWN_ENV] = repr(slowdown)
         return WorkerPlacement(device="cpu", env=env, cpu_affinity=affinity)
 
     def set_slowdown(self, index: int, factor: float) -> None:

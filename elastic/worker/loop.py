@@ -310,6 +310,8 @@ class TrainingLoop:
             began = time.perf_counter()
             self.clock.start()
             outcome = self.trainer.step(position.step, self.stop.requested, self.pending)
+            if not (outcome.switch_to or outcome.stop):
+                self.clock.step_done()  # a simulated node's pace; a switch or a stop goes on at once
             self.clock.report(generation_changed=bool(outcome.switch_to))
             self.resizes.step_took(time.perf_counter() - began)
             position.last_step_end = time.time()

@@ -199,7 +199,9 @@ class WorkerRun:
             if self.settings.record_samples is not None
             else None
         )
-        clock = StepClock(self.events, self.settings.progress_every_s, self.settings.simulated_slowdown)
+        clock = StepClock(
+            self.events, self.settings.progress_every_s, self.settings.simulated_slowdown, self.settings.simulated_pace
+        )
         trainer.recorder, trainer.compute_done = recorder, clock.compute_done
         done = time.monotonic()
         how = f"its standby had prepared it for this job ({made.describe()})" if made.prepared else made.describe()

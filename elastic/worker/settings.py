@@ -70,6 +70,15 @@ class WorkerSettings(EnvironSettings):
         description="Set by the simulated device backend on a device that plays a slow one: each step's compute "
         "is stretched by this factor (elastic.worker.step_clock).",
     )
+    simulated_pace: float = Field(
+        1.0,
+        ge=1,
+        le=100,
+        validation_alias="BUNGEE_SIM_STEP_PACE",
+        description="Set by the simulated device backend of an agent with a pace (--sim-pace): after each step "
+        "the worker sleeps this factor less one times the CPU time the step took, so that it keeps at most "
+        "1/pace of a core busy (elastic.worker.step_clock).",
+    )
     shared_gpu: bool = Field(
         False,
         validation_alias="BUNGEE_SHARED_GPU",

@@ -5,7 +5,11 @@ rank reports its latest times as "step_times" events; the portal finds straggler
 (elastic.scheduling.stragglers).
 
 On a simulated device that plays a slow one, the clock also stretches the compute by the
-device's factor, sleeping before the all-reduce, so that the rank looks and is slow."""
+device's factor, sleeping before the all-reduce, so that the rank looks and is slow. On a
+simulated node with a pace, it paces the whole step: after each, the worker sleeps (pace - 1)
+times the CPU time the step took (all of the process's threads), so that it keeps at most 1/pace
+of a core busy. CPU time, not wall time: a step that waited (for a peer in its all-reduce, for a
+joiner) cost little CPU and is not stretched into a long sleep."""
 
 from __future__ import annotations
 
@@ -16,13 +20,18 @@ from elastic.worker.events import EventWriter
 
 WINDOW = 20
 """Steps kept and reported: the straggler window of elastic.scheduling.stragglers."""
+MAX_PACE_SLEEP_S = 1.0
+"""The longest sleep a pace adds after one step: a rare heavy step (a checkpoint's save) does not
+keep the worker from a stop or a switch for longer."""
 
 
 class StepClock:
-    def __init__(self, events: EventWriter, every_s: float, slowdown: float = 1.0) -> None:
+    def __init__(self, events: EventWriter, every_s: float, slowdown: float = 1.0, pace: float = 1.0) -> None:
         self._events = events
         self._every_s = every_s
         self._slowdown = slowdown
+        self._pace = pace
+        self._cpu_began = time.process_time()
         self._times: deque[float] = deque(maxlen=WINDOW)
         self._began = time.perf_counter()
         self._reported_at = time.monotonic()
@@ -30,6 +39,7 @@ class StepClock:
     def start(self) -> None:
         """A step begins."""
         self._began = time.perf_counter()
+        self._cpu_began = time.process_time()
 
     def compute_done(self) -> None:
         """The rank's share of the step is computed (its collectives come next): records the
@@ -38,6 +48,12 @@ class StepClock:
         if self._slowdown > 1.0:
             time.sleep((self._slowdown - 1.0) * compute)
         self._times.append(time.perf_counter() - self._began)
+
+    def step_done(self) -> None:
+        """The step is over and training goes on: with a pace, sleeps (pace - 1) times the CPU time it took, at most
+        MAX_PACE_SLEEP_S."""
+        if self._pace > 1.0:
+            time.sleep(min(MAX_PACE_SLEEP_S, (self._pace - 1.0) * (time.process_time() - self._cpu_began)))
 
     def report(self, generation_changed: bool = False) -> None:
         """Emits the latest times if due; a new generation starts a new window."""
