@@ -28,8 +28,9 @@ simulated backend pins device i to core i while there is one), so after the migr
 workers share cores and a step's compute takes about twice as long. With compute c and the rest
 of a step o, the recovery is (4c + o) / (2c + o): below 2x at best, and with the small model,
 whose compute was about a sixth of a 10 ms step, 1.47-2.35x depending on the load, so a 1.5x
-check failed under load. Here c is about 6 ms and o about 5 ms: 8c + o against 2c + o is about
-3x."""
+check failed under load. Here c is about 6 ms and o about 5 ms. At the test platform's pace
+(agent --sim-pace) the slow device's compute is stretched in the paced device's time (8 x pace
+x c), and each step is followed by pace - 1 times its CPU time: 4.5-5.5x quiet."""
 
 
 @pytest.fixture(scope="module")

@@ -79,3 +79,11 @@ def test_a_slowdown_stretches_the_compute_before_the_all_reduce(clocks: Clocks) 
     clocks.wall += 0.010
     clock.compute_done()
     assert clocks.slept == pytest.approx([0.020])
+
+
+def test_with_a_pace_a_slowdown_stretches_the_compute_in_the_devices_time(clocks: Clocks) -> None:
+    clock = StepClock(NoEvents(), every_s=3600.0, slowdown=3.0, pace=4.0)  # type: ignore[arg-type]
+    clock.start()
+    clocks.wall += 0.010
+    clock.compute_done()
+    assert clocks.slept == pytest.approx([0.080])

@@ -18,7 +18,8 @@ CPU has nothing to measure:
   step took, as a GPU's step leaves its host's CPU mostly idle, so that several simulated nodes
   share a laptop's few cores without each worker running flat out: a paced worker keeps at most
   1/pace of a core busy, whatever part of its step (compute, all-reduce, bookkeeping) costs the
-  CPU. A played slowdown stretches the compute on top of that.
+  CPU. A played slowdown stretches the compute on top of that, in the paced device's time
+  (slowdown x pace times the compute).
 """
 
 from __future__ import annotations

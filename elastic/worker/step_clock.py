@@ -5,7 +5,8 @@ rank reports its latest times as "step_times" events; the portal finds straggler
 (elastic.scheduling.stragglers).
 
 On a simulated device that plays a slow one, the clock also stretches the compute by the
-device's factor, sleeping before the all-reduce, so that the rank looks and is slow. On a
+device's factor, sleeping before the all-reduce, so that the rank looks and is slow (with a pace,
+the compute is stretched in the device's time: slowdown x pace). On a
 simulated node with a pace, it paces the whole step: after each, the worker sleeps (pace - 1)
 times the CPU time the step took (all of the process's threads), so that it keeps at most 1/pace
 of a core busy. CPU time, not wall time: a step that waited (for a peer in its all-reduce, for a
@@ -46,7 +47,9 @@ class StepClock:
         compute time of the step up to here."""
         compute = time.perf_counter() - self._began
         if self._slowdown > 1.0:
-            time.sleep((self._slowdown - 1.0) * compute)
+            # In the simulated device's time, which a pace makes `pace` times the CPU's: the
+            # stretch is the slowdown's share of a paced compute.
+            time.sleep((self._slowdown - 1.0) * self._pace * compute)
         self._times.append(time.perf_counter() - self._began)
 
     def step_done(self) -> None:
