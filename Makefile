@@ -7,12 +7,13 @@ STAMP := $(VENV)/.installed
 # tests/browser (axe-core for the accessibility check); never copied by hand, never a CDN.
 STATIC_LIBS := static/vendor/node_modules/.package-lock.json
 TEST_LIBS := tests/browser/node_modules/.package-lock.json
-# Four pytest-xdist workers, each running whole files (a module's platform is started once): the
-# platform tests wait on processes and deadlines much of the time (with three, the suite's
-# processes used about 1,750 CPU-seconds in a 1,269 s run on a 2-core CI VM: the cores idled a
-# third of the time). Files in the order tests/conftest.py gives them (the longest first), not
-# xdist's (most tests first).
-PYTEST_ARGS ?= --numprocesses 4 --dist loadfile --no-loadscope-reorder
+# Three pytest-xdist workers, each running whole files (a module's platform is started once). The
+# suite is CPU-bound on a 2-core CI VM, and with four the heaviest platform modules ran side by
+# side at load 12-15: joiners too slow for their deadlines, generations expiring and trying
+# again, each costing more CPU (the same code: 923 s with four, 832 s with three at load 6-7, a
+# run each; the hung joiner's test 181 s in a run with four, 61 s with three). Files in the order
+# tests/conftest.py gives them (the longest first), not xdist's (most tests first).
+PYTEST_ARGS ?= --numprocesses 3 --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test install lint clean docs gpu-wheels
 
