@@ -231,6 +231,30 @@ def test_a_scheduler_killed_mid_cycle_holds_the_next_ones_back_briefly(
     assert len(seen) == 1 and 0 < seen[0] <= 10_000, seen
 
 
+def test_a_request_that_finds_the_lock_of_a_dead_cycle_runs_once_the_lock_expires(
+    api: dict, cluster: Any, monkeypatch: pytest.MonkeyPatch, redis_client: Any
+) -> None:
+    """A Celery worker killed mid-cycle leaves the lock behind and runs no further round: a
+    request that finds that lock (the pin's, with the beat down too) is asked again for when the
+    lock expires, once however many requests find it, and that retry runs the cycle."""
+    from portal.redis import key
+    from portal.scheduling import tasks as scheduling_tasks
+
+    job_id = api["alice"].post("/api/jobs", VALID_SPEC).json()["id"]
+    dead = redis_client.lock(key("scheduler", "lock"), timeout=1)
+    assert dead.acquire(blocking=False)  # never released: its holder died
+    asked: list[float] = []
+    monkeypatch.setattr(scheduling_tasks.schedule, "apply_async", lambda args, countdown: asked.append(countdown))
+    assert scheduling_tasks.schedule("the pin") == {"changed": [], "launched": []}
+    assert scheduling_tasks.schedule("another event") == {"changed": [], "launched": []}
+    assert len(asked) == 1 and 0.5 <= asked[0] <= 1.5, asked
+    deadline = time.monotonic() + 5
+    while redis_client.exists(key("scheduler", "lock")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not redis_client.exists(key("scheduler", "lock")), "the dead cycle's lock outlived its timeout"
+    assert scheduling_tasks.schedule("the retry")["changed"] == [job_id]
+
+
 @pytest.mark.slow
 def test_redis_killed_and_started_again_empty(tmp_path: Path) -> None:
     """A real platform on a Redis of the test's own. Redis is SIGKILLed under a training job and

@@ -24,6 +24,8 @@ LOCK_TIMEOUT_S = 10
 a Celery worker killed in the middle of one (its lock left behind) holds the next cycles back
 at most this long (the soak measured 62 s with 60)."""
 MAX_ROUNDS = 5
+RETRY_MARGIN_MS = 500
+"""A request that found the lock held is run again this long after the lock's expiry."""
 
 
 @shared_task(name="portal.scheduling.tasks.schedule", ignore_result=True)
@@ -34,6 +36,7 @@ def schedule(reason: str = "") -> dict[str, list[int]]:
     lock = redis.lock(key("scheduler", "lock"), timeout=LOCK_TIMEOUT_S, blocking=False)
     if not lock.acquire():
         log.debug("scheduler busy; the running cycle will pick up %r", reason)
+        retry_once_the_lock_expires(redis)
         return {"changed": [], "launched": []}
     try:
         result = None
@@ -50,6 +53,18 @@ def schedule(reason: str = "") -> dict[str, list[int]]:
         lock.release()
         if redis.get(key("scheduler", "pending")):
             schedule.delay("requested during the last cycle")
+
+
+def retry_once_the_lock_expires(redis: redis.Redis) -> None:
+    """The running cycle goes round once more for a request that found the lock held (the
+    pending flag), unless the process running it died holding the lock (a Celery worker killed
+    mid-cycle): then nothing ran the request before the beat's next tick, and nothing at all with
+    the beat down too (a pin asked while both were away was never applied). So the request is
+    asked again for when the lock expires; at most one such retry waits at a time."""
+    left_ms = max(0, redis.pttl(key("scheduler", "lock")))
+    due_ms = left_ms + RETRY_MARGIN_MS
+    if redis.set(key("scheduler", "retry"), "1", nx=True, px=due_ms):
+        schedule.apply_async(("a request found the scheduler's lock held",), countdown=due_ms / 1000)
 
 
 @shared_task(name="portal.scheduling.tasks.tick", ignore_result=True)
